@@ -1,0 +1,106 @@
+// The device backend: the only thing the allocator core knows about a GPU.
+//
+// The core (allocator, page table, cap, spill policy) talks to a device only
+// through this interface, so the same code runs on the simulated device in
+// tests and on CUDA's virtual memory management in a real job.
+//
+// Model: the allocator reserves virtual address ranges and backs them page by
+// page. A page is one unit of physical memory of `granularity()` bytes, on the
+// device or on the host. Mapping a page at an address makes that address
+// range reachable by kernels; a page can be unmapped and another mapped at the
+// same address, which is how a spill or restore keeps tensors' addresses.
+//
+// Thread safety: every method may be called from any thread; the allocator
+// serialises its own calls, but events and streams are also used by callers
+// outside it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+namespace cotenant {
+
+// An address in the device's virtual address space.
+using DevicePtr = std::uintptr_t;
+
+// A stream as the caller knows it (a cudaStream_t cast to an integer in the
+// CUDA backend; any number on the simulated device). 0 is the default stream.
+using StreamId = std::uint64_t;
+
+// Where a page's bytes live.
+enum class Residency : std::uint8_t { kDevice, kHost };
+
+const char* residency_name(Residency where);
+
+// A physical page, opaque to the core. `id` is backend-defined and nonzero.
+struct PageHandle {
+  std::uint64_t id = 0;
+  Residency where = Residency::kDevice;
+  explicit operator bool() const { return id != 0; }
+};
+
+// An event, opaque to the core. `id` is backend-defined and nonzero.
+struct EventHandle {
+  std::uint64_t id = 0;
+  explicit operator bool() const { return id != 0; }
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // Bytes in one page; every reservation and mapping is a multiple of it.
+  virtual std::size_t granularity() const = 0;
+
+  // Total and currently free device memory, in bytes, as the device reports
+  // it (cudaMemGetInfo on a GPU). Used for fractional caps and the
+  // coordinator's numbers, never for the cap itself.
+  virtual std::size_t device_total_bytes() const = 0;
+  virtual std::size_t device_free_bytes() const = 0;
+
+  // Whether host pages can be mapped into a reserved range (host VMM). When
+  // false, over-cap memory comes from `allocate_pinned_host` instead and
+  // live pages cannot move between device and host.
+  virtual bool host_pages_mappable() const = 0;
+
+  // Reserves `bytes` (a multiple of granularity) of virtual address space
+  // with nothing mapped. Returns 0 when the address space is exhausted.
+  virtual DevicePtr reserve(std::size_t bytes) = 0;
+  // Releases a range returned by reserve(); every page in it must be unmapped.
+  virtual void release(DevicePtr base, std::size_t bytes) = 0;
+
+  // Creates one physical page. Returns an empty handle when that memory is
+  // exhausted (the device is full, or pinned host memory is): the caller
+  // decides whether to spill or to fail.
+  virtual PageHandle create_page(Residency where) = 0;
+  virtual void release_page(PageHandle page) = 0;
+
+  // Maps `page` at `address` (granularity-aligned, inside a reserved range,
+  // currently unmapped) and makes it accessible to the device.
+  virtual void map(DevicePtr address, PageHandle page) = 0;
+  virtual void unmap(DevicePtr address) = 0;
+
+  // Copies one page's bytes to another page. Synchronous: the copy is done
+  // when it returns.
+  virtual void copy_page(PageHandle dst, PageHandle src) = 0;
+
+  // Fallback spill path (no host VMM): `bytes` of pinned host memory that
+  // kernels reach through the returned device address. Returns 0 when host
+  // memory is exhausted.
+  virtual DevicePtr allocate_pinned_host(std::size_t bytes) = 0;
+  virtual void free_pinned_host(DevicePtr address, std::size_t bytes) = 0;
+
+  // Events: record on a stream, poll, wait. An event recorded on a stream
+  // completes when all work submitted to that stream before it is done.
+  virtual EventHandle create_event() = 0;
+  virtual void destroy_event(EventHandle event) = 0;
+  virtual void record_event(EventHandle event, StreamId stream) = 0;
+  virtual bool query_event(EventHandle event) = 0;
+  virtual void synchronize_event(EventHandle event) = 0;
+
+  // Waits until all work on every stream of the device is done.
+  virtual void synchronize_device() = 0;
+};
+
+}  // namespace cotenant

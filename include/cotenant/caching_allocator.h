@@ -1,0 +1,128 @@
+// CachingAllocator: a caching block allocator over page-backed segments, with
+// a device-memory cap that can move at any time and spills to host instead of
+// failing.
+//
+// What it does, in the terms PyTorch users know:
+//  - best-fit over a small-block pool (<= 1 MiB requests, 2 MiB segments) and a
+//    large-block pool, block splitting, coalescing with free neighbours;
+//  - stream-ordered reuse: a block freed on stream S is reusable by S at once;
+//    if it was used on other streams (record_stream), it is reusable only after
+//    events recorded on those streams at free time have completed;
+//  - empty_cache() releases every page not touched by a live block (whole free
+//    segments release their address range too).
+//
+// The cap bounds device-resident bytes. An allocation whose new pages do not
+// fit under it, even after releasing cached pages, gets host pages (spill);
+// only when host memory also fails is there an OutOfMemoryError. Lowering the
+// cap releases cache, then marks live pages to move to the host, coldest
+// first; raising it marks host pages to come back, hottest first. Marked pages
+// move in apply_pending_migrations(), which the caller runs at a safe point
+// (no kernel in flight on these pages). A page keeps its address and its
+// bytes across moves.
+//
+// Thread safety: every public method may be called from any thread.
+// has_pending_migrations() is lock-free so it can be polled on a hot path.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "cotenant/backend.h"
+#include "cotenant/stats.h"
+
+namespace cotenant {
+
+inline constexpr std::uint64_t kNoCap = std::numeric_limits<std::uint64_t>::max();
+
+struct AllocatorOptions {
+  std::size_t round_bytes = 512;                 // every size rounds up to this
+  std::size_t small_request_max = 1u << 20;      // requests up to this use the small pool
+  std::size_t small_segment_bytes = 2u << 20;    // small-pool segment size
+  std::size_t large_segment_bytes = 20u << 20;   // segment for mid-sized large requests
+  std::size_t large_segment_threshold = 10u << 20;  // requests from here get their own segment
+  // false: an allocation that cannot fit under the cap raises OutOfMemoryError
+  // instead of spilling (what a user who wants a hard cap asks for).
+  bool spill_to_host = true;
+};
+
+// One block as a snapshot shows it.
+struct BlockInfo {
+  DevicePtr address = 0;
+  std::size_t size = 0;
+  std::size_t requested_size = 0;  // 0 for free blocks
+  bool allocated = false;
+  bool waiting_on_events = false;  // freed, held back by record_stream events
+};
+
+// One segment (a reserved address range) as a snapshot shows it.
+struct SegmentInfo {
+  DevicePtr address = 0;
+  std::size_t size = 0;
+  StreamId stream = 0;
+  PoolKind pool = PoolKind::kLarge;
+  bool pinned_fallback = false;  // a kPinnedFallback host allocation, not a VMM segment
+  std::size_t device_bytes = 0;  // mapped on the device
+  std::size_t host_bytes = 0;    // mapped on the host
+  std::vector<BlockInfo> blocks; // in address order, covering the segment
+};
+
+class CachingAllocator {
+ public:
+  explicit CachingAllocator(Backend& backend, AllocatorOptions options = {});
+  ~CachingAllocator();  // releases all memory back to the backend
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // Returns 0 for a 0-byte request. Throws OutOfMemoryError with the numbers
+  // when neither device memory under the cap nor host memory can hold it.
+  DevicePtr allocate(std::size_t bytes, StreamId stream);
+  // Throws Error (and changes nothing) for an address that is not live.
+  void free(DevicePtr address);
+  // The block at `address` is used on `stream` too: do not reuse it until
+  // that stream's work submitted before free() is done.
+  void record_stream(DevicePtr address, StreamId stream);
+  // Releases cached pages (see class comment).
+  void empty_cache();
+
+  // Size of the live allocation at `address` (rounded), or 0 if none.
+  std::size_t allocation_size(DevicePtr address) const;
+  // Where the page holding `address` lives, if it is mapped.
+  bool is_device_resident(DevicePtr address) const;
+
+  // The cap on device-resident bytes. kNoCap removes it. Cap 0 is refused
+  // (use spill_all() to move everything to the host).
+  void set_memory_cap(std::uint64_t bytes);
+  std::uint64_t memory_cap() const;
+  // Marks every live device page to move to the host / every host page to
+  // come back (within the cap). Moves happen in apply_pending_migrations().
+  void spill_all();
+  void restore_all();
+  // True when marked pages wait for a safe point.
+  bool has_pending_migrations() const {
+    return pending_migrations_.load(std::memory_order_acquire);
+  }
+  // Moves every marked page, re-planned against the current cap. Call it
+  // with no kernel in flight that touches this allocator's memory. Returns
+  // the bytes moved.
+  std::size_t apply_pending_migrations();
+
+  SpillMode mode() const;
+  AllocatorStats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  std::vector<SegmentInfo> snapshot() const;
+
+  Backend& backend() const { return backend_; }
+
+ private:
+  struct State;
+  Backend& backend_;
+  std::unique_ptr<State> state_;
+  std::atomic<bool> pending_migrations_{false};
+};
+
+}  // namespace cotenant
