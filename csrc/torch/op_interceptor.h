@@ -1,0 +1,85 @@
+// The one interception point at ATen op entry, on every thread.
+//
+// A single global at::RecordFunction callback (scope FUNCTION, no inputs, so
+// its cost is one callback per op) observes every ATen operator a process
+// runs: from Python, from C++ and from autograd's backward threads. Features
+// that must act before an op launches work register here instead of adding
+// their own RecordFunction callbacks:
+//   - the allocator's safe point (move pages when a cap change needs it);
+//   - the launch gate (admission of an opportunistic job's ops).
+//
+// Only the outermost op of a thread runs the hooks: ops that an op calls
+// internally (e.g. aten::add inside aten::linear) pass straight through, so a
+// hook runs once per user-visible op and never while its own thread is in the
+// middle of launching one.
+//
+// What it cannot see: kernels launched outside ATen (hand-launched Triton or
+// CUDA kernels, cuBLAS called directly) and the kernels inside a CUDA graph
+// replay (a replay is one op at most).
+//
+// Launch pause: pause_launches() stops every thread at its next outermost op
+// entry and waits until no thread is inside an outermost op, so the caller
+// can synchronize the device and remap memory with no kernel being launched.
+// Threads entering ops wait until the pause ends.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+namespace cotenant::torch_ext {
+
+// What a hook learns about the op being entered.
+struct OpEntry {
+  const char* name;  // e.g. "aten::mm"; valid only during the hook call
+};
+
+// Called at every outermost op entry, on the thread running the op, before
+// the op runs. `context` is the pointer given at registration. A hook must be
+// cheap on its fast path (a few atomic loads) and must not throw. It may
+// block (the gate does) but then must not hold locks a running op needs.
+using OpEntryHook = void (*)(const OpEntry& op, void* context);
+
+// Registers `hook` (hooks run in registration order) and installs the
+// RecordFunction callback on first use. Returns an id for
+// remove_op_entry_hook(). At most kMaxOpEntryHooks hooks at once; throws
+// std::runtime_error beyond that. Thread-safe.
+inline constexpr std::size_t kMaxOpEntryHooks = 8;
+int add_op_entry_hook(OpEntryHook hook, void* context);
+// Unregisters; a hook already running on another thread finishes its call.
+void remove_op_entry_hook(int id);
+
+// Number of outermost ops currently running in this process (all threads).
+std::int64_t ops_in_flight();
+
+// True on a thread that is inside an op (a hook or a kernel launch path).
+bool inside_op_on_this_thread();
+
+// Stops launches process-wide (see the file comment). Returns true when the
+// pause is in effect: no other thread is inside an op, and every thread
+// entering one waits until resume_launches(). Returns false (and changes
+// nothing) when other threads' ops did not finish within `drain_timeout`,
+// e.g. because one of them waits for something the caller holds; the caller
+// retries at a later safe point. A pause taken from inside an op (a hook)
+// does not count that op. Pauses nest: each successful call needs one
+// resume_launches().
+bool pause_launches(std::chrono::microseconds drain_timeout);
+void resume_launches();
+
+// RAII form: `if (LaunchPause pause{timeout}; pause) { ...remap... }`.
+class LaunchPause {
+ public:
+  explicit LaunchPause(std::chrono::microseconds drain_timeout)
+      : held_(pause_launches(drain_timeout)) {}
+  ~LaunchPause() {
+    if (held_) resume_launches();
+  }
+  LaunchPause(const LaunchPause&) = delete;
+  LaunchPause& operator=(const LaunchPause&) = delete;
+  explicit operator bool() const { return held_; }
+
+ private:
+  bool held_;
+};
+
+}  // namespace cotenant::torch_ext
