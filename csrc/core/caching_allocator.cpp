@@ -1,0 +1,719 @@
+#include "cotenant/caching_allocator.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "cotenant/errors.h"
+#include "cotenant/size.h"
+#include "cotenant/spill_policy.h"
+#include "segment.h"
+
+namespace cotenant {
+
+using detail::Block;
+using detail::BlockPool;
+using detail::Page;
+using detail::Segment;
+
+namespace {
+
+std::size_t round_up(std::size_t value, std::size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace
+
+// Everything behind the mutex. The fast path of allocate() is: best fit in a
+// pool, split, check the block's pages are mapped, count. Page creation,
+// cache release, spilling and migration are the slow paths.
+struct CachingAllocator::State {
+  State(Backend& backend, AllocatorOptions options)
+      : backend(backend), options(options), page_bytes(backend.granularity()) {
+    if (options.round_bytes == 0 || page_bytes == 0 || page_bytes % options.round_bytes != 0) {
+      throw Error(fmt::format("the allocator's rounding ({} bytes) must divide the page granularity ({} bytes)",
+                              options.round_bytes, page_bytes));
+    }
+  }
+
+  Backend& backend;
+  const AllocatorOptions options;
+  const std::size_t page_bytes;
+
+  mutable std::mutex mutex;
+  std::map<DevicePtr, std::unique_ptr<Segment>> segments;  // by base address
+  BlockPool pools[2];                                      // indexed by PoolKind
+  std::unordered_map<DevicePtr, Block*> allocated;         // live blocks by address
+  std::vector<Block*> waiting;                             // freed, held back by events
+  std::vector<EventHandle> spare_events;
+  AllocatorStats stats;
+  std::uint64_t cap = kNoCap;
+  bool spill_everything = false;  // spill_all() in force until restore_all()/set_memory_cap()
+  std::uint64_t tick = 0;         // counts allocations; a page's heat is the tick of its last use
+  // Bytes of mapped pages no live block touches, by residency: lets the
+  // allocation slow path skip a scan for cache when there is none.
+  std::size_t cached_bytes[2] = {0, 0};
+
+  // ---- accounting ---------------------------------------------------------
+
+  std::uint64_t device_bytes() const { return static_cast<std::uint64_t>(stats.device_resident_bytes.current); }
+  std::uint64_t effective_cap() const { return spill_everything ? 0 : cap; }
+  bool device_has_room_for_a_page() const {
+    const std::uint64_t limit = effective_cap();
+    return limit == kNoCap || (device_bytes() <= limit && limit - device_bytes() >= page_bytes);
+  }
+  SpillMode mode() const { return backend.host_pages_mappable() ? SpillMode::kRemap : SpillMode::kPinnedFallback; }
+
+  void count_mapped(const Segment& segment, Residency where, bool mapped) {
+    const auto bytes = static_cast<std::int64_t>(page_bytes);
+    Stat& residency = where == Residency::kDevice ? stats.device_resident_bytes : stats.host_resident_bytes;
+    if (mapped) {
+      residency.increase(bytes);
+      stats.reserved_bytes.increase(segment.pool, bytes);
+    } else {
+      residency.decrease(bytes);
+      stats.reserved_bytes.decrease(segment.pool, bytes);
+    }
+  }
+
+  void pool_insert(Block* block) {
+    block->in_pool = true;
+    pools[static_cast<int>(block->segment->pool)].insert(block);
+    if (block->is_split()) {
+      stats.inactive_split.increase(block->segment->pool, 1);
+      stats.inactive_split_bytes.increase(block->segment->pool, static_cast<std::int64_t>(block->size));
+    }
+  }
+
+  void pool_erase(Block* block) {
+    pools[static_cast<int>(block->segment->pool)].erase(block);
+    block->in_pool = false;
+    if (block->is_split()) {
+      stats.inactive_split.decrease(block->segment->pool, 1);
+      stats.inactive_split_bytes.decrease(block->segment->pool, static_cast<std::int64_t>(block->size));
+    }
+  }
+
+  // Index range [first, last] of the pages a block overlaps.
+  std::pair<std::size_t, std::size_t> page_range(const Block& block) const {
+    const std::size_t first = (block.address - block.segment->base) / page_bytes;
+    const std::size_t last = (block.address + block.size - 1 - block.segment->base) / page_bytes;
+    return {first, last};
+  }
+
+  // ---- pages --------------------------------------------------------------
+
+  std::size_t& cached_of(Residency where) { return cached_bytes[static_cast<int>(where)]; }
+
+  // A block starts or stops touching page i; keeps cached_bytes true.
+  void page_gains_live(Segment& segment, std::size_t i) {
+    Page& page = segment.pages[i];
+    if (page.live_blocks++ == 0 && page.handle) cached_of(page.handle.where) -= page_bytes;
+  }
+  void page_loses_live(Segment& segment, std::size_t i) {
+    Page& page = segment.pages[i];
+    if (--page.live_blocks == 0 && page.handle) cached_of(page.handle.where) += page_bytes;
+  }
+
+  void map_page(Segment& segment, std::size_t index, PageHandle handle) {
+    backend.map(segment.base + index * page_bytes, handle);
+    segment.pages[index].handle = handle;
+    count_mapped(segment, handle.where, true);
+    ++stats.num_device_alloc;
+  }
+
+  void unmap_page(Segment& segment, std::size_t index) {
+    Page& page = segment.pages[index];
+    backend.unmap(segment.base + index * page_bytes);
+    backend.release_page(page.handle);
+    count_mapped(segment, page.handle.where, false);
+    if (page.live_blocks == 0) cached_of(page.handle.where) -= page_bytes;
+    page.handle = {};
+    ++stats.num_device_free;
+  }
+
+  // Releases mapped pages no live block touches, on `where` (or both when
+  // null). Address ranges stay reserved. Returns the bytes released.
+  std::size_t release_cached_pages(const Residency* where) {
+    std::size_t released = 0;
+    if (where ? cached_of(*where) == 0 : cached_bytes[0] + cached_bytes[1] == 0) return 0;
+    for (auto& [base, segment] : segments) {
+      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+        const Page& page = segment->pages[i];
+        if (!page.handle || page.live_blocks != 0) continue;
+        if (where && page.handle.where != *where) continue;
+        unmap_page(*segment, i);
+        released += page_bytes;
+      }
+    }
+    return released;
+  }
+
+  // A new page for an allocation, under the cap: on the device if it fits
+  // (after releasing cached device pages if need be), else on the host.
+  // Returns an empty handle when the allocation cannot be placed here: the
+  // host is exhausted too, spilling is off, or (pinned fallback mode) the
+  // caller must take pinned memory instead.
+  PageHandle create_page_for_allocation(bool* released_cache) {
+    if (!device_has_room_for_a_page()) {
+      const Residency device = Residency::kDevice;
+      if (release_cached_pages(&device) > 0) *released_cache = true;
+    }
+    if (device_has_room_for_a_page()) {
+      if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
+      // The device itself is full (other processes): free our cache and retry.
+      const Residency device = Residency::kDevice;
+      if (release_cached_pages(&device) > 0) {
+        *released_cache = true;
+        if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
+      }
+    }
+    if (!options.spill_to_host || mode() != SpillMode::kRemap) return {};
+    return backend.create_page(Residency::kHost);
+  }
+
+  // Maps every unmapped page of `block` and marks its pages live. On failure
+  // undoes the live marks (pages it mapped stay, as cache) and returns false.
+  bool back_block(Block& block, bool* spilled, bool* released_cache) {
+    Segment& segment = *block.segment;
+    const auto [first, last] = page_range(block);
+    for (std::size_t i = first; i <= last; ++i) {
+      // Live before it is mapped, so releasing cache for a later page of this
+      // same block can never take it back.
+      page_gains_live(segment, i);
+      if (segment.pages[i].handle) continue;
+      PageHandle handle = create_page_for_allocation(released_cache);
+      if (!handle) {
+        for (std::size_t j = first; j <= i; ++j) page_loses_live(segment, j);
+        return false;
+      }
+      if (handle.where == Residency::kHost) *spilled = true;
+      map_page(segment, i, handle);
+    }
+    for (std::size_t i = first; i <= last; ++i) segment.pages[i].last_use = tick;
+    return true;
+  }
+
+  // ---- blocks and segments ------------------------------------------------
+
+  std::size_t segment_size_for(std::size_t size, PoolKind pool) const {
+    if (pool == PoolKind::kSmall) return round_up(std::max(options.small_segment_bytes, page_bytes), page_bytes);
+    if (size < options.large_segment_threshold) return round_up(std::max(options.large_segment_bytes, size), page_bytes);
+    return round_up(size, page_bytes);
+  }
+
+  // A new segment with nothing mapped, as one free block (not in a pool).
+  Block* new_segment(std::size_t size, StreamId stream, PoolKind pool) {
+    const std::size_t bytes = segment_size_for(size, pool);
+    const DevicePtr base = backend.reserve(bytes);
+    if (base == 0) return nullptr;
+    auto segment = std::make_unique<Segment>();
+    segment->base = base;
+    segment->size = bytes;
+    segment->stream = stream;
+    segment->pool = pool;
+    segment->pages.resize(bytes / page_bytes);
+    auto* block = new Block;
+    block->segment = segment.get();
+    block->address = base;
+    block->size = bytes;
+    segment->first = block;
+    segments.emplace(base, std::move(segment));
+    stats.segment.increase(pool, 1);
+    return block;
+  }
+
+  void delete_segment(Segment& segment) {
+    stats.segment.decrease(segment.pool, 1);
+    const DevicePtr base = segment.base;
+    delete segment.first;
+    segments.erase(base);
+  }
+
+  bool should_split(const Block& block, std::size_t size) const {
+    const std::size_t remaining = block.size - size;
+    if (block.segment->pool == PoolKind::kSmall) return remaining >= options.round_bytes;
+    return remaining > options.small_request_max;
+  }
+
+  // Cuts `block` (not in a pool) to `size`; the rest goes back to the pool.
+  void split(Block* block, std::size_t size) {
+    if (!should_split(*block, size)) return;
+    auto* rest = new Block;
+    rest->segment = block->segment;
+    rest->address = block->address + size;
+    rest->size = block->size - size;
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next) block->next->prev = rest;
+    block->next = rest;
+    block->size = size;
+    pool_insert(rest);
+  }
+
+  // A block that is neither allocated nor waiting becomes free: its pages
+  // lose a live block, it merges with free neighbours and joins its pool.
+  void make_free(Block* block) {
+    const auto [first, last] = page_range(*block);
+    for (std::size_t i = first; i <= last; ++i) page_loses_live(*block->segment, i);
+    return_to_pool(block);
+  }
+
+  // Merges a block that touches no page as live into its pool.
+  void return_to_pool(Block* block) {
+    block->used_on.clear();
+    block->requested = 0;
+    if (Block* prev = block->prev; prev && prev->in_pool) {
+      pool_erase(prev);
+      prev->size += block->size;
+      prev->next = block->next;
+      if (block->next) block->next->prev = prev;
+      delete block;
+      block = prev;
+    }
+    if (Block* next = block->next; next && next->in_pool) {
+      pool_erase(next);
+      block->size += next->size;
+      block->next = next->next;
+      if (next->next) next->next->prev = block;
+      delete next;
+    }
+    pool_insert(block);
+  }
+
+  // The end of a block's life as "active": free it, or for a pinned
+  // fallback allocation, hand the memory back at once.
+  void retire(Block* block) {
+    stats.active.decrease(block->segment->pool, 1);
+    stats.active_bytes.decrease(block->segment->pool, static_cast<std::int64_t>(block->size));
+    Segment& segment = *block->segment;
+    if (segment.pinned_fallback) {
+      backend.free_pinned_host(segment.base, segment.size);
+      const auto bytes = static_cast<std::int64_t>(segment.size);
+      stats.host_resident_bytes.decrease(bytes);
+      stats.pinned_fallback_bytes.decrease(bytes);
+      stats.reserved_bytes.decrease(segment.pool, bytes);
+      delete_segment(segment);
+      return;
+    }
+    make_free(block);
+  }
+
+  // Over-cap memory in pinned fallback mode: a pinned host allocation that
+  // kernels reach directly, as one block in a segment of its own.
+  Block* allocate_pinned_fallback(std::size_t size, StreamId stream, PoolKind pool) {
+    const DevicePtr base = backend.allocate_pinned_host(size);
+    if (base == 0) return nullptr;
+    auto segment = std::make_unique<Segment>();
+    segment->base = base;
+    segment->size = size;
+    segment->stream = stream;
+    segment->pool = pool;
+    segment->pinned_fallback = true;
+    auto* block = new Block;
+    block->segment = segment.get();
+    block->address = base;
+    block->size = size;
+    segment->first = block;
+    segments.emplace(base, std::move(segment));
+    stats.segment.increase(pool, 1);
+    const auto bytes = static_cast<std::int64_t>(size);
+    stats.host_resident_bytes.increase(bytes);
+    stats.pinned_fallback_bytes.increase(bytes);
+    stats.reserved_bytes.increase(pool, bytes);
+    return block;
+  }
+
+  // Blocks whose record_stream events have all completed become free.
+  void process_events() {
+    if (waiting.empty()) return;
+    auto done = std::stable_partition(waiting.begin(), waiting.end(), [&](Block* block) {
+      return !std::all_of(block->events.begin(), block->events.end(),
+                          [&](EventHandle event) { return backend.query_event(event); });
+    });
+    std::vector<Block*> ready(done, waiting.end());
+    waiting.erase(done, waiting.end());
+    for (Block* block : ready) {
+      for (EventHandle event : block->events) spare_events.push_back(event);
+      block->events.clear();
+      retire(block);
+    }
+  }
+
+  void synchronize_waiting() {
+    for (Block* block : waiting) {
+      for (EventHandle event : block->events) backend.synchronize_event(event);
+    }
+    process_events();
+  }
+
+  EventHandle take_event() {
+    if (spare_events.empty()) return backend.create_event();
+    EventHandle event = spare_events.back();
+    spare_events.pop_back();
+    return event;
+  }
+
+  [[noreturn]] void out_of_memory(std::size_t requested, StreamId stream) {
+    ++stats.num_ooms;
+    const std::uint64_t limit = effective_cap();
+    throw OutOfMemoryError(fmt::format(
+        "cotenant: out of memory allocating {} on stream {:#x}: the device cap is {} with {} device-resident "
+        "({} allocated by this process, {} reserved), the device reports {} free of {}, and host memory "
+        "for spilling is exhausted or disabled ({} host-resident). Free tensors, raise the cap with "
+        "cotenant.set_memory_cap(), or make more host memory available.",
+        format_size(requested), stream, limit == kNoCap ? std::string("unset") : format_size(limit),
+        format_size(device_bytes()), format_size(static_cast<std::uint64_t>(stats.allocated_bytes.all.current)),
+        format_size(static_cast<std::uint64_t>(stats.reserved_bytes.all.current)),
+        format_size(backend.device_free_bytes()), format_size(backend.device_total_bytes()),
+        format_size(static_cast<std::uint64_t>(stats.host_resident_bytes.current))));
+  }
+
+  // ---- migration ----------------------------------------------------------
+
+  struct LivePage {
+    Segment* segment;
+    std::size_t index;
+  };
+
+  // Plans moves over the live pages against the effective cap.
+  MigrationPlan plan(std::vector<LivePage>* pages) const {
+    std::vector<PageCandidate> candidates;
+    for (const auto& [base, segment] : segments) {
+      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+        const Page& page = segment->pages[i];
+        if (!page.handle || page.live_blocks == 0) continue;
+        candidates.push_back({pages->size(), page.handle.where, page.last_use});
+        pages->push_back({segment.get(), i});
+      }
+    }
+    return plan_migrations(candidates, device_bytes(), effective_cap(), page_bytes);
+  }
+
+  // Recomputes what waits for a safe point, for stats and the pending flag.
+  void mark_pending(std::atomic<bool>& flag) {
+    stats.pending_spill_bytes = stats.pending_restore_bytes = 0;
+    if (mode() == SpillMode::kRemap) {
+      std::vector<LivePage> pages;
+      const MigrationPlan moves = plan(&pages);
+      stats.pending_spill_bytes = static_cast<std::int64_t>(moves.to_host.size() * page_bytes);
+      stats.pending_restore_bytes = static_cast<std::int64_t>(moves.to_device.size() * page_bytes);
+    }
+    flag.store(stats.pending_spill_bytes + stats.pending_restore_bytes > 0, std::memory_order_release);
+  }
+
+  // Moves one page to `where`, keeping its address and bytes. Returns false
+  // when no page can be had there.
+  bool move_page(const LivePage& live, Residency where) {
+    Segment& segment = *live.segment;
+    Page& page = segment.pages[live.index];
+    const PageHandle target = backend.create_page(where);
+    if (!target) return false;
+    const DevicePtr address = segment.base + live.index * page_bytes;
+    backend.copy_page(target, page.handle);
+    backend.unmap(address);
+    backend.map(address, target);
+    backend.release_page(page.handle);
+    count_mapped(segment, page.handle.where, false);
+    count_mapped(segment, where, true);
+    page.handle = target;
+    const auto bytes = static_cast<std::int64_t>(page_bytes);
+    (where == Residency::kHost ? stats.spilled_bytes : stats.restored_bytes) += bytes;
+    ++stats.num_migrations;
+    return true;
+  }
+
+  std::size_t apply_migrations() {
+    if (mode() != SpillMode::kRemap) return 0;
+    // Cached pages hold no data: release instead of moving them. Host cache
+    // goes always (a block reusing it would run on the host needlessly).
+    const Residency host = Residency::kHost, device = Residency::kDevice;
+    release_cached_pages(&host);
+    if (device_bytes() > effective_cap()) release_cached_pages(&device);
+    std::vector<LivePage> pages;
+    const MigrationPlan moves = plan(&pages);
+    if (moves.empty()) return 0;
+    backend.synchronize_device();
+    std::size_t moved = 0;
+    for (std::size_t id : moves.to_host) {
+      if (!move_page(pages[id], Residency::kHost)) break;  // host exhausted: stay over the cap
+      moved += page_bytes;
+    }
+    for (std::size_t id : moves.to_device) {
+      if (!move_page(pages[id], Residency::kDevice)) break;  // device taken by others: try later
+      moved += page_bytes;
+    }
+    return moved;
+  }
+
+  void release_everything() {
+    synchronize_waiting();
+    for (auto& [base, segment] : segments) {
+      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+        if (segment->pages[i].handle) {
+          backend.unmap(segment->base + i * page_bytes);
+          backend.release_page(segment->pages[i].handle);
+        }
+      }
+      if (segment->pinned_fallback) backend.free_pinned_host(segment->base, segment->size);
+      else backend.release(segment->base, segment->size);
+      for (Block* block = segment->first; block;) {
+        Block* next = block->next;
+        delete block;
+        block = next;
+      }
+    }
+    segments.clear();
+    for (EventHandle event : spare_events) backend.destroy_event(event);
+    spare_events.clear();
+  }
+};
+
+CachingAllocator::CachingAllocator(Backend& backend, AllocatorOptions options)
+    : backend_(backend), state_(std::make_unique<State>(backend, options)) {
+  state_->stats.memory_cap = kNoCap;
+  state_->stats.mode = state_->mode();
+}
+
+CachingAllocator::~CachingAllocator() {
+  std::lock_guard lock(state_->mutex);
+  state_->release_everything();
+}
+
+DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
+  if (bytes == 0) return 0;
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  s.process_events();
+  const std::size_t size = round_up(bytes, s.options.round_bytes);
+  const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
+  ++s.tick;
+
+  Block* block = s.pools[static_cast<int>(pool)].best_fit(stream, size);
+  if (block) s.pool_erase(block);
+  else block = s.new_segment(size, stream, pool);
+  if (!block) s.out_of_memory(size, stream);
+  s.split(block, size);
+
+  bool spilled = false, released_cache = false;
+  if (!s.back_block(*block, &spilled, &released_cache)) {
+    s.return_to_pool(block);  // back_block undid its page marks; nothing of the caller's is touched
+    if (released_cache) ++s.stats.num_alloc_retries;
+    block = nullptr;
+    if (s.options.spill_to_host && s.mode() == SpillMode::kPinnedFallback) {
+      block = s.allocate_pinned_fallback(size, stream, pool);
+      spilled = block != nullptr;
+    }
+    if (!block) s.out_of_memory(size, stream);
+  } else if (released_cache) {
+    ++s.stats.num_alloc_retries;
+  }
+
+  block->allocated = true;
+  block->requested = bytes;
+  s.allocated.emplace(block->address, block);
+  const auto block_bytes = static_cast<std::int64_t>(block->size);
+  s.stats.allocation.increase(pool, 1);
+  s.stats.allocated_bytes.increase(pool, block_bytes);
+  s.stats.requested_bytes.increase(pool, static_cast<std::int64_t>(bytes));
+  s.stats.active.increase(pool, 1);
+  s.stats.active_bytes.increase(pool, block_bytes);
+  if (spilled) ++s.stats.num_spilled_allocations;
+  return block->address;
+}
+
+void CachingAllocator::free(DevicePtr address) {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  auto it = s.allocated.find(address);
+  if (it == s.allocated.end()) {
+    throw Error(fmt::format(
+        "free({:#x}): no live allocation starts at this address; it was freed already or did not come from "
+        "this allocator, so nothing was freed",
+        address));
+  }
+  Block* block = it->second;
+  s.allocated.erase(it);
+  block->allocated = false;
+  const PoolKind pool = block->segment->pool;
+  s.stats.allocation.decrease(pool, 1);
+  s.stats.allocated_bytes.decrease(pool, static_cast<std::int64_t>(block->size));
+  s.stats.requested_bytes.decrease(pool, static_cast<std::int64_t>(block->requested));
+  if (block->used_on.empty()) {
+    s.retire(block);
+    return;
+  }
+  for (StreamId stream : block->used_on) {
+    EventHandle event = s.take_event();
+    s.backend.record_event(event, stream);
+    block->events.push_back(event);
+  }
+  s.waiting.push_back(block);
+}
+
+void CachingAllocator::record_stream(DevicePtr address, StreamId stream) {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  auto it = s.allocated.find(address);
+  if (it == s.allocated.end()) {
+    throw Error(fmt::format("record_stream({:#x}): no live allocation starts at this address", address));
+  }
+  Block* block = it->second;
+  if (stream == block->segment->stream) return;
+  if (std::find(block->used_on.begin(), block->used_on.end(), stream) == block->used_on.end()) {
+    block->used_on.push_back(stream);
+  }
+}
+
+void CachingAllocator::empty_cache() {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  s.synchronize_waiting();
+  s.release_cached_pages(nullptr);
+  // Whole free segments give their address range back too.
+  for (auto it = s.segments.begin(); it != s.segments.end();) {
+    Segment& segment = *it->second;
+    ++it;
+    Block* only = segment.first;
+    if (segment.pinned_fallback || !only->in_pool || only->next) continue;
+    s.pool_erase(only);
+    s.backend.release(segment.base, segment.size);
+    s.delete_segment(segment);
+  }
+  s.mark_pending(pending_migrations_);  // released room may let host pages come back
+}
+
+std::size_t CachingAllocator::allocation_size(DevicePtr address) const {
+  std::lock_guard lock(state_->mutex);
+  auto it = state_->allocated.find(address);
+  return it == state_->allocated.end() ? 0 : it->second->size;
+}
+
+bool CachingAllocator::is_device_resident(DevicePtr address) const {
+  const State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  auto it = s.segments.upper_bound(address);
+  if (it == s.segments.begin()) return false;
+  const Segment& segment = *std::prev(it)->second;
+  if (address >= segment.base + segment.size || segment.pinned_fallback) return false;
+  const Page& page = segment.pages[(address - segment.base) / s.page_bytes];
+  return page.handle && page.handle.where == Residency::kDevice;
+}
+
+void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
+  if (bytes == 0) {
+    throw Error(
+        "a memory cap of 0 bytes would leave the job no device memory; give a positive cap, or call "
+        "spill_all() to move everything to the host");
+  }
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  s.cap = bytes;
+  s.spill_everything = false;
+  s.stats.memory_cap = bytes;
+  if (s.device_bytes() > bytes) {
+    const Residency device = Residency::kDevice;
+    s.release_cached_pages(&device);  // cache goes first: it costs no copy
+  }
+  s.mark_pending(pending_migrations_);
+}
+
+std::uint64_t CachingAllocator::memory_cap() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->cap;
+}
+
+void CachingAllocator::spill_all() {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  s.spill_everything = true;
+  const Residency device = Residency::kDevice;
+  s.release_cached_pages(&device);
+  s.mark_pending(pending_migrations_);
+}
+
+void CachingAllocator::restore_all() {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  s.spill_everything = false;
+  s.mark_pending(pending_migrations_);
+}
+
+std::size_t CachingAllocator::apply_pending_migrations() {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  const std::size_t moved = s.apply_migrations();
+  s.mark_pending(pending_migrations_);
+  // Whatever could not move now (no host or device page to be had) waits for
+  // a later safe point, but does not keep the flag up: a caller polling it on
+  // a hot path would otherwise stop at every op.
+  pending_migrations_.store(false, std::memory_order_release);
+  return moved;
+}
+
+SpillMode CachingAllocator::mode() const { return state_->mode(); }
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard lock(state_->mutex);
+  AllocatorStats out = state_->stats;
+  out.memory_cap = state_->spill_everything ? 0 : state_->cap;
+  out.mode = state_->mode();
+  return out;
+}
+
+void CachingAllocator::reset_peak_stats() {
+  std::lock_guard lock(state_->mutex);
+  AllocatorStats& st = state_->stats;
+  for (PooledStat* stat : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
+                           &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes}) {
+    stat->reset_peak();
+  }
+  st.device_resident_bytes.reset_peak();
+  st.host_resident_bytes.reset_peak();
+  st.pinned_fallback_bytes.reset_peak();
+}
+
+void CachingAllocator::reset_accumulated_stats() {
+  std::lock_guard lock(state_->mutex);
+  AllocatorStats& st = state_->stats;
+  for (PooledStat* stat : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
+                           &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes}) {
+    stat->reset_accumulated();
+  }
+  st.device_resident_bytes.reset_accumulated();
+  st.host_resident_bytes.reset_accumulated();
+  st.pinned_fallback_bytes.reset_accumulated();
+  st.num_alloc_retries = st.num_ooms = st.num_device_alloc = st.num_device_free = 0;
+  st.spilled_bytes = st.restored_bytes = st.num_migrations = st.num_spilled_allocations = 0;
+}
+
+std::vector<SegmentInfo> CachingAllocator::snapshot() const {
+  const State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  std::vector<SegmentInfo> out;
+  out.reserve(s.segments.size());
+  for (const auto& [base, segment] : s.segments) {
+    SegmentInfo info;
+    info.address = segment->base;
+    info.size = segment->size;
+    info.stream = segment->stream;
+    info.pool = segment->pool;
+    info.pinned_fallback = segment->pinned_fallback;
+    if (segment->pinned_fallback) info.host_bytes = segment->size;
+    for (const Page& page : segment->pages) {
+      if (!page.handle) continue;
+      (page.handle.where == Residency::kDevice ? info.device_bytes : info.host_bytes) += s.page_bytes;
+    }
+    for (const Block* block = segment->first; block; block = block->next) {
+      info.blocks.push_back({block->address, block->size, block->requested, block->allocated,
+                             !block->allocated && !block->in_pool});
+    }
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace cotenant

@@ -1,0 +1,91 @@
+// The allocator's data: segments of reserved address space, the pages that
+// back them, and the blocks that tile them. Internal to csrc/core.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "cotenant/backend.h"
+#include "cotenant/stats.h"
+
+namespace cotenant::detail {
+
+struct Segment;
+
+// A contiguous piece of a segment.
+// Invariants:
+//  - the blocks of a segment tile it in address order through prev/next;
+//  - a block is in exactly one state: allocated, waiting on record_stream
+//    events (freed, not yet reusable), or free and in exactly one pool;
+//  - two free blocks are never neighbours (freeing merges them);
+//  - every page overlapping an allocated or waiting block is mapped.
+struct Block {
+  Segment* segment = nullptr;
+  DevicePtr address = 0;
+  std::size_t size = 0;          // bytes, a multiple of the rounding
+  std::size_t requested = 0;     // bytes the caller asked for; 0 unless allocated
+  bool allocated = false;
+  bool in_pool = false;
+  Block* prev = nullptr;
+  Block* next = nullptr;
+  std::vector<StreamId> used_on;     // streams other than the segment's (record_stream)
+  std::vector<EventHandle> events;   // recorded on used_on at free time
+
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+};
+
+// One page of a segment.
+// Invariant: live_blocks counts the allocated or waiting blocks overlapping
+// the page; a mapped page with live_blocks == 0 is cache and may be released.
+struct Page {
+  PageHandle handle;             // empty when unmapped
+  std::uint32_t live_blocks = 0;
+  std::uint64_t last_use = 0;    // allocator tick of the last allocation touching it
+};
+
+// A reserved address range owned by one stream and one pool. A pinned
+// fallback segment is a single pinned-host allocation with one block and no
+// pages.
+struct Segment {
+  DevicePtr base = 0;
+  std::size_t size = 0;
+  StreamId stream = 0;
+  PoolKind pool = PoolKind::kLarge;
+  bool pinned_fallback = false;
+  std::vector<Page> pages;
+  Block* first = nullptr;
+};
+
+// Free blocks ordered for best fit: by stream, then size, then address.
+class BlockPool {
+ public:
+  // The smallest free block of `stream` with at least `size` bytes, or null.
+  Block* best_fit(StreamId stream, std::size_t size) const {
+    Segment key_segment;
+    key_segment.stream = stream;
+    Block key;
+    key.segment = &key_segment;
+    key.size = size;
+    auto it = blocks_.lower_bound(&key);
+    if (it == blocks_.end() || (*it)->segment->stream != stream) return nullptr;
+    return *it;
+  }
+  void insert(Block* block) { blocks_.insert(block); }
+  void erase(Block* block) { blocks_.erase(block); }
+  bool empty() const { return blocks_.empty(); }
+  std::size_t size() const { return blocks_.size(); }
+
+ private:
+  struct Order {
+    bool operator()(const Block* a, const Block* b) const {
+      return std::make_tuple(a->segment->stream, a->size, a->address) <
+             std::make_tuple(b->segment->stream, b->size, b->address);
+    }
+  };
+  std::set<Block*, Order> blocks_;
+};
+
+}  // namespace cotenant::detail
