@@ -1,0 +1,200 @@
+#include "cotenant/job_channel.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "cotenant/caching_allocator.h"
+#include "cotenant/errors.h"
+
+namespace cotenant {
+
+using shm::JobCommand;
+using shm::JobState;
+
+namespace {
+std::uint64_t non_negative(std::int64_t value) { return value > 0 ? static_cast<std::uint64_t>(value) : 0; }
+}  // namespace
+
+JobChannel::JobChannel(const std::string& block_name, JobChannelHooks hooks, JobChannelOptions options)
+    : region_(shm::ShmRegion::open(block_name, sizeof(shm::JobBlock))),
+      hooks_(std::move(hooks)),
+      options_(options) {
+  block_ = static_cast<shm::JobBlock*>(region_.data());
+  shm::check_job_block(*block_, region_.size());
+  identity_ = shm::read_identity(*block_);
+  // Resume from what a previous channel of this process applied (none for a
+  // fresh block: unlimited cap, share 1), so an unchanged control is not
+  // re-applied.
+  report_ = shm::read_report(*block_);
+  report_.pid = static_cast<std::uint64_t>(::getpid());
+  report_.uid = static_cast<std::uint64_t>(::getuid());
+  report_.role = identity_.role;
+  report_.device = identity_.device;
+  report_.state = JobState::kRunning;
+  attempted_cap_ = report_.applied_memory_cap;
+  attempted_share_ = report_.applied_share;
+  std::lock_guard<std::mutex> lock(mutex_);
+  publish_locked();
+}
+
+JobChannel::~JobChannel() {
+  stop();
+  std::lock_guard<std::mutex> lock(mutex_);
+  report_.state = JobState::kExited;
+  report_.heartbeat_ns = shm::monotonic_ns();
+  shm::write_report(*block_, report_);
+}
+
+void JobChannel::start() {
+  if (thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(wake_mutex_);
+    stopping_ = false;
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+void JobChannel::stop() {
+  {
+    std::lock_guard<std::mutex> lock(wake_mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void JobChannel::run() {
+  std::unique_lock<std::mutex> wake_lock(wake_mutex_);
+  while (!stopping_) {
+    wake_lock.unlock();
+    poll_once();
+    wake_lock.lock();
+    wake_.wait_for(wake_lock, options_.poll_interval, [this] { return stopping_; });
+  }
+}
+
+bool JobChannel::poll_once() {
+  shm::JobControl control = shm::read_control(*block_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  bool applied = apply_locked(control);
+  publish_locked();
+  return applied;
+}
+
+bool JobChannel::apply_locked(const shm::JobControl& control) {
+  bool applied = false;
+  auto guarded = [this](const std::function<void()>& action) {
+    try {
+      action();
+    } catch (...) {
+      ++report_.apply_errors;
+    }
+  };
+  if (control.memory_cap != attempted_cap_) {
+    attempted_cap_ = control.memory_cap;
+    if (hooks_.set_memory_cap) guarded([&] { hooks_.set_memory_cap(control.memory_cap); });
+    report_.applied_memory_cap = control.memory_cap;
+    applied = true;
+  }
+  double share = std::clamp(control.share, 0.0, 1.0);
+  if (share != attempted_share_) {
+    attempted_share_ = share;
+    if (hooks_.set_share && !suspended_) guarded([&] { hooks_.set_share(share); });
+    report_.applied_share = share;
+    applied = true;
+  }
+  if (control.command_sequence > report_.applied_command_sequence) {
+    switch (control.command) {
+      case JobCommand::kNone: break;
+      case JobCommand::kSpillAll:
+        if (hooks_.spill_all) guarded(hooks_.spill_all);
+        break;
+      case JobCommand::kRestoreAll:
+        if (hooks_.restore_all) guarded(hooks_.restore_all);
+        break;
+      case JobCommand::kSuspend:
+        suspended_ = true;
+        if (hooks_.set_suspended) guarded([&] { hooks_.set_suspended(true); });
+        else if (hooks_.set_share) guarded([&] { hooks_.set_share(0.0); });
+        if (hooks_.spill_all) guarded(hooks_.spill_all);
+        report_.state = JobState::kSuspended;
+        break;
+      case JobCommand::kResume:
+        if (hooks_.restore_all) guarded(hooks_.restore_all);
+        suspended_ = false;
+        if (hooks_.set_suspended) guarded([&] { hooks_.set_suspended(false); });
+        else if (hooks_.set_share) guarded([&] { hooks_.set_share(attempted_share_); });
+        report_.state = JobState::kRunning;
+        break;
+      default:
+        ++report_.apply_errors;  // a command from a newer coordinator: acknowledge, do nothing
+        break;
+    }
+    report_.applied_command_sequence = control.command_sequence;
+    applied = true;
+  }
+  return applied;
+}
+
+void JobChannel::publish_locked() {
+  if (hooks_.stats) {
+    try {
+      AllocatorStats stats = hooks_.stats();
+      report_.device_bytes = non_negative(stats.device_resident_bytes.current);
+      report_.host_bytes = non_negative(stats.host_resident_bytes.current);
+      report_.allocated_bytes = non_negative(stats.allocated_bytes.all.current);
+      report_.reserved_bytes = non_negative(stats.reserved_bytes.all.current);
+      report_.cached_bytes = report_.reserved_bytes > report_.allocated_bytes
+                                 ? report_.reserved_bytes - report_.allocated_bytes
+                                 : 0;
+      report_.peak_allocated_bytes = non_negative(stats.allocated_bytes.all.peak);
+      report_.spilled_bytes = non_negative(stats.spilled_bytes);
+      report_.restored_bytes = non_negative(stats.restored_bytes);
+      report_.pending_migration_bytes = non_negative(stats.pending_spill_bytes + stats.pending_restore_bytes);
+    } catch (...) {
+      ++report_.apply_errors;
+    }
+  }
+  report_.heartbeat_ns = shm::monotonic_ns();
+  shm::write_report(*block_, report_);
+}
+
+void JobChannel::record_iteration(double microseconds) {
+  if (!(microseconds >= 0)) return;  // negative or NaN: a clock glitch, not a measurement
+  std::lock_guard<std::mutex> lock(mutex_);
+  report_.iteration_last_us = microseconds;
+  report_.iteration_ewma_us =
+      report_.iteration_count == 0
+          ? microseconds
+          : options_.iteration_ewma_weight * microseconds +
+                (1.0 - options_.iteration_ewma_weight) * report_.iteration_ewma_us;
+  ++report_.iteration_count;
+}
+
+shm::JobControl JobChannel::control() const { return shm::read_control(*block_); }
+
+shm::JobReport JobChannel::report() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return report_;
+}
+
+JobChannelHooks JobChannel::simulated_allocator_hooks(CachingAllocator& allocator) {
+  JobChannelHooks hooks;
+  hooks.set_memory_cap = [&allocator](std::uint64_t bytes) {
+    allocator.set_memory_cap(bytes == shm::kUnlimitedCap ? kNoCap : bytes);
+    allocator.apply_pending_migrations();
+  };
+  hooks.spill_all = [&allocator] {
+    allocator.spill_all();
+    allocator.apply_pending_migrations();
+  };
+  hooks.restore_all = [&allocator] {
+    allocator.restore_all();
+    allocator.apply_pending_migrations();
+  };
+  hooks.stats = [&allocator] { return allocator.stats(); };
+  return hooks;
+}
+
+}  // namespace cotenant

@@ -1,0 +1,112 @@
+// JobChannel: the job's side of the coordinator's data plane.
+//
+// A C++ thread in the job polls the job's shared-memory block (job_block.h)
+// every poll_interval (2 ms by default) and
+//   - applies the coordinator's memory cap and compute share through hooks
+//     when they change (levels: the job converges to the latest values),
+//   - runs each new one-shot command once (spill all, restore all, suspend,
+//     resume) and acknowledges it by sequence number,
+//   - publishes the job's memory numbers (from the stats hook), its iteration
+//     times and a heartbeat.
+// It needs no Python and no GIL, so a command takes effect while the job's
+// Python thread is busy.
+//
+// If the coordinator dies the block stays mapped, the thread keeps the last
+// applied cap and share and keeps publishing; a restarted coordinator opens
+// the same block and carries on.
+//
+// Thread safety: every public method may be called from any thread. Hooks run
+// on the channel's thread (or on the caller's, in poll_once()), never two at
+// a time. A hook that throws is counted in the report's apply_errors and not
+// retried for the same value.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "cotenant/shm/job_block.h"
+#include "cotenant/shm/shm_region.h"
+#include "cotenant/stats.h"
+
+namespace cotenant {
+
+class CachingAllocator;
+
+struct JobChannelHooks {
+  std::function<void(std::uint64_t bytes)> set_memory_cap;  // kUnlimitedCap = no cap
+  std::function<void(double share)> set_share;              // in [0, 1]
+  std::function<void()> spill_all;
+  std::function<void()> restore_all;
+  // Stop / restart launching. Without it, suspend sets the share to 0.
+  std::function<void(bool suspended)> set_suspended;
+  // The job's allocator statistics; without it, memory numbers stay 0.
+  std::function<AllocatorStats()> stats;
+};
+
+struct JobChannelOptions {
+  std::chrono::microseconds poll_interval{2000};
+  double iteration_ewma_weight = 0.2;  // weight of the newest iteration time in the EWMA
+};
+
+class JobChannel {
+ public:
+  // Opens the block named `block_name` (created by the coordinator), checks
+  // its version and marks the job as running. Throws cotenant::Error if the
+  // block is missing or of another version.
+  JobChannel(const std::string& block_name, JobChannelHooks hooks, JobChannelOptions options = {});
+  ~JobChannel();  // stops the thread and reports the job as exited
+  JobChannel(const JobChannel&) = delete;
+  JobChannel& operator=(const JobChannel&) = delete;
+
+  void start();  // starts the polling thread (idempotent)
+  void stop();   // stops it (idempotent); the block stays mapped
+  bool running() const { return thread_.joinable(); }
+
+  // One round of apply + publish on the caller's thread. Returns true if a
+  // cap, share or command was applied in this round.
+  bool poll_once();
+
+  // The job finished one training iteration that took `microseconds`.
+  void record_iteration(double microseconds);
+
+  const shm::JobIdentity& identity() const { return identity_; }
+  const std::string& block_name() const { return region_.name(); }
+  shm::JobControl control() const;
+  shm::JobReport report() const;  // what was last published
+
+  // Hooks that drive a CachingAllocator on a device without kernels in
+  // flight (the simulated backend): a new cap moves pages at once through
+  // apply_pending_migrations(). A real job takes its safe point from the
+  // launch gate instead.
+  static JobChannelHooks simulated_allocator_hooks(CachingAllocator& allocator);
+
+ private:
+  void run();
+  bool apply_locked(const shm::JobControl& control);
+  void publish_locked();
+
+  shm::ShmRegion region_;
+  shm::JobBlock* block_ = nullptr;
+  shm::JobIdentity identity_;
+  JobChannelHooks hooks_;
+  JobChannelOptions options_;
+
+  mutable std::mutex mutex_;  // guards report_ and the attempted_* values; serializes hooks
+  shm::JobReport report_;
+  std::uint64_t attempted_cap_;
+  double attempted_share_;
+  bool suspended_ = false;
+
+  std::mutex wake_mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace cotenant
