@@ -1,0 +1,146 @@
+#include "cotenant/replay.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <unordered_map>
+#include <unordered_set>
+
+
+namespace cotenant {
+
+ReplayError::ReplayError(std::size_t op_index, const std::string& reason)
+    : Error(fmt::format("trace op {}: {}", op_index, reason)), op_index_(op_index), reason_(reason) {}
+
+const char* replay_op_kind_name(ReplayOpKind kind) {
+  switch (kind) {
+    case ReplayOpKind::kAlloc: return "alloc";
+    case ReplayOpKind::kFree: return "free";
+    case ReplayOpKind::kRecordStream: return "record_stream";
+    case ReplayOpKind::kCap: return "cap";
+    case ReplayOpKind::kEmptyCache: return "empty_cache";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::uint64_t elapsed_ns(Clock::time_point start, Clock::time_point end) {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count());
+}
+
+// Ids the trace has allocated and not yet freed, and ids whose allocation
+// failed (their free is part of the trace and is skipped, not an error).
+struct TraceState {
+  std::unordered_map<std::uint64_t, DevicePtr> live;  // id -> address
+  std::unordered_set<std::uint64_t> failed;
+};
+
+}  // namespace
+
+ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocator) {
+  ReplayResult result;
+  TraceState trace;
+  trace.live.reserve(1024);
+
+  for (std::size_t index = 0; index < ops.size(); ++index) {
+    const ReplayOp& op = ops[index];
+    switch (op.kind) {
+      case ReplayOpKind::kAlloc: {
+        if (trace.live.count(op.id) != 0) {
+          throw ReplayError(index, fmt::format(
+              "alloc of id {} while an allocation with that id is live; the trace must free it first", op.id));
+        }
+        trace.failed.erase(op.id);
+        const auto start = Clock::now();
+        try {
+          const DevicePtr address = allocator.allocate(op.bytes, op.stream);
+          const auto end = Clock::now();
+          result.alloc_ns_total += elapsed_ns(start, end);
+          ++result.num_allocs;
+          trace.live.emplace(op.id, address);
+        } catch (const OutOfMemoryError&) {
+          ++result.num_ooms;
+          trace.failed.insert(op.id);
+        }
+        break;
+      }
+      case ReplayOpKind::kFree: {
+        auto it = trace.live.find(op.id);
+        if (it == trace.live.end()) {
+          if (trace.failed.erase(op.id) != 0) break;  // its allocation ran out of memory
+          throw ReplayError(index, fmt::format(
+              "free of id {}, which is not live (never allocated, or freed already: a double free)", op.id));
+        }
+        const DevicePtr address = it->second;
+        trace.live.erase(it);
+        // A 0-byte allocation has address 0 and nothing to give back.
+        if (address != 0) {
+          const auto start = Clock::now();
+          allocator.free(address);
+          const auto end = Clock::now();
+          result.free_ns_total += elapsed_ns(start, end);
+        }
+        ++result.num_frees;
+        break;
+      }
+      case ReplayOpKind::kRecordStream: {
+        auto it = trace.live.find(op.id);
+        if (it == trace.live.end()) {
+          if (trace.failed.count(op.id) != 0) break;
+          throw ReplayError(index, fmt::format("record_stream on id {}, which is not live", op.id));
+        }
+        if (it->second != 0) allocator.record_stream(it->second, op.stream);
+        break;
+      }
+      case ReplayOpKind::kCap: {
+        if (op.bytes == 0) {
+          throw ReplayError(index, "a cap of 0 bytes; give a positive size, or no cap to remove it");
+        }
+        allocator.set_memory_cap(op.bytes);
+        // The cap op is the trace's safe point: pages move here.
+        allocator.apply_pending_migrations();
+        break;
+      }
+      case ReplayOpKind::kEmptyCache:
+        allocator.empty_cache();
+        break;
+      default:
+        throw ReplayError(index, fmt::format("unknown operation kind {}", static_cast<int>(op.kind)));
+    }
+    ++result.num_ops;
+  }
+
+  const AllocatorStats stats = allocator.stats();
+  result.peak_allocated_bytes = stats.allocated_bytes.all.peak;
+  result.peak_requested_bytes = stats.requested_bytes.all.peak;
+  result.peak_reserved_bytes = stats.reserved_bytes.all.peak;
+  result.peak_device_resident_bytes = stats.device_resident_bytes.peak;
+  result.fragmentation = result.peak_allocated_bytes > 0
+      ? static_cast<double>(result.peak_reserved_bytes) / static_cast<double>(result.peak_allocated_bytes)
+      : 0.0;
+  result.spilled_bytes = stats.spilled_bytes;
+  result.restored_bytes = stats.restored_bytes;
+  result.num_migrations = stats.num_migrations;
+  result.num_spilled_allocations = stats.num_spilled_allocations;
+  result.ns_per_alloc = result.num_allocs > 0
+      ? static_cast<double>(result.alloc_ns_total) / static_cast<double>(result.num_allocs) : 0.0;
+  result.ns_per_free = result.num_frees > 0
+      ? static_cast<double>(result.free_ns_total) / static_cast<double>(result.num_frees) : 0.0;
+  result.final_stats = stats;
+  return result;
+}
+
+ReplayResult replay(const std::vector<ReplayOp>& ops, const ReplayConfig& config) {
+  SimulatedBackend backend(config.device);
+  CachingAllocator allocator(backend, config.allocator);
+  if (config.initial_cap == 0) {
+    throw Error("the initial cap is 0 bytes; give a positive size, or no cap");
+  }
+  if (config.initial_cap != kNoCap) allocator.set_memory_cap(config.initial_cap);
+  return replay(ops, allocator);
+}
+
+}  // namespace cotenant

@@ -1,0 +1,105 @@
+// Replays an allocation trace through the caching allocator on the simulated
+// device, to answer "what happens to my job under a 6 GiB cap?" without a GPU.
+//
+// A trace is a sequence of operations on allocation ids (the trace's own
+// names for its blocks, e.g. the addresses of a PyTorch memory snapshot):
+// alloc id size stream / free id / record_stream id stream / cap bytes /
+// empty_cache. Cap operations are the safe points: the new cap is set and
+// pending page migrations are applied there, as the torch layer does when
+// the process is quiet.
+//
+// The result holds what a user compares between runs: peaks, fragmentation,
+// spill traffic and the time the allocator spent per call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cotenant/backend.h"
+#include "cotenant/caching_allocator.h"
+#include "cotenant/errors.h"
+#include "cotenant/simulated_backend.h"
+
+namespace cotenant {
+
+enum class ReplayOpKind : std::uint8_t { kAlloc, kFree, kRecordStream, kCap, kEmptyCache };
+
+// One trace operation. Fields a kind does not use are ignored.
+struct ReplayOp {
+  ReplayOpKind kind = ReplayOpKind::kAlloc;
+  std::uint64_t id = 0;      // kAlloc, kFree, kRecordStream: the allocation's id in the trace
+  std::uint64_t bytes = 0;   // kAlloc: requested bytes; kCap: the new cap (kNoCap removes it)
+  StreamId stream = 0;       // kAlloc: the allocating stream; kRecordStream: the using stream
+
+  static ReplayOp alloc(std::uint64_t id, std::uint64_t bytes, StreamId stream = 0) {
+    return {ReplayOpKind::kAlloc, id, bytes, stream};
+  }
+  static ReplayOp free(std::uint64_t id) { return {ReplayOpKind::kFree, id, 0, 0}; }
+  static ReplayOp record_stream(std::uint64_t id, StreamId stream) {
+    return {ReplayOpKind::kRecordStream, id, 0, stream};
+  }
+  static ReplayOp cap(std::uint64_t bytes) { return {ReplayOpKind::kCap, 0, bytes, 0}; }
+  static ReplayOp empty_cache() { return {ReplayOpKind::kEmptyCache, 0, 0, 0}; }
+};
+
+struct ReplayConfig {
+  SimulatedDeviceConfig device;
+  AllocatorOptions allocator;
+  std::uint64_t initial_cap = kNoCap;  // device-resident bound before the first op
+};
+
+struct ReplayResult {
+  std::uint64_t num_ops = 0;
+  std::uint64_t num_allocs = 0;         // successful allocations (0-byte ones included)
+  std::uint64_t num_frees = 0;
+  std::uint64_t num_ooms = 0;           // allocations that failed on device and host
+  std::int64_t peak_allocated_bytes = 0;  // allocated_bytes.all.peak (rounded sizes)
+  std::int64_t peak_requested_bytes = 0;  // requested_bytes.all.peak (sizes as asked)
+  std::int64_t peak_reserved_bytes = 0;   // reserved_bytes.all.peak (device + host pages)
+  std::int64_t peak_device_resident_bytes = 0;
+  // peak reserved / peak allocated; 1.0 is perfect packing, 0 for an empty trace.
+  double fragmentation = 0.0;
+  std::int64_t spilled_bytes = 0;       // cumulative device -> host page moves
+  std::int64_t restored_bytes = 0;      // cumulative host -> device page moves
+  std::int64_t num_migrations = 0;      // page moves, both directions
+  std::int64_t num_spilled_allocations = 0;  // allocations placed on the host at birth
+  // Wall time inside CachingAllocator::allocate / free, summed over the
+  // calls (steady_clock around each call), and per call.
+  std::uint64_t alloc_ns_total = 0;
+  std::uint64_t free_ns_total = 0;
+  double ns_per_alloc = 0.0;
+  double ns_per_free = 0.0;
+  AllocatorStats final_stats;           // the allocator's statistics after the last op
+};
+
+// A trace that cannot be replayed (free of an id that is not live, alloc of a
+// live id, a zero cap). `op_index` is the 0-based position of the offending
+// op, so a reader of a trace file can name its line; `reason` is the message
+// without the position.
+class ReplayError : public Error {
+ public:
+  ReplayError(std::size_t op_index, const std::string& reason);
+  std::size_t op_index() const { return op_index_; }
+  const std::string& reason() const { return reason_; }
+
+ private:
+  std::size_t op_index_;
+  std::string reason_;
+};
+
+// Runs `ops` through a fresh CachingAllocator on a fresh SimulatedBackend.
+// An allocation that runs out of memory counts in num_ooms and its id is
+// remembered as failed, so the trace's later free of it is skipped. Throws
+// ReplayError at the first op that makes no sense for the trace so far,
+// before that op changes anything.
+ReplayResult replay(const std::vector<ReplayOp>& ops, const ReplayConfig& config = {});
+
+// The same, on a backend and allocator the caller owns (to inspect them
+// afterwards). The allocator must be empty and use `backend`.
+ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocator);
+
+const char* replay_op_kind_name(ReplayOpKind kind);
+
+}  // namespace cotenant
