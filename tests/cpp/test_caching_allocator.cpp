@@ -1,0 +1,219 @@
+#include <catch2/catch.hpp>
+
+#include "cotenant/errors.h"
+#include "test_helpers.h"
+
+using namespace cotenant;
+using namespace cotenant::testing;
+
+TEST_CASE("zero_byte_allocation_returns_null_and_counts_nothing", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  CHECK(allocator.allocate(0, 0) == 0);
+  CHECK(allocator.stats().allocation.all.current == 0);
+}
+
+TEST_CASE("sizes_round_to_512_bytes_and_split_small_and_large_pools", "[allocator]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr small = allocator.allocate(1000, 0);
+  const DevicePtr large = allocator.allocate(3 * kMiB, 0);
+  CHECK(allocator.allocation_size(small) == 1024);
+  CHECK(allocator.allocation_size(large) == 3 * kMiB);
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.allocated_bytes.small_pool.current == 1024);
+  CHECK(stats.allocated_bytes.large_pool.current == 3 * kMiB);
+  CHECK(stats.requested_bytes.all.current == 1000 + 3 * kMiB);
+  CHECK(stats.segment.small_pool.current == 1);
+  CHECK(stats.segment.large_pool.current == 1);
+  // Pages are mapped only as blocks need them: a 20 MiB segment holding a
+  // 3 MiB block maps two 2 MiB pages.
+  CHECK(stats.reserved_bytes.large_pool.current == 4 * kMiB);
+  CHECK(stats.reserved_bytes.small_pool.current == 2 * kMiB);
+}
+
+TEST_CASE("freed_block_is_reused_at_once_by_its_stream", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr first = allocator.allocate(4096, 1);
+  allocator.free(first);
+  CHECK(allocator.allocate(4096, 1) == first);
+  CHECK(device.calls().create_page == 1);  // no new page for the reuse
+}
+
+TEST_CASE("blocks_are_not_shared_between_streams_pools", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr on_one = allocator.allocate(4096, 1);
+  allocator.free(on_one);
+  const DevicePtr on_two = allocator.allocate(4096, 2);
+  CHECK(on_two != on_one);
+  CHECK(allocator.stats().segment.all.current == 2);
+}
+
+TEST_CASE("best_fit_picks_the_smallest_free_block_that_fits", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  // Carve one small segment into pieces, keep separators live so frees do not merge.
+  const DevicePtr big = allocator.allocate(64 * 1024, 0);
+  const DevicePtr sep1 = allocator.allocate(512, 0);
+  const DevicePtr mid = allocator.allocate(16 * 1024, 0);
+  const DevicePtr sep2 = allocator.allocate(512, 0);
+  allocator.free(big);
+  allocator.free(mid);
+  CHECK(allocator.allocate(10 * 1024, 0) == mid);  // 16 KiB hole beats 64 KiB hole
+  CHECK(allocator.allocate(40 * 1024, 0) == big);
+  (void)sep1;
+  (void)sep2;
+}
+
+TEST_CASE("freeing_neighbours_coalesces_them_into_one_block", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(4096, 0);
+  const DevicePtr b = allocator.allocate(4096, 0);
+  const DevicePtr c = allocator.allocate(4096, 0);
+  CHECK(b == a + 4096);
+  CHECK(c == b + 4096);
+  allocator.free(a);
+  allocator.free(c);
+  CHECK(allocator.stats().inactive_split.all.current == 2);
+  allocator.free(b);
+  const auto segments = allocator.snapshot();
+  REQUIRE(segments.size() == 1);
+  REQUIRE(segments[0].blocks.size() == 1);  // one free block covers the segment
+  CHECK_FALSE(segments[0].blocks[0].allocated);
+  CHECK(allocator.stats().inactive_split.all.current == 0);
+  CHECK(allocator.allocate(3 * 4096, 0) == a);  // the merged block serves a larger request
+}
+
+TEST_CASE("record_stream_holds_a_freed_block_until_the_other_stream_finishes", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB, /*events_immediate=*/false));
+  CachingAllocator allocator(device);
+  const DevicePtr block = allocator.allocate(4096, 1);
+  allocator.record_stream(block, 2);
+  allocator.free(block);
+  AllocatorStats stats = allocator.stats();
+  CHECK(stats.allocated_bytes.all.current == 0);
+  CHECK(stats.active_bytes.all.current == 4096);  // still active: stream 2 may use it
+  CHECK(allocator.allocate(4096, 1) != block);
+  device.complete_stream(2);
+  const DevicePtr again = allocator.allocate(4096, 1);
+  CHECK(again == block);
+  CHECK(allocator.stats().active.all.current == 2);
+}
+
+TEST_CASE("record_stream_on_the_owning_stream_needs_no_event", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB, /*events_immediate=*/false));
+  CachingAllocator allocator(device);
+  const DevicePtr block = allocator.allocate(4096, 1);
+  allocator.record_stream(block, 1);
+  allocator.free(block);
+  CHECK(device.calls().record_event == 0);
+  CHECK(allocator.allocate(4096, 1) == block);
+}
+
+TEST_CASE("empty_cache_releases_free_pages_and_whole_free_segments", "[allocator]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr keep = allocator.allocate(3 * kMiB, 0);   // pages 0-1 of a 20 MiB segment
+  const DevicePtr drop = allocator.allocate(8 * kMiB, 0);   // same segment, next pages
+  const DevicePtr small = allocator.allocate(4096, 0);
+  allocator.free(drop);
+  allocator.free(small);
+  const auto before = allocator.stats().reserved_bytes.all.current;
+  allocator.empty_cache();
+  const AllocatorStats after = allocator.stats();
+  CHECK(after.reserved_bytes.all.current < before);
+  CHECK(after.reserved_bytes.all.current == 4 * kMiB);  // only the live block's pages remain
+  CHECK(after.segment.small_pool.current == 0);         // the free small segment is gone
+  CHECK(after.segment.large_pool.current == 1);
+  CHECK(device.device_bytes_in_use() == 4 * kMiB);
+  // The released range is mapped again on demand.
+  const DevicePtr again = allocator.allocate(8 * kMiB, 0);
+  fill(device, again, 1, 8 * kMiB);
+  CHECK(holds(device, again, 1, 8 * kMiB));
+  allocator.free(keep);
+}
+
+TEST_CASE("double_free_is_refused_and_loses_nothing", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr live = allocator.allocate(4096, 0);
+  fill(device, live, 11, 4096);
+  const DevicePtr gone = allocator.allocate(4096, 0);
+  allocator.free(gone);
+  try {
+    allocator.free(gone);
+    FAIL("double free accepted");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("freed already") != std::string::npos);
+  }
+  CHECK_THROWS_AS(allocator.free(live + 8), Error);  // not the start of a block
+  CHECK(allocator.allocation_size(live) == 4096);
+  CHECK(holds(device, live, 11, 4096));
+  CHECK(allocator.stats().allocation.all.current == 1);
+}
+
+TEST_CASE("out_of_memory_names_the_numbers_when_device_and_host_are_full", "[allocator]") {
+  SimulatedDeviceConfig config = device_config(4 * kMiB);
+  config.host_capacity = 4 * kMiB;
+  SimulatedBackend device(config);
+  CachingAllocator allocator(device);
+  const DevicePtr live = allocator.allocate(6 * kMiB, 0);  // 2 pages device, 1 page host
+  CHECK(allocator.stats().host_resident_bytes.current == 2 * kMiB);
+  try {
+    allocator.allocate(6 * kMiB, 0);
+    FAIL("allocation beyond device and host succeeded");
+  } catch (const OutOfMemoryError& e) {
+    const std::string message = e.what();
+    CHECK(message.find("6.00 MiB") != std::string::npos);
+    CHECK(message.find("set_memory_cap") != std::string::npos);
+  }
+  CHECK(allocator.stats().num_ooms == 1);
+  CHECK(allocator.allocation_size(live) == 6 * kMiB);
+  allocator.free(live);
+}
+
+TEST_CASE("statistics_use_torch_key_names", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr block = allocator.allocate(4096, 0);
+  allocator.free(block);
+  const auto stats = allocator.stats().as_map();
+  for (const char* key : {"allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
+                          "active_bytes.large_pool.peak", "inactive_split_bytes.all.current",
+                          "allocation.all.allocated", "segment.small_pool.current", "num_alloc_retries",
+                          "num_ooms", "requested_bytes.all.freed", "device_resident_bytes.current",
+                          "host_resident_bytes.current", "spilled_bytes", "restored_bytes", "num_migrations"}) {
+    INFO(key);
+    CHECK(stats.count(key) == 1);
+  }
+  CHECK(stats.at("allocated_bytes.all.peak") == 4096);
+  CHECK(stats.at("allocated_bytes.all.current") == 0);
+  CHECK(stats.at("allocation.all.allocated") == 1);
+  CHECK(stats.at("allocation.all.freed") == 1);
+}
+
+TEST_CASE("reset_peak_stats_brings_peaks_down_to_current", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(8192, 0);
+  allocator.free(a);
+  CHECK(allocator.stats().allocated_bytes.all.peak == 8192);
+  allocator.reset_peak_stats();
+  CHECK(allocator.stats().allocated_bytes.all.peak == 0);
+}
+
+TEST_CASE("destroying_the_allocator_returns_every_page_and_range", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  {
+    CachingAllocator allocator(device);
+    allocator.allocate(4096, 0);
+    allocator.allocate(5 * kMiB, 3);
+  }
+  CHECK(device.device_bytes_in_use() == 0);
+  const auto calls = device.calls();
+  CHECK(calls.reserve == calls.release);
+  CHECK(calls.map == calls.unmap);
+}

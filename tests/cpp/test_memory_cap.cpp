@@ -1,0 +1,217 @@
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <thread>
+
+#include "cotenant/errors.h"
+#include "test_helpers.h"
+
+using namespace cotenant;
+using namespace cotenant::testing;
+
+TEST_CASE("allocation_over_the_cap_spills_to_host_instead_of_failing", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(8 * kMiB);
+  const DevicePtr first = allocator.allocate(6 * kMiB, 0);
+  const DevicePtr second = allocator.allocate(6 * kMiB, 0);
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.device_resident_bytes.current == 8 * kMiB);
+  CHECK(stats.host_resident_bytes.current == 4 * kMiB);
+  CHECK(stats.num_spilled_allocations == 1);
+  CHECK(device.device_bytes_in_use() == 8 * kMiB);
+  fill(device, second, 5, 6 * kMiB);  // host-backed memory is addressable like device memory
+  CHECK(holds(device, second, 5, 6 * kMiB));
+  CHECK(allocator.is_device_resident(first));
+  CHECK_FALSE(allocator.is_device_resident(second + 4 * kMiB));
+}
+
+TEST_CASE("allocation_over_the_cap_releases_cache_before_spilling", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  const DevicePtr cached = allocator.allocate(4 * kMiB, 7);  // another stream's pool
+  allocator.free(cached);
+  allocator.set_memory_cap(16 * kMiB);
+  CHECK(allocator.stats().device_resident_bytes.current == 4 * kMiB);  // cache under the cap stays
+  allocator.allocate(14 * kMiB, 0);
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.host_resident_bytes.current == 0);
+  CHECK(stats.device_resident_bytes.current == 14 * kMiB);
+  CHECK(stats.num_alloc_retries == 1);
+}
+
+TEST_CASE("shrinking_cap_releases_cache_first_without_moving_live_pages", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  const DevicePtr live = allocator.allocate(12 * kMiB, 0);
+  const DevicePtr dead = allocator.allocate(12 * kMiB, 1);
+  allocator.free(dead);
+  allocator.set_memory_cap(12 * kMiB);
+  CHECK_FALSE(allocator.has_pending_migrations());
+  CHECK(allocator.stats().device_resident_bytes.current == 12 * kMiB);
+  CHECK(allocator.apply_pending_migrations() == 0);
+  CHECK(allocator.is_device_resident(live));
+}
+
+TEST_CASE("shrinking_cap_below_live_bytes_spills_coldest_pages", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  // Three 12 MiB blocks, each in its own segment (own stream), allocated in
+  // order: the first is the coldest.
+  const DevicePtr cold = allocator.allocate(12 * kMiB, 1);
+  const DevicePtr warm = allocator.allocate(12 * kMiB, 2);
+  const DevicePtr hot = allocator.allocate(12 * kMiB, 3);
+  fill(device, cold, 1, 12 * kMiB);
+  fill(device, warm, 2, 12 * kMiB);
+  fill(device, hot, 3, 12 * kMiB);
+
+  allocator.set_memory_cap(24 * kMiB);
+  CHECK(allocator.has_pending_migrations());
+  CHECK(allocator.stats().pending_spill_bytes == 12 * kMiB);
+  CHECK(allocator.stats().device_resident_bytes.current == 36 * kMiB);  // nothing moves before the safe point
+
+  CHECK(allocator.apply_pending_migrations() == 12 * kMiB);
+  CHECK_FALSE(allocator.has_pending_migrations());
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.device_resident_bytes.current == 24 * kMiB);
+  CHECK(stats.host_resident_bytes.current == 12 * kMiB);
+  CHECK(stats.spilled_bytes == 12 * kMiB);
+  CHECK(stats.num_migrations == 6);
+  CHECK(device.device_bytes_in_use() == 24 * kMiB);
+  CHECK_FALSE(allocator.is_device_resident(cold));
+  CHECK(allocator.is_device_resident(warm));
+  CHECK(allocator.is_device_resident(hot));
+  // Same addresses, same bytes.
+  CHECK(holds(device, cold, 1, 12 * kMiB));
+  CHECK(holds(device, warm, 2, 12 * kMiB));
+  CHECK(holds(device, hot, 3, 12 * kMiB));
+}
+
+TEST_CASE("raising_cap_restores_hottest_host_pages_first", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(4 * kMiB);
+  const DevicePtr on_device = allocator.allocate(4 * kMiB, 1);
+  const DevicePtr older = allocator.allocate(4 * kMiB, 2);   // spilled at birth
+  const DevicePtr newer = allocator.allocate(4 * kMiB, 3);   // spilled at birth, hotter
+  fill(device, older, 8, 4 * kMiB);
+  fill(device, newer, 9, 4 * kMiB);
+  CHECK(allocator.stats().host_resident_bytes.current == 8 * kMiB);
+
+  allocator.set_memory_cap(8 * kMiB);
+  CHECK(allocator.stats().pending_restore_bytes == 4 * kMiB);
+  CHECK(allocator.apply_pending_migrations() == 4 * kMiB);
+  CHECK(allocator.is_device_resident(newer));
+  CHECK_FALSE(allocator.is_device_resident(older));
+  CHECK(allocator.stats().restored_bytes == 4 * kMiB);
+  CHECK(holds(device, newer, 9, 4 * kMiB));
+  CHECK(holds(device, older, 8, 4 * kMiB));
+  CHECK(allocator.is_device_resident(on_device));
+}
+
+TEST_CASE("spill_all_moves_every_live_page_to_host_and_restore_all_brings_them_back", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(6 * kMiB, 0);
+  const DevicePtr b = allocator.allocate(100, 0);
+  fill(device, a, 1, 6 * kMiB);
+  fill(device, b, 2, 100);
+  allocator.spill_all();
+  allocator.apply_pending_migrations();
+  CHECK(allocator.stats().device_resident_bytes.current == 0);
+  CHECK(device.device_bytes_in_use() == 0);
+  CHECK(allocator.stats().memory_cap == 0);
+  // New memory while spilled goes to the host too.
+  const DevicePtr c = allocator.allocate(4096, 0);
+  CHECK_FALSE(allocator.is_device_resident(c));
+  allocator.restore_all();
+  allocator.apply_pending_migrations();
+  CHECK(allocator.stats().host_resident_bytes.current == 0);
+  CHECK(holds(device, a, 1, 6 * kMiB));
+  CHECK(holds(device, b, 2, 100));
+  CHECK(allocator.is_device_resident(c));
+}
+
+TEST_CASE("zero_cap_is_refused_and_changes_nothing", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(64 * kMiB);
+  try {
+    allocator.set_memory_cap(0);
+    FAIL("cap 0 accepted");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("spill_all") != std::string::npos);
+  }
+  CHECK(allocator.memory_cap() == 64 * kMiB);
+}
+
+TEST_CASE("hard_cap_without_spilling_raises_out_of_memory", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  AllocatorOptions options;
+  options.spill_to_host = false;
+  CachingAllocator allocator(device, options);
+  allocator.set_memory_cap(4 * kMiB);
+  const DevicePtr fits = allocator.allocate(4 * kMiB, 0);
+  CHECK_THROWS_AS(allocator.allocate(4 * kMiB, 0), OutOfMemoryError);
+  CHECK(allocator.allocation_size(fits) == 4 * kMiB);
+  CHECK(allocator.stats().host_resident_bytes.current == 0);
+}
+
+TEST_CASE("device_full_from_other_processes_spills_like_a_cap", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  device.fail_next_device_pages(1);
+  const DevicePtr block = allocator.allocate(2 * kMiB, 0);
+  CHECK_FALSE(allocator.is_device_resident(block));
+  CHECK(allocator.stats().host_resident_bytes.current == 2 * kMiB);
+}
+
+TEST_CASE("pinned_fallback_mode_serves_over_cap_allocations_from_pinned_host_memory", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB, true, /*host_mappable=*/false));
+  CachingAllocator allocator(device);
+  CHECK(allocator.mode() == SpillMode::kPinnedFallback);
+  allocator.set_memory_cap(4 * kMiB);
+  const DevicePtr on_device = allocator.allocate(4 * kMiB, 0);
+  const DevicePtr pinned = allocator.allocate(3 * kMiB, 0);
+  fill(device, pinned, 4, 3 * kMiB);
+  CHECK(holds(device, pinned, 4, 3 * kMiB));
+  AllocatorStats stats = allocator.stats();
+  CHECK(stats.mode == SpillMode::kPinnedFallback);
+  CHECK(stats.pinned_fallback_bytes.current == 3 * kMiB);
+  CHECK(stats.device_resident_bytes.current == 4 * kMiB);
+  // Live pages cannot move in this mode: lowering the cap marks nothing.
+  allocator.set_memory_cap(2 * kMiB);
+  CHECK_FALSE(allocator.has_pending_migrations());
+  CHECK(allocator.apply_pending_migrations() == 0);
+  // Pinned memory goes back at once when freed.
+  allocator.free(pinned);
+  CHECK(allocator.stats().pinned_fallback_bytes.current == 0);
+  CHECK(device.host_bytes_in_use() == 0);
+  allocator.free(on_device);
+}
+
+TEST_CASE("setting_the_cap_from_another_thread_is_safe_while_allocating", "[cap][threads]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  std::atomic<bool> stop{false};
+  std::thread capper([&] {
+    std::uint64_t cap = 8 * kMiB;
+    while (!stop.load()) {
+      allocator.set_memory_cap(cap);
+      cap = cap == 8 * kMiB ? 64 * kMiB : 8 * kMiB;
+      allocator.apply_pending_migrations();
+    }
+  });
+  std::vector<DevicePtr> live;
+  for (int i = 0; i < 2000; ++i) {
+    live.push_back(allocator.allocate(static_cast<std::size_t>((i % 7) + 1) * 300 * 1024, 0));
+    if (live.size() > 20) {
+      allocator.free(live.front());
+      live.erase(live.begin());
+    }
+  }
+  stop = true;
+  capper.join();
+  for (DevicePtr p : live) allocator.free(p);
+  CHECK(allocator.stats().allocated_bytes.all.current == 0);
+}

@@ -1,0 +1,47 @@
+#include <catch2/catch.hpp>
+
+#include "cotenant/spill_policy.h"
+
+using namespace cotenant;
+
+namespace {
+constexpr std::size_t kPage = 2u << 20;
+constexpr std::uint64_t kNone = ~std::uint64_t{0};
+PageCandidate on_device(std::size_t id, std::uint64_t last_use) { return {id, Residency::kDevice, last_use}; }
+PageCandidate on_host(std::size_t id, std::uint64_t last_use) { return {id, Residency::kHost, last_use}; }
+}  // namespace
+
+TEST_CASE("spill_policy_table", "[policy]") {
+  struct Case {
+    const char* name;
+    std::vector<PageCandidate> pages;
+    std::uint64_t device_bytes;
+    std::uint64_t cap;
+    std::vector<std::size_t> to_host, to_device;
+  };
+  const std::vector<Case> cases = {
+      {"under the cap with nothing on the host: no moves",
+       {on_device(0, 5), on_device(1, 9)}, 2 * kPage, 4 * kPage, {}, {}},
+      {"no cap: no moves", {on_device(0, 5)}, kPage, kNone, {}, {}},
+      {"over by one page: the coldest page spills",
+       {on_device(0, 5), on_device(1, 2), on_device(2, 9)}, 3 * kPage, 2 * kPage, {1}, {}},
+      {"over by two pages: the two coldest spill, coldest first",
+       {on_device(0, 5), on_device(1, 2), on_device(2, 9)}, 3 * kPage, kPage, {1, 0}, {}},
+      {"a cap below one page spills everything",
+       {on_device(0, 5), on_device(1, 2)}, 2 * kPage, 1, {1, 0}, {}},
+      {"equal heat: the lower id goes first", {on_device(3, 4), on_device(1, 4)}, 2 * kPage, kPage, {1}, {}},
+      {"room for one page: the hottest host page returns",
+       {on_device(0, 1), on_host(1, 3), on_host(2, 8)}, kPage, 2 * kPage, {}, {2}},
+      {"room for all: every host page returns, hottest first",
+       {on_host(1, 3), on_host(2, 8)}, 0, 10 * kPage, {}, {2, 1}},
+      {"room for less than a page: nothing returns", {on_host(1, 3)}, kPage, kPage + kPage / 2, {}, {}},
+      {"over the cap with host pages: spill only, never restore",
+       {on_device(0, 1), on_host(1, 9)}, 2 * kPage, kPage, {0}, {}},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage);
+    CHECK(plan.to_host == c.to_host);
+    CHECK(plan.to_device == c.to_device);
+  }
+}
