@@ -1,0 +1,291 @@
+#include "cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "cotenant/errors.h"
+#include "cuda_driver.h"
+
+namespace cotenant::cuda {
+namespace {
+
+void check_runtime(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  throw Error(std::string(what) + " failed: " + cudaGetErrorString(err));
+}
+
+// Makes `device` current for the scope (runtime calls act on the current
+// device) and restores the caller's device after.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    check_runtime(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_runtime(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~CurrentDevice() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+CUmemAllocationProp page_properties(CUmemLocationType type, int id) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = type;
+  prop.location.id = id;
+  return prop;
+}
+
+int device_attribute(CUdevice dev, CUdevice_attribute attribute) {
+  int value = 0;
+  // An attribute this driver does not know reads as "unsupported".
+  if (driver().cuDeviceGetAttribute(&value, attribute, dev) != CUDA_SUCCESS) return 0;
+  return value;
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  const DriverApi& api = driver();  // throws the no-GPU message
+  int count = 0;
+  check_runtime(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (device < 0 || device >= count) {
+    throw Error("cotenant was asked for cuda:" + std::to_string(device) + " but this process sees " +
+                std::to_string(count) + " CUDA device(s); pass a device index below " +
+                std::to_string(count) + " (CUDA_VISIBLE_DEVICES renumbers devices from 0).");
+  }
+  CurrentDevice current(device_);
+  check_runtime(cudaFree(nullptr), "creating the CUDA context");  // the primary context torch uses
+  CUdevice dev = 0;
+  check_driver(api.cuDeviceGet(&dev, device_), "cuDeviceGet");
+  if (!device_attribute(dev, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)) {
+    throw Error("cuda:" + std::to_string(device_) +
+                " does not support CUDA virtual memory management (cuMemCreate/cuMemMap), which "
+                "cotenant's allocator is built on; run without cotenant on this device.");
+  }
+  int numa_id = device_attribute(dev, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID);
+  if (device_attribute(dev, CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) &&
+      numa_id >= 0) {
+    host_location_ = HostLocation::kHostNuma;
+    host_numa_id_ = numa_id;
+  } else if (device_attribute(dev, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)) {
+    host_location_ = HostLocation::kHost;
+  }
+
+  // One page size for both residencies: the larger of the two minimum
+  // granularities (both are powers of two, so it is a multiple of the other).
+  CUmemAllocationProp device_prop = page_properties(CU_MEM_LOCATION_TYPE_DEVICE, device_);
+  std::size_t gran = 0;
+  check_driver(api.cuMemGetAllocationGranularity(&gran, &device_prop,
+                                                 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+               "cuMemGetAllocationGranularity (device)");
+  if (host_location_ != HostLocation::kNone) {
+    CUmemAllocationProp host_prop = page_properties(
+        host_location_ == HostLocation::kHostNuma ? CU_MEM_LOCATION_TYPE_HOST_NUMA
+                                                  : CU_MEM_LOCATION_TYPE_HOST,
+        host_location_ == HostLocation::kHostNuma ? host_numa_id_ : 0);
+    std::size_t host_gran = 0;
+    if (api.cuMemGetAllocationGranularity(&host_gran, &host_prop,
+                                          CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) == CUDA_SUCCESS) {
+      if (host_gran > gran) gran = host_gran;
+    } else {
+      host_location_ = HostLocation::kNone;  // the attribute lied: use the pinned fallback
+    }
+  }
+  granularity_ = gran;
+
+  staging_base_ = reserve(2 * granularity_);
+  if (staging_base_ == 0) throw Error("cotenant could not reserve address space for page copies.");
+  cudaStream_t stream = nullptr;
+  check_runtime(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  copy_stream_ = stream;
+}
+
+CudaBackend::~CudaBackend() {
+  // Best effort: at process exit the driver may already be shutting down.
+  if (copy_stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
+  if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, 2 * granularity_);
+  std::lock_guard<std::mutex> lock(pinned_mutex_);
+  for (auto& [address, host] : pinned_host_) driver().cuMemFreeHost(host);
+}
+
+const char* CudaBackend::host_page_kind() const {
+  switch (host_location_) {
+    case HostLocation::kHostNuma: return "host-numa";
+    case HostLocation::kHost: return "host";
+    case HostLocation::kNone: break;
+  }
+  return "pinned-fallback";
+}
+
+std::size_t CudaBackend::device_total_bytes() const {
+  CurrentDevice current(device_);
+  std::size_t free = 0, total = 0;
+  check_runtime(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return total;
+}
+
+std::size_t CudaBackend::device_free_bytes() const {
+  CurrentDevice current(device_);
+  std::size_t free = 0, total = 0;
+  check_runtime(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return free;
+}
+
+DevicePtr CudaBackend::reserve(std::size_t bytes) {
+  CUdeviceptr base = 0;
+  // Alignment = granularity; no fixed address.
+  CUresult r = driver().cuMemAddressReserve(&base, bytes, granularity_, 0, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) return 0;
+  check_driver(r, "cuMemAddressReserve");
+  return static_cast<DevicePtr>(base);
+}
+
+void CudaBackend::release(DevicePtr base, std::size_t bytes) {
+  check_driver(driver().cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes), "cuMemAddressFree");
+}
+
+PageHandle CudaBackend::create_page(Residency where) {
+  CUmemAllocationProp prop{};
+  if (where == Residency::kDevice) {
+    prop = page_properties(CU_MEM_LOCATION_TYPE_DEVICE, device_);
+  } else if (host_location_ == HostLocation::kHostNuma) {
+    prop = page_properties(CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa_id_);
+  } else if (host_location_ == HostLocation::kHost) {
+    prop = page_properties(CU_MEM_LOCATION_TYPE_HOST, 0);
+  } else {
+    return {};  // no host VMM: the caller uses allocate_pinned_host
+  }
+  CUmemGenericAllocationHandle handle = 0;
+  CUresult r = driver().cuMemCreate(&handle, granularity_, &prop, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) return {};
+  check_driver(r, where == Residency::kDevice ? "cuMemCreate (device page)" : "cuMemCreate (host page)");
+  PageHandle page;
+  page.id = static_cast<std::uint64_t>(handle);
+  page.where = where;
+  return page;
+}
+
+void CudaBackend::release_page(PageHandle page) {
+  check_driver(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page.id)),
+               "cuMemRelease");
+}
+
+void CudaBackend::set_device_access(DevicePtr address, std::size_t bytes) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  check_driver(driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access, 1),
+               "cuMemSetAccess");
+}
+
+void CudaBackend::map(DevicePtr address, PageHandle page) {
+  check_driver(driver().cuMemMap(static_cast<CUdeviceptr>(address), granularity_, 0,
+                                 static_cast<CUmemGenericAllocationHandle>(page.id), 0),
+               "cuMemMap");
+  set_device_access(address, granularity_);
+}
+
+void CudaBackend::unmap(DevicePtr address) {
+  check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
+}
+
+void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
+  // A physical page may be mapped at several addresses at once, so the
+  // pages stay mapped where the allocator has them while we copy.
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  CurrentDevice current(device_);
+  const DevicePtr src_va = staging_base_;
+  const DevicePtr dst_va = staging_base_ + granularity_;
+  map(src_va, src);
+  try {
+    map(dst_va, dst);
+  } catch (...) {
+    unmap(src_va);
+    throw;
+  }
+  auto stream = static_cast<cudaStream_t>(copy_stream_);
+  cudaError_t err = cudaMemcpyAsync(reinterpret_cast<void*>(dst_va), reinterpret_cast<void*>(src_va),
+                                    granularity_, cudaMemcpyDefault, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  unmap(dst_va);
+  unmap(src_va);
+  check_runtime(err, "copying a page between device and host");
+}
+
+DevicePtr CudaBackend::allocate_pinned_host(std::size_t bytes) {
+  CurrentDevice current(device_);
+  void* host = nullptr;
+  CUresult r = driver().cuMemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) return 0;
+  check_driver(r, "cuMemHostAlloc");
+  CUdeviceptr device_address = 0;
+  r = driver().cuMemHostGetDevicePointer(&device_address, host, 0);
+  if (r != CUDA_SUCCESS) {
+    driver().cuMemFreeHost(host);
+    check_driver(r, "cuMemHostGetDevicePointer");
+  }
+  std::lock_guard<std::mutex> lock(pinned_mutex_);
+  pinned_host_[static_cast<DevicePtr>(device_address)] = host;
+  return static_cast<DevicePtr>(device_address);
+}
+
+void CudaBackend::free_pinned_host(DevicePtr address, std::size_t /*bytes*/) {
+  void* host = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(pinned_mutex_);
+    auto it = pinned_host_.find(address);
+    if (it == pinned_host_.end()) {
+      throw Error("free_pinned_host: address is not a pinned-fallback allocation of this backend.");
+    }
+    host = it->second;
+    pinned_host_.erase(it);
+  }
+  check_driver(driver().cuMemFreeHost(host), "cuMemFreeHost");
+}
+
+EventHandle CudaBackend::create_event() {
+  CurrentDevice current(device_);
+  cudaEvent_t event = nullptr;
+  check_runtime(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  return EventHandle{reinterpret_cast<std::uint64_t>(event)};
+}
+
+void CudaBackend::destroy_event(EventHandle event) {
+  cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event.id));
+}
+
+void CudaBackend::record_event(EventHandle event, StreamId stream) {
+  CurrentDevice current(device_);
+  check_runtime(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event.id),
+                                reinterpret_cast<cudaStream_t>(stream)),
+                "cudaEventRecord");
+}
+
+bool CudaBackend::query_event(EventHandle event) {
+  cudaError_t err = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event.id));
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();  // not an error: clear it so it does not surface later
+    return false;
+  }
+  check_runtime(err, "cudaEventQuery");
+  return true;
+}
+
+void CudaBackend::synchronize_event(EventHandle event) {
+  check_runtime(cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event.id)), "cudaEventSynchronize");
+}
+
+void CudaBackend::synchronize_device() {
+  CurrentDevice current(device_);
+  check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+}  // namespace cotenant::cuda

@@ -1,0 +1,89 @@
+// CudaBackend: cotenant::Backend on a real GPU, through CUDA virtual memory
+// management.
+//
+//  - Address ranges: cuMemAddressReserve / cuMemAddressFree.
+//  - Device pages: cuMemCreate on the device; host pages: cuMemCreate with
+//    CU_MEM_LOCATION_TYPE_HOST_NUMA (or HOST) where the device supports host
+//    VMM (attributes 141 / 145). Both map with cuMemMap and are made reachable
+//    by the device with cuMemSetAccess, so a page can change residency and
+//    keep its virtual address.
+//  - Without host VMM, host_pages_mappable() is false, create_page(kHost)
+//    returns an empty handle and over-cap memory comes from mapped pinned
+//    host memory (cuMemHostAlloc with DEVICEMAP): AntMan's scheme.
+//  - Page copies map both pages into a private staging range and copy with
+//    cudaMemcpyAsync on a private stream, then synchronize that stream.
+//  - Events and streams are the CUDA runtime's (the runtime torch loads);
+//    a StreamId is a cudaStream_t cast to an integer.
+//
+// One CudaBackend serves one device. Thread-safe: the staging range is
+// guarded by a mutex; everything else is stateless or the driver's.
+#pragma once
+
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "cotenant/backend.h"
+
+namespace cotenant::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  // Throws cotenant::Error when there is no usable GPU, when `device` is out
+  // of range, or when the device does not support virtual memory management.
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  int device() const { return device_; }
+  // "host-numa" / "host" (host VMM) or "pinned-fallback".
+  const char* host_page_kind() const;
+
+  std::size_t granularity() const override { return granularity_; }
+  std::size_t device_total_bytes() const override;
+  std::size_t device_free_bytes() const override;
+  bool host_pages_mappable() const override { return host_location_ != HostLocation::kNone; }
+
+  DevicePtr reserve(std::size_t bytes) override;
+  void release(DevicePtr base, std::size_t bytes) override;
+  PageHandle create_page(Residency where) override;
+  void release_page(PageHandle page) override;
+  void map(DevicePtr address, PageHandle page) override;
+  void unmap(DevicePtr address) override;
+  void copy_page(PageHandle dst, PageHandle src) override;
+
+  DevicePtr allocate_pinned_host(std::size_t bytes) override;
+  void free_pinned_host(DevicePtr address, std::size_t bytes) override;
+
+  EventHandle create_event() override;
+  void destroy_event(EventHandle event) override;
+  void record_event(EventHandle event, StreamId stream) override;
+  bool query_event(EventHandle event) override;
+  void synchronize_event(EventHandle event) override;
+  void synchronize_device() override;
+
+ private:
+  enum class HostLocation { kNone, kHost, kHostNuma };
+
+  void set_device_access(DevicePtr address, std::size_t bytes);
+
+  int device_ = 0;
+  HostLocation host_location_ = HostLocation::kNone;
+  int host_numa_id_ = 0;
+  std::size_t granularity_ = 0;
+
+  // Two pages of address space for copy_page: source at base, destination at
+  // base + granularity. Guarded by staging_mutex_, which also serialises the
+  // copies on copy_stream_.
+  std::mutex staging_mutex_;
+  DevicePtr staging_base_ = 0;
+  void* copy_stream_ = nullptr;  // cudaStream_t
+
+  // Pinned-fallback allocations: device address -> host pointer for cuMemFreeHost.
+  std::mutex pinned_mutex_;
+  std::unordered_map<DevicePtr, void*> pinned_host_;
+};
+
+}  // namespace cotenant::cuda

@@ -1,0 +1,665 @@
+#include "cuda_allocator.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+#include <sstream>
+
+#include "../cuda/cuda_backend.h"
+#include "cotenant/errors.h"
+#include "cotenant/size.h"
+#include "op_interceptor.h"
+
+namespace cotenant::torch_ext {
+namespace {
+
+constexpr c10::MempoolId_t kDefaultPool{0, 0};
+
+// How long a safe point waits for other threads' ops to finish before it
+// gives up until the next one (microseconds).
+constexpr std::chrono::microseconds kSafePointDrainTimeout{100'000};
+
+void delete_with_cotenant(void* ptr) { CotenantCudaAllocator::instance().raw_delete(ptr); }
+
+// Runs `fn`, turning cotenant's C++ errors into the c10 errors PyTorch maps
+// to Python exceptions (torch.OutOfMemoryError, RuntimeError).
+template <typename Fn>
+auto translate_errors(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const OutOfMemoryError& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+  } catch (const Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+void add_stat(c10::CachingAllocator::Stat& to, const Stat& from) {
+  to.current += from.current;
+  to.peak += from.peak;
+  to.allocated += from.allocated;
+  to.freed += from.freed;
+}
+
+void add_pooled(c10::CachingAllocator::StatArray& to, const PooledStat& from) {
+  using c10::CachingAllocator::StatType;
+  add_stat(to[static_cast<size_t>(StatType::AGGREGATE)], from.all);
+  add_stat(to[static_cast<size_t>(StatType::SMALL_POOL)], from.small_pool);
+  add_stat(to[static_cast<size_t>(StatType::LARGE_POOL)], from.large_pool);
+}
+
+void add_stats(c10::CachingDeviceAllocator::DeviceStats& to, const AllocatorStats& from) {
+  add_pooled(to.allocation, from.allocation);
+  add_pooled(to.segment, from.segment);
+  add_pooled(to.active, from.active);
+  add_pooled(to.inactive_split, from.inactive_split);
+  add_pooled(to.allocated_bytes, from.allocated_bytes);
+  add_pooled(to.reserved_bytes, from.reserved_bytes);
+  add_pooled(to.active_bytes, from.active_bytes);
+  add_pooled(to.inactive_split_bytes, from.inactive_split_bytes);
+  add_pooled(to.requested_bytes, from.requested_bytes);
+  to.num_alloc_retries += from.num_alloc_retries;
+  to.num_ooms += from.num_ooms;
+  to.num_device_alloc += from.num_device_alloc;
+  to.num_device_free += from.num_device_free;
+}
+
+c10::CachingDeviceAllocator::SegmentInfo to_torch_segment(const SegmentInfo& s,
+                                                          c10::DeviceIndex device,
+                                                          c10::MempoolId_t pool) {
+  c10::CachingDeviceAllocator::SegmentInfo out;
+  out.device = device;
+  out.address = s.address;
+  out.total_size = s.size;
+  out.stream = reinterpret_cast<void*>(static_cast<std::uintptr_t>(s.stream));
+  out.is_large = s.pool == PoolKind::kLarge;
+  out.is_expandable = false;
+  out.owner_private_pool_id = pool;
+  for (const BlockInfo& b : s.blocks) {
+    c10::CachingDeviceAllocator::BlockInfo block;
+    block.size = b.size;
+    block.requested_size = b.requested_size;
+    block.allocated = b.allocated;
+    block.active = b.allocated || b.waiting_on_events;
+    if (b.allocated) {
+      out.allocated_size += b.size;
+      out.requested_size += b.requested_size;
+    }
+    if (block.active) out.active_size += b.size;
+    out.blocks.push_back(std::move(block));
+  }
+  return out;
+}
+
+std::string format_pool(c10::MempoolId_t id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+}  // namespace
+
+// ---- DeviceAllocators ---------------------------------------------------------
+
+DeviceAllocators::DeviceAllocators(c10::DeviceIndex device_index)
+    : device(device_index),
+      backend(std::make_unique<cuda::CudaBackend>(device_index)),
+      main(std::make_unique<CachingAllocator>(*backend)) {}
+
+DeviceAllocators::~DeviceAllocators() = default;
+
+// ---- installation and per-device state ------------------------------------------
+
+CotenantCudaAllocator& CotenantCudaAllocator::instance() {
+  // Never destroyed: tensors may be freed during interpreter shutdown, after
+  // static destructors would have run.
+  static auto* allocator = new CotenantCudaAllocator();
+  return *allocator;
+}
+
+void CotenantCudaAllocator::install() {
+  if (installed()) return;
+  c10_alloc::CUDAAllocator* current = c10_alloc::allocator.load();
+  int count = c10::cuda::device_count();
+  if (count <= 0) {
+    on(0);  // throws the no-GPU message
+  }
+  if (current != nullptr && current != this && current->initialized()) {
+    for (c10::DeviceIndex d = 0; d < count; ++d) {
+      auto stats = current->getDeviceStats(d);
+      const auto& allocations = stats.allocation[0];
+      const auto& allocated = stats.allocated_bytes[0];
+      if (allocations.current > 0) {
+        std::ostringstream message;
+        message << "cotenant.enable() must run before the first CUDA allocation; "
+                << allocations.current << " allocation(s) ("
+                << format_size(static_cast<std::uint64_t>(allocated.current))
+                << ") from PyTorch's own allocator already exist on cuda:" << static_cast<int>(d)
+                << ". Call cotenant.enable() at the top of the script, before any tensor or "
+                   "model is moved to the GPU, or start the script with "
+                   "`cotenant run -- python script.py`.";
+        throw Error(message.str());
+      }
+    }
+    current->emptyCache();  // cached but unused memory: give it back before switching
+  }
+  init(count);
+  c10_alloc::allocator.store(this);
+  // at::empty and friends reach the CUDA allocator through this registry too.
+  c10::SetAllocator(c10::DeviceType::CUDA, this, /*priority=*/255);
+  installed_.store(true, std::memory_order_release);
+}
+
+bool CotenantCudaAllocator::installed() const {
+  return installed_.load(std::memory_order_acquire) && c10_alloc::allocator.load() == this;
+}
+
+DeviceAllocators& CotenantCudaAllocator::on(c10::DeviceIndex device) {
+  if (device >= 0 && device < static_cast<c10::DeviceIndex>(devices_.size())) {
+    if (DeviceAllocators* d = devices_[device].load(std::memory_order_acquire)) return *d;
+  }
+  std::lock_guard<std::mutex> lock(devices_mutex_);
+  if (device < 0 || device >= static_cast<c10::DeviceIndex>(devices_.size())) {
+    throw Error("cotenant was asked for cuda:" + std::to_string(device) +
+                ", which is not a valid CUDA device index.");
+  }
+  if (DeviceAllocators* d = devices_[device].load(std::memory_order_acquire)) return *d;
+  auto created = std::make_unique<DeviceAllocators>(device);
+  DeviceAllocators* raw = created.get();
+  owned_devices_.push_back(std::move(created));
+  devices_[device].store(raw, std::memory_order_release);
+  return *raw;
+}
+
+DeviceAllocators* CotenantCudaAllocator::existing(c10::DeviceIndex device) const {
+  if (device < 0 || device >= static_cast<c10::DeviceIndex>(devices_.size())) return nullptr;
+  return devices_[device].load(std::memory_order_acquire);
+}
+
+bool CotenantCudaAllocator::has_pending_migrations() const {
+  const int count = device_count_.load(std::memory_order_relaxed);
+  for (int d = 0; d < count && d < static_cast<int>(devices_.size()); ++d) {
+    DeviceAllocators* state = devices_[d].load(std::memory_order_acquire);
+    if (state != nullptr && state->main->has_pending_migrations()) return true;
+  }
+  return false;
+}
+
+std::size_t CotenantCudaAllocator::run_safe_point() {
+  std::unique_lock<std::mutex> one_at_a_time(safe_point_mutex_, std::try_to_lock);
+  if (!one_at_a_time.owns_lock()) return 0;  // another thread is moving pages right now
+  if (!has_pending_migrations()) return 0;
+  const int count = device_count_.load(std::memory_order_relaxed);
+  // Synchronizing inside a graph capture would invalidate it; captured
+  // graphs hold pool memory only, which is never moved.
+  for (int d = 0; d < count; ++d) {
+    DeviceAllocators* state = existing(static_cast<c10::DeviceIndex>(d));
+    if (state != nullptr && state->capturing.load(std::memory_order_acquire)) return 0;
+  }
+  LaunchPause pause(kSafePointDrainTimeout);
+  if (!pause) return 0;
+  std::size_t moved = 0;
+  for (int d = 0; d < count; ++d) {
+    DeviceAllocators* state = existing(static_cast<c10::DeviceIndex>(d));
+    if (state == nullptr || !state->main->has_pending_migrations()) continue;
+    state->backend->synchronize_device();
+    moved += state->main->apply_pending_migrations();
+  }
+  return moved;
+}
+
+// ---- allocation -------------------------------------------------------------------
+
+void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream) {
+  DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
+  CachingAllocator* target = d.main.get();
+  bool graph_pool = false;
+  std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+  if (d.capturing.load(std::memory_order_acquire)) {
+    // Creating and mapping pages is not capturable; relaxed mode lets this
+    // thread call the driver while another stream captures.
+    relaxed.emplace(cudaStreamCaptureModeRelaxed);
+    std::lock_guard<std::mutex> lock(d.pools_mutex);
+    for (auto& [pool_id, filter] : d.capture_routes) {
+      if (filter(stream)) {
+        target = d.pools.at(pool_id).allocator.get();
+        graph_pool = true;
+        break;
+      }
+    }
+  }
+  DevicePtr address = 0;
+  try {
+    address = target->allocate(nbytes, static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)));
+  } catch (const OutOfMemoryError& e) {
+    std::vector<c10_alloc::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(observers_mutex_);
+      observers = oom_observers_;
+    }
+    if (!observers.empty()) {
+      AllocatorStats s = target->stats();
+      std::size_t total = d.backend->device_total_bytes();
+      std::size_t free = d.backend->device_free_bytes();
+      for (auto& observer : observers) {
+        observer(device, static_cast<size_t>(s.allocated_bytes.all.current), total, free);
+      }
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+  } catch (const Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  void* ptr = reinterpret_cast<void*>(address);
+  if (ptr != nullptr) {
+    std::lock_guard<std::mutex> lock(owners_mutex_);
+    owners_[ptr] = Owner{target, device, graph_pool};
+  }
+  return ptr;
+}
+
+c10::DataPtr CotenantCudaAllocator::allocate(size_t nbytes) {
+  c10::DeviceIndex device = c10::cuda::current_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  void* ptr = allocate_on(device, nbytes, stream);
+  return {ptr, ptr, &delete_with_cotenant, c10::Device(c10::DeviceType::CUDA, device)};
+}
+
+c10::DeleterFnPtr CotenantCudaAllocator::raw_deleter() const { return &delete_with_cotenant; }
+
+void CotenantCudaAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
+  C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+}
+
+void* CotenantCudaAllocator::raw_alloc(size_t nbytes) {
+  c10::DeviceIndex device = c10::cuda::current_device();
+  return allocate_on(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
+}
+
+void* CotenantCudaAllocator::raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) {
+  return allocate_on(c10::cuda::current_device(), nbytes, stream);
+}
+
+CotenantCudaAllocator::Owner CotenantCudaAllocator::owner_of(void* ptr) const {
+  std::lock_guard<std::mutex> lock(owners_mutex_);
+  auto it = owners_.find(ptr);
+  return it == owners_.end() ? Owner{} : it->second;
+}
+
+void CotenantCudaAllocator::raw_delete(void* ptr) {
+  if (ptr == nullptr) return;
+  Owner owner;
+  {
+    std::lock_guard<std::mutex> lock(owners_mutex_);
+    auto it = owners_.find(ptr);
+    TORCH_CHECK(it != owners_.end(), "cotenant's CUDA allocator was asked to free ", ptr,
+                ", which it did not allocate. This happens when memory from PyTorch's own "
+                "allocator outlives the switch to cotenant; call cotenant.enable() before the "
+                "first CUDA allocation.");
+    owner = it->second;
+    owners_.erase(it);
+  }
+  DeviceAllocators* d = existing(owner.device);
+  std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+  if (d != nullptr && d->capturing.load(std::memory_order_acquire)) relaxed.emplace(cudaStreamCaptureModeRelaxed);
+  translate_errors([&] { owner.allocator->free(reinterpret_cast<DevicePtr>(ptr)); });
+}
+
+void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {
+  if (ptr.get() == nullptr) return;
+  // Views and storages made with a custom deleter are not ours to track.
+  if (ptr.get_deleter() != &delete_with_cotenant) return;
+  Owner owner = owner_of(ptr.get());
+  if (owner.allocator == nullptr) return;
+  DeviceAllocators* d = existing(owner.device);
+  // Inside a capture a graph-pool block is only reused by the same graph in
+  // capture order, so it needs no events (events cannot be queried there).
+  if (owner.graph_pool && d != nullptr && d->capturing.load(std::memory_order_acquire)) return;
+  translate_errors([&] {
+    owner.allocator->record_stream(reinterpret_cast<DevicePtr>(ptr.get()),
+                                   static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream.stream())));
+  });
+}
+
+// ---- device-wide operations ---------------------------------------------------------
+
+bool CotenantCudaAllocator::initialized() { return device_count_.load(std::memory_order_acquire) > 0; }
+
+void CotenantCudaAllocator::init(int device_count) {
+  TORCH_CHECK(device_count <= static_cast<int>(devices_.size()), "cotenant supports at most ",
+              devices_.size(), " CUDA devices per process; this process sees ", device_count, ".");
+  device_count_.store(device_count, std::memory_order_release);
+}
+
+std::vector<CachingAllocator*> CotenantCudaAllocator::allocators_of(DeviceAllocators& d,
+                                                                    c10::MempoolId_t mempool_id) {
+  std::vector<CachingAllocator*> out;
+  std::lock_guard<std::mutex> lock(d.pools_mutex);
+  if (mempool_id == kDefaultPool) {
+    out.push_back(d.main.get());
+    for (auto& [id, pool] : d.pools) out.push_back(pool.allocator.get());
+  } else {
+    auto it = d.pools.find(mempool_id);
+    if (it != d.pools.end()) out.push_back(it->second.allocator.get());
+  }
+  return out;
+}
+
+void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
+  const int count = device_count_.load();
+  for (int dev = 0; dev < count; ++dev) {
+    DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
+    if (d == nullptr) continue;
+    for (CachingAllocator* a : allocators_of(*d, mempool_id)) translate_errors([&] { a->empty_cache(); });
+    // Pools that no graph holds any more and that are empty go away entirely.
+    std::lock_guard<std::mutex> lock(d->pools_mutex);
+    for (auto it = d->pools.begin(); it != d->pools.end();) {
+      bool routed = std::any_of(d->capture_routes.begin(), d->capture_routes.end(),
+                                [&](const auto& route) { return route.first == it->first; });
+      if (it->second.use_count <= 0 && !routed &&
+          it->second.allocator->stats().allocated_bytes.all.current == 0) {
+        it = d->pools.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c10::DeviceIndex device) {
+  c10::CachingDeviceAllocator::DeviceStats out;
+  DeviceAllocators* d = existing(device);
+  if (d == nullptr) return out;  // nothing allocated on it yet
+  for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) add_stats(out, a->stats());
+  out.max_split_size = std::numeric_limits<int64_t>::max();  // blocks of any size may split
+  return out;
+}
+
+void CotenantCudaAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
+  if (DeviceAllocators* d = existing(device)) {
+    for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_accumulated_stats();
+  }
+}
+
+void CotenantCudaAllocator::resetPeakStats(c10::DeviceIndex device) {
+  if (DeviceAllocators* d = existing(device)) {
+    for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_peak_stats();
+  }
+}
+
+double CotenantCudaAllocator::getMemoryFraction(c10::DeviceIndex device) {
+  DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
+  std::uint64_t cap = d.main->memory_cap();
+  if (cap == kNoCap) return 1.0;
+  return static_cast<double>(cap) / static_cast<double>(d.backend->device_total_bytes());
+}
+
+void CotenantCudaAllocator::setMemoryFraction(double fraction, c10::DeviceIndex device) {
+  TORCH_CHECK(fraction > 0.0 && fraction <= 1.0, "torch.cuda.set_per_process_memory_fraction(",
+              fraction, ") is outside (0, 1]; pass a fraction of the device's memory, e.g. 0.5.");
+  DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
+  // Under cotenant the fraction is a memory cap: memory above it spills to
+  // the host instead of raising OutOfMemoryError.
+  auto cap = static_cast<std::uint64_t>(fraction * static_cast<double>(d.backend->device_total_bytes()));
+  translate_errors([&] { d.main->set_memory_cap(fraction >= 1.0 ? kNoCap : cap); });
+}
+
+std::vector<c10_alloc::StreamSegmentSize> CotenantCudaAllocator::getExpandableSegmentSizes(
+    c10::DeviceIndex /*device*/) {
+  return {};  // cotenant has no expandable segments: every segment is page-mapped from the start
+}
+
+void CotenantCudaAllocator::enable(bool value) { enabled_.store(value); }
+bool CotenantCudaAllocator::isEnabled() const { return enabled_.load(); }
+
+void CotenantCudaAllocator::cacheInfo(c10::DeviceIndex device, size_t* largestBlock) {
+  DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
+  if (*largestBlock == 0) {
+    // PyTorch's convention: a zero input asks for an initial guess, the
+    // free device memory; under a cap, no more than the room below it.
+    std::size_t guess = d.backend->device_free_bytes();
+    AllocatorStats s = d.main->stats();
+    if (s.memory_cap != kNoCap) {
+      auto resident = static_cast<std::uint64_t>(std::max<std::int64_t>(s.device_resident_bytes.current, 0));
+      std::uint64_t room = s.memory_cap > resident ? s.memory_cap - resident : 0;
+      guess = std::min<std::size_t>(guess, room);
+    }
+    *largestBlock = guess;
+  }
+  for (const SegmentInfo& segment : d.main->snapshot()) {
+    for (const BlockInfo& block : segment.blocks) {
+      if (!block.allocated && !block.waiting_on_events && block.size > *largestBlock) {
+        *largestBlock = block.size;
+      }
+    }
+  }
+}
+
+void* CotenantCudaAllocator::getBaseAllocation(void* ptr, size_t* size) {
+  Owner owner = owner_of(ptr);
+  TORCH_CHECK(owner.allocator != nullptr, "getBaseAllocation: ", ptr,
+              " is not a live allocation of cotenant's CUDA allocator.");
+  const auto address = reinterpret_cast<DevicePtr>(ptr);
+  for (const SegmentInfo& segment : owner.allocator->snapshot()) {
+    if (address >= segment.address && address < segment.address + segment.size) {
+      if (size != nullptr) *size = segment.size;
+      return reinterpret_cast<void*>(segment.address);
+    }
+  }
+  TORCH_CHECK(false, "getBaseAllocation: no segment holds ", ptr, ".");
+}
+
+c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool_id, bool /*include_traces*/) {
+  c10_alloc::SnapshotInfo out;
+  const int count = device_count_.load();
+  out.device_traces.resize(static_cast<size_t>(std::max(count, 0)));  // history is not recorded
+  for (int dev = 0; dev < count; ++dev) {
+    DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
+    if (d == nullptr) continue;
+    std::vector<std::pair<c10::MempoolId_t, CachingAllocator*>> sources;
+    {
+      std::lock_guard<std::mutex> lock(d->pools_mutex);
+      if (mempool_id == kDefaultPool) sources.emplace_back(kDefaultPool, d->main.get());
+      for (auto& [id, pool] : d->pools) {
+        if (mempool_id == kDefaultPool || mempool_id == id) sources.emplace_back(id, pool.allocator.get());
+      }
+    }
+    for (auto& [id, allocator] : sources) {
+      for (const SegmentInfo& s : allocator->snapshot()) {
+        out.segments.push_back(to_torch_segment(s, static_cast<c10::DeviceIndex>(dev), id));
+      }
+    }
+  }
+  out.config_metadata.garbage_collection_threshold = 0.0;
+  out.config_metadata.max_split_size = std::numeric_limits<size_t>::max();
+  out.config_metadata.pinned_num_register_threads = 1;
+  out.config_metadata.expandable_segments = false;
+  out.config_metadata.release_lock_on_malloc = false;
+  out.config_metadata.pinned_use_host_register = false;
+  out.config_metadata.graph_capture_record_stream_reuse = false;
+  out.config_metadata.last_allocator_settings = "cotenant";
+  return out;
+}
+
+// ---- CUDA graph pools -----------------------------------------------------------------
+
+void CotenantCudaAllocator::createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                                               std::shared_ptr<c10_alloc::CUDAAllocator> allocator) {
+  TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+              "torch.cuda.MemPool with a custom allocator is not supported while cotenant manages "
+              "CUDA memory; create the MemPool without an allocator argument.");
+  DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
+  std::lock_guard<std::mutex> lock(d.pools_mutex);
+  auto& pool = d.pools[mempool_id];
+  if (!pool.allocator) {
+    AllocatorOptions options;
+    // Graph memory must stay at its addresses and on the device while a
+    // graph may replay: a pool is never capped.
+    pool.allocator = std::make_unique<CachingAllocator>(*d.backend, options);
+  }
+  ++pool.use_count;
+}
+
+void CotenantCudaAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                                                std::function<bool(cudaStream_t)> filter) {
+  DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
+  {
+    std::lock_guard<std::mutex> lock(d.pools_mutex);
+    auto it = d.pools.find(mempool_id);
+    if (it == d.pools.end()) {
+      auto& pool = d.pools[mempool_id];
+      pool.allocator = std::make_unique<CachingAllocator>(*d.backend);
+      pool.use_count = 1;  // PyTorch's convention: a pool begun here is held by its graph
+    }
+    for (const auto& route : d.capture_routes) {
+      TORCH_CHECK(route.first != mempool_id, "beginAllocateToPool: pool ", format_pool(mempool_id),
+                  " is already receiving allocations on cuda:", static_cast<int>(device), ".");
+    }
+    d.capture_routes.emplace_back(mempool_id, std::move(filter));
+  }
+  d.capturing.store(true, std::memory_order_release);
+}
+
+void CotenantCudaAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
+  DeviceAllocators* d = existing(device);
+  if (d == nullptr) return;
+  std::lock_guard<std::mutex> lock(d->pools_mutex);
+  auto& routes = d->capture_routes;
+  routes.erase(std::remove_if(routes.begin(), routes.end(),
+                              [&](const auto& route) { return route.first == mempool_id; }),
+               routes.end());
+  d->capturing.store(!routes.empty(), std::memory_order_release);
+}
+
+void CotenantCudaAllocator::releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
+  DeviceAllocators* d = existing(device);
+  if (d == nullptr) return;
+  std::lock_guard<std::mutex> lock(d->pools_mutex);
+  auto it = d->pools.find(mempool_id);
+  if (it == d->pools.end()) return;
+  if (--it->second.use_count > 0) return;
+  // The last holder is gone: release the pool's cache now; the pool object
+  // itself goes when its last live block is freed and the cache is emptied.
+  translate_errors([&] { it->second.allocator->empty_cache(); });
+  if (it->second.allocator->stats().allocated_bytes.all.current == 0) d->pools.erase(it);
+}
+
+int CotenantCudaAllocator::getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
+  DeviceAllocators* d = existing(device);
+  if (d == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(d->pools_mutex);
+  auto it = d->pools.find(mempool_id);
+  return it == d->pools.end() ? 0 : it->second.use_count;
+}
+
+void CotenantCudaAllocator::setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool) {
+  TORCH_CHECK(false,
+              "torch.cuda.MemPool(use_on_oom=True) is not supported while cotenant manages CUDA "
+              "memory: cotenant never runs out of device memory under its cap, it spills to host "
+              "memory instead. Create the MemPool without use_on_oom.");
+}
+
+void CotenantCudaAllocator::setNoSplit(c10::DeviceIndex, c10::MempoolId_t) {
+  TORCH_CHECK(false,
+              "torch.cuda.MemPool(no_split=True) is not supported while cotenant manages CUDA "
+              "memory; create the MemPool without no_split.");
+}
+
+bool CotenantCudaAllocator::checkPoolLiveAllocations(
+    c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+    const std::unordered_set<void*>& expected_live_allocations) {
+  DeviceAllocators* d = existing(device);
+  if (d == nullptr) return expected_live_allocations.empty();
+  std::size_t live = 0;
+  for (CachingAllocator* a : allocators_of(*d, mempool_id)) {
+    if (mempool_id == kDefaultPool && a != d->main.get()) continue;
+    for (const SegmentInfo& segment : a->snapshot()) {
+      for (const BlockInfo& block : segment.blocks) {
+        if (!block.allocated) continue;
+        ++live;
+        if (!expected_live_allocations.count(reinterpret_cast<void*>(block.address))) return false;
+      }
+    }
+  }
+  return live == expected_live_allocations.size();
+}
+
+std::shared_ptr<c10_alloc::AllocatorState> CotenantCudaAllocator::getCheckpointState(c10::DeviceIndex,
+                                                                                   c10::MempoolId_t) {
+  TORCH_CHECK(false,
+              "CUDA graph trees (torch.compile(mode=\"reduce-overhead\")) checkpoint the allocator's "
+              "pool state, which cotenant's allocator does not support. Use torch.compile's default "
+              "mode or mode=\"max-autotune-no-cudagraphs\", or capture graphs with "
+              "torch.cuda.graph(), which cotenant supports.");
+}
+
+c10_alloc::CheckpointDelta CotenantCudaAllocator::setCheckpointPoolState(
+    c10::DeviceIndex, std::shared_ptr<c10_alloc::AllocatorState>) {
+  TORCH_CHECK(false,
+              "CUDA graph trees (torch.compile(mode=\"reduce-overhead\")) restore the allocator's "
+              "pool state, which cotenant's allocator does not support. Use torch.compile's default "
+              "mode or mode=\"max-autotune-no-cudagraphs\".");
+}
+
+// ---- IPC, history, observers, peers ------------------------------------------------------
+
+c10_alloc::ShareableHandle CotenantCudaAllocator::shareIpcHandle(void* /*ptr*/) {
+  TORCH_CHECK(false,
+              "Sharing a CUDA tensor with another process (torch.multiprocessing, IPC handles) is "
+              "not supported while cotenant manages CUDA memory: its pages may move to the host "
+              "at any safe point. Share CPU tensors instead, or run this process without cotenant "
+              "(COTENANT_DISABLE=1).");
+}
+
+std::shared_ptr<void> CotenantCudaAllocator::getIpcDevPtr(std::string /*handle*/) {
+  TORCH_CHECK(false,
+              "Opening a CUDA tensor shared by another process (torch.multiprocessing, IPC handles) "
+              "is not supported while cotenant manages CUDA memory in this process. Receive CPU "
+              "tensors instead, or run this process without cotenant (COTENANT_DISABLE=1).");
+}
+
+bool CotenantCudaAllocator::isHistoryEnabled() { return false; }
+
+void CotenantCudaAllocator::recordHistory(bool enabled, c10_alloc::CreateContextFn, size_t,
+                                          c10_alloc::RecordContext, bool,
+                                          const std::vector<std::string>&) {
+  TORCH_CHECK(!enabled,
+              "torch.cuda.memory._record_memory_history() is not supported while cotenant manages "
+              "CUDA memory; use torch.cuda.memory_snapshot() (segments and blocks, without stack "
+              "traces) or cotenant.memory_stats() instead.");
+}
+
+void CotenantCudaAllocator::attachOutOfMemoryObserver(c10_alloc::OutOfMemoryObserver observer) {
+  std::lock_guard<std::mutex> lock(observers_mutex_);
+  oom_observers_.push_back(std::move(observer));
+}
+
+void CotenantCudaAllocator::attachAllocatorTraceTracker(c10_alloc::AllocatorTraceTracker tracker) {
+  // Kept so callers that attach one work; cotenant records no trace entries.
+  std::lock_guard<std::mutex> lock(observers_mutex_);
+  trace_trackers_.push_back(std::move(tracker));
+}
+
+void CotenantCudaAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
+  c10::cuda::CUDAGuard guard(dev);
+  cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();
+    return;
+  }
+  C10_CUDA_CHECK(err);
+}
+
+cudaError_t CotenantCudaAllocator::memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,
+                                               size_t count, cudaStream_t stream, bool /*p2p_enabled*/) {
+  // cotenant's memory is VMM-mapped for its own device only, so copies
+  // between devices always take the peer path, which works for it.
+  if (dstDevice == srcDevice) return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+  return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+}
+
+}  // namespace cotenant::torch_ext

@@ -1,0 +1,181 @@
+// The c10 CUDA allocator adapter: cotenant's CachingAllocator behind
+// PyTorch's c10::cuda::CUDACachingAllocator::CUDAAllocator interface.
+//
+// Once installed (before the first CUDA allocation), every CUDA tensor,
+// cuBLAS workspace and torch.cuda.caching_allocator_alloc buffer comes from
+// cotenant, and torch.cuda.memory_allocated / memory_reserved /
+// memory_stats / memory_snapshot / empty_cache report and act on it.
+//
+// Per device: one CudaBackend and one capped CachingAllocator (the "main"
+// allocator, which the memory cap governs), plus one uncapped
+// CachingAllocator per CUDA-graph memory pool, so memory that a captured
+// graph uses is never reused outside it (the graph replays against fixed
+// addresses). Allocations on a stream that a beginAllocateToPool filter
+// accepts go to that pool's allocator until endAllocateToPool.
+//
+// Page moves (spill/restore) happen only at safe points: at outermost ATen
+// op entry (through op_interceptor), at optimizer-step boundaries, and when
+// the Python API or the job channel asks; each pauses the process's launches,
+// synchronizes the device, remaps and resumes.
+#pragma once
+
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <unordered_set>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cotenant/caching_allocator.h"
+
+namespace cotenant::cuda {
+class CudaBackend;
+}
+
+namespace cotenant::torch_ext {
+
+namespace c10_alloc = c10::cuda::CUDACachingAllocator;
+
+// One device's allocators. Created on the device's first use.
+struct DeviceAllocators {
+  struct GraphPool {
+    std::unique_ptr<CachingAllocator> allocator;
+    int use_count = 0;  // graphs / MemPool objects holding the pool
+  };
+
+  explicit DeviceAllocators(c10::DeviceIndex device);
+  ~DeviceAllocators();
+
+  c10::DeviceIndex device;
+  std::unique_ptr<cuda::CudaBackend> backend;
+  std::unique_ptr<CachingAllocator> main;  // capped; owns every non-graph allocation
+
+  // Guards pools and capture_routes.
+  std::mutex pools_mutex;
+  std::map<c10::MempoolId_t, GraphPool> pools;
+  std::vector<std::pair<c10::MempoolId_t, std::function<bool(cudaStream_t)>>> capture_routes;
+  // capture_routes is non-empty: read lock-free on the allocation fast path.
+  std::atomic<bool> capturing{false};
+};
+
+class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
+ public:
+  static CotenantCudaAllocator& instance();
+
+  // Makes this the process's CUDA allocator. Throws cotenant::Error when
+  // PyTorch's own allocator already holds live memory (the message says how
+  // to fix it) or when there is no GPU.
+  void install();
+  bool installed() const;
+
+  // The device's allocators, created on first use (throws cotenant::Error
+  // when the device is unusable).
+  DeviceAllocators& on(c10::DeviceIndex device);
+  // Already-created devices only (nullptr otherwise); lock-free.
+  DeviceAllocators* existing(c10::DeviceIndex device) const;
+
+  // True when some device has pages waiting for a safe point (lock-free).
+  bool has_pending_migrations() const;
+  // Pauses launches, synchronizes and applies pending page moves on every
+  // device. Skips (returns 0) during CUDA graph capture, when another thread
+  // is already doing it, or when other threads' ops did not drain in time.
+  // Returns the bytes moved.
+  std::size_t run_safe_point();
+
+  // ---- c10::Allocator ------------------------------------------------------
+  c10::DataPtr allocate(size_t nbytes) override;
+  c10::DeleterFnPtr raw_deleter() const override;
+  void copy_data(void* dest, const void* src, std::size_t count) const override;
+
+  // ---- c10::DeviceAllocator --------------------------------------------------
+  bool initialized() override;
+  void emptyCache(c10::MempoolId_t mempool_id = {0, 0}) override;
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override;
+  void resetAccumulatedStats(c10::DeviceIndex device) override;
+  void resetPeakStats(c10::DeviceIndex device) override;
+
+  // ---- CUDAAllocator ---------------------------------------------------------
+  void* raw_alloc(size_t nbytes) override;
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override;
+  void raw_delete(void* ptr) override;
+  void init(int device_count) override;
+  double getMemoryFraction(c10::DeviceIndex device) override;
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override;
+  std::vector<c10_alloc::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override;
+  void enable(bool value) override;
+  bool isEnabled() const override;
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override;
+  void* getBaseAllocation(void* ptr, size_t* size) override;
+  using c10_alloc::CUDAAllocator::recordStream;
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override;
+  c10_alloc::SnapshotInfo snapshot(c10::MempoolId_t mempool_id = {0, 0},
+                                   bool include_traces = true) override;
+  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override;
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override;
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override;
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override;
+  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                          std::shared_ptr<c10_alloc::CUDAAllocator> allocator = nullptr) override;
+  void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t mempool_id, bool use_on_oom) override;
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override;
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected_live_allocations) override;
+  c10_alloc::ShareableHandle shareIpcHandle(void* ptr) override;
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override;
+  bool isHistoryEnabled() override;
+  void recordHistory(bool enabled, c10_alloc::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, c10_alloc::RecordContext when,
+                     bool clearHistory, const std::vector<std::string>& skip_actions) override;
+  void attachOutOfMemoryObserver(c10_alloc::OutOfMemoryObserver observer) override;
+  void attachAllocatorTraceTracker(c10_alloc::AllocatorTraceTracker tracker) override;
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override;
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override;
+  std::shared_ptr<c10_alloc::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                                c10::MempoolId_t id) override;
+  c10_alloc::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device, std::shared_ptr<c10_alloc::AllocatorState> pps) override;
+  std::string name() override { return "cotenant"; }
+
+ private:
+  CotenantCudaAllocator() = default;
+
+  struct Owner {
+    CachingAllocator* allocator = nullptr;
+    c10::DeviceIndex device = 0;
+    bool graph_pool = false;
+  };
+
+  void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
+  Owner owner_of(void* ptr) const;  // allocator == nullptr when unknown
+  // The allocators of one device (main first), or of one pool when
+  // `mempool_id` is not {0, 0}.
+  std::vector<CachingAllocator*> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);
+
+  std::atomic<bool> installed_{false};
+  std::atomic<bool> enabled_{true};
+  std::atomic<int> device_count_{0};
+
+  std::mutex devices_mutex_;  // creation of DeviceAllocators
+  std::array<std::atomic<DeviceAllocators*>, C10_COMPILE_TIME_MAX_GPUS> devices_{};
+  std::vector<std::unique_ptr<DeviceAllocators>> owned_devices_;
+
+  mutable std::mutex owners_mutex_;
+  std::unordered_map<void*, Owner> owners_;  // every live pointer -> the allocator that made it
+
+  std::mutex observers_mutex_;
+  std::vector<c10_alloc::OutOfMemoryObserver> oom_observers_;
+  std::vector<c10_alloc::AllocatorTraceTracker> trace_trackers_;
+
+  std::mutex safe_point_mutex_;
+};
+
+}  // namespace cotenant::torch_ext

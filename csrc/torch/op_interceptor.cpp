@@ -1,0 +1,168 @@
+#include "op_interceptor.h"
+
+#include <ATen/record_function.h>
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+namespace cotenant::torch_ext {
+namespace {
+
+struct HookSlot {
+  std::atomic<OpEntryHook> hook{nullptr};
+  std::atomic<void*> context{nullptr};
+};
+
+// Registered hooks. A slot is live when its hook is non-null; slots are
+// filled and cleared under registration_mutex, read lock-free at op entry.
+std::array<HookSlot, kMaxOpEntryHooks> hook_slots;
+std::atomic<int> highest_slot_plus_one{0};
+std::mutex registration_mutex;
+std::once_flag callback_installed;
+
+// Outermost ops currently running, all threads.
+std::atomic<std::int64_t> outermost_ops{0};
+
+// The launch pause. pause_depth > 0 means entering threads wait, except the
+// thread that holds the pause (it synchronizes and remaps, and may itself
+// need to run ops while it holds it).
+std::atomic<int> pause_depth{0};
+std::atomic<std::thread::id> pause_owner{};
+std::mutex pause_mutex;
+std::condition_variable pause_released;  // entering threads wait on this
+std::condition_variable ops_drained;     // the pausing thread waits on this
+
+// This thread's op nesting depth: only the outermost op runs the hooks.
+thread_local int op_depth = 0;
+// Set while this thread runs hooks: a hook that runs an op (e.g. a
+// synchronize through ATen) must not re-enter the hooks.
+thread_local bool running_hooks = false;
+
+void run_hooks(const at::RecordFunction& fn) {
+  const int slots = highest_slot_plus_one.load(std::memory_order_acquire);
+  if (slots == 0) return;
+  OpEntry entry{fn.name()};
+  running_hooks = true;
+  for (int i = 0; i < slots; ++i) {
+    OpEntryHook hook = hook_slots[i].hook.load(std::memory_order_acquire);
+    if (hook != nullptr) hook(entry, hook_slots[i].context.load(std::memory_order_acquire));
+  }
+  running_hooks = false;
+}
+
+void wait_while_paused() {
+  if (pause_depth.load(std::memory_order_acquire) == 0) return;
+  if (pause_owner.load(std::memory_order_acquire) == std::this_thread::get_id()) return;
+  std::unique_lock<std::mutex> lock(pause_mutex);
+  pause_released.wait(lock, [] { return pause_depth.load(std::memory_order_acquire) == 0; });
+}
+
+std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
+  if (op_depth++ > 0 || running_hooks) return nullptr;
+  run_hooks(fn);
+  // Count the op before re-checking the pause, so a pausing thread either
+  // sees this op in flight or this thread sees the pause (both are seq_cst).
+  for (;;) {
+    outermost_ops.fetch_add(1, std::memory_order_seq_cst);
+    if (pause_depth.load(std::memory_order_seq_cst) == 0 ||
+        pause_owner.load(std::memory_order_acquire) == std::this_thread::get_id()) {
+      break;
+    }
+    if (outermost_ops.fetch_sub(1, std::memory_order_seq_cst) == 1) {
+      std::lock_guard<std::mutex> lock(pause_mutex);
+      ops_drained.notify_all();
+    }
+    wait_while_paused();
+  }
+  return nullptr;
+}
+
+void on_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+  if (op_depth == 0) return;  // the callback was installed while this op ran
+  if (--op_depth > 0 || running_hooks) return;
+  if (outermost_ops.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
+      pause_depth.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lock(pause_mutex);
+    ops_drained.notify_all();
+  }
+}
+
+void install_callback() {
+  at::addGlobalCallback(at::RecordFunctionCallback(&on_op_entry, &on_op_exit)
+                            .needsInputs(false)
+                            .needsOutputs(false)
+                            .needsIds(false)
+                            .scopes({at::RecordScope::FUNCTION}));
+}
+
+}  // namespace
+
+int add_op_entry_hook(OpEntryHook hook, void* context) {
+  if (hook == nullptr) throw std::invalid_argument("add_op_entry_hook: hook must not be null");
+  std::call_once(callback_installed, install_callback);
+  std::lock_guard<std::mutex> lock(registration_mutex);
+  for (std::size_t i = 0; i < kMaxOpEntryHooks; ++i) {
+    if (hook_slots[i].hook.load(std::memory_order_relaxed) != nullptr) continue;
+    hook_slots[i].context.store(context, std::memory_order_release);
+    hook_slots[i].hook.store(hook, std::memory_order_release);
+    if (static_cast<int>(i) + 1 > highest_slot_plus_one.load(std::memory_order_relaxed)) {
+      highest_slot_plus_one.store(static_cast<int>(i) + 1, std::memory_order_release);
+    }
+    return static_cast<int>(i);
+  }
+  throw std::runtime_error("cotenant: more than " + std::to_string(kMaxOpEntryHooks) +
+                           " op-entry hooks registered at once");
+}
+
+void remove_op_entry_hook(int id) {
+  if (id < 0 || id >= static_cast<int>(kMaxOpEntryHooks)) return;
+  std::lock_guard<std::mutex> lock(registration_mutex);
+  hook_slots[id].hook.store(nullptr, std::memory_order_release);
+}
+
+std::int64_t ops_in_flight() { return outermost_ops.load(std::memory_order_acquire); }
+
+bool inside_op_on_this_thread() { return op_depth > 0; }
+
+bool pause_launches(std::chrono::microseconds drain_timeout) {
+  const auto me = std::this_thread::get_id();
+  std::unique_lock<std::mutex> lock(pause_mutex);
+  if (pause_depth.load(std::memory_order_acquire) > 0 && pause_owner.load() == me) {
+    pause_depth.fetch_add(1);  // nested pause by the holder
+    return true;
+  }
+  // Another thread holds a pause: wait for it to end (bounded), then take ours.
+  if (!pause_released.wait_for(lock, drain_timeout,
+                               [] { return pause_depth.load(std::memory_order_acquire) == 0; })) {
+    return false;
+  }
+  pause_owner.store(me, std::memory_order_release);
+  pause_depth.store(1, std::memory_order_seq_cst);
+  // This thread's own outermost op (if it pauses from inside one) stays counted.
+  const std::int64_t own = (op_depth > 0 && !running_hooks) ? 1 : 0;
+  const bool drained = ops_drained.wait_for(lock, drain_timeout, [own] {
+    return outermost_ops.load(std::memory_order_seq_cst) <= own;
+  });
+  if (!drained) {
+    pause_depth.store(0, std::memory_order_seq_cst);
+    pause_owner.store(std::thread::id{}, std::memory_order_release);
+    pause_released.notify_all();
+    return false;
+  }
+  return true;
+}
+
+void resume_launches() {
+  std::lock_guard<std::mutex> lock(pause_mutex);
+  if (pause_depth.load() == 0) return;
+  if (pause_depth.fetch_sub(1) == 1) {
+    pause_owner.store(std::thread::id{}, std::memory_order_release);
+    pause_released.notify_all();
+  }
+}
+
+}  // namespace cotenant::torch_ext
