@@ -1,0 +1,320 @@
+// cotenant._core: the coordinator's data plane for Python.
+//
+//   JobBlock    the coordinator's handle on one job's shared-memory block:
+//               create/open, write cap/share/commands, read the job's report.
+//   JobChannel  the job side: the C++ polling thread, wired either to a
+//               CachingAllocator (pure C++, no GIL) or to Python callables.
+//
+// Python never sees offsets: every field goes through job_block.h.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cotenant/caching_allocator.h"
+#include "cotenant/errors.h"
+#include "cotenant/job_channel.h"
+#include "cotenant/shm/job_block.h"
+#include "cotenant/shm/shm_region.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace cotenant::bindings {
+namespace {
+
+using shm::JobBlock;
+using shm::JobCommand;
+using shm::JobControl;
+using shm::JobIdentity;
+using shm::JobReport;
+using shm::ShmRegion;
+
+// None <-> no cap, as everywhere in the Python API.
+py::object cap_to_python(std::uint64_t cap) {
+  return cap == shm::kUnlimitedCap ? py::none() : py::object(py::int_(cap));
+}
+std::uint64_t cap_from_python(const py::object& cap) {
+  if (cap.is_none()) return shm::kUnlimitedCap;
+  if (py::isinstance<py::bool_>(cap) || !py::isinstance<py::int_>(cap)) {
+    throw Error("a memory cap must be an int of bytes or None, not " +
+                std::string(py::str(py::type::of(cap).attr("__name__"))));
+  }
+  auto value = cap.cast<long long>();
+  if (value <= 0) throw Error("a memory cap must be at least 1 byte; use None for no cap");
+  return static_cast<std::uint64_t>(value);
+}
+double share_from_python(double share) {
+  if (!std::isfinite(share) || share < 0.0 || share > 1.0) {
+    throw Error("a compute share must be a number from 0 (paused) to 1 (unthrottled), not " +
+                std::to_string(share));
+  }
+  return share;
+}
+
+JobCommand command_from_name(const std::string& name) {
+  for (auto command : {JobCommand::kSpillAll, JobCommand::kRestoreAll, JobCommand::kSuspend, JobCommand::kResume}) {
+    if (name == shm::job_command_name(command)) return command;
+  }
+  throw Error("'" + name + "' is not a job command: use spill_all, restore_all, suspend or resume");
+}
+
+py::dict identity_dict(const JobIdentity& identity) {
+  py::dict d;
+  d["job_id"] = identity.job_id;
+  d["name"] = identity.name;
+  d["role"] = shm::job_role_name(identity.role);
+  d["device"] = identity.device;
+  d["pid"] = identity.pid;
+  d["uid"] = identity.uid;
+  d["created_ns"] = identity.created_ns;
+  return d;
+}
+
+py::dict control_dict(const JobControl& control) {
+  py::dict d;
+  d["memory_cap"] = cap_to_python(control.memory_cap);
+  d["share"] = control.share;
+  d["command"] = shm::job_command_name(control.command);
+  d["command_sequence"] = control.command_sequence;
+  return d;
+}
+
+py::dict report_dict(const JobReport& r) {
+  py::dict d;
+  d["pid"] = r.pid;
+  d["uid"] = r.uid;
+  d["role"] = shm::job_role_name(r.role);
+  d["device"] = r.device;
+  d["state"] = shm::job_state_name(r.state);
+  d["device_bytes"] = r.device_bytes;
+  d["host_bytes"] = r.host_bytes;
+  d["allocated_bytes"] = r.allocated_bytes;
+  d["cached_bytes"] = r.cached_bytes;
+  d["reserved_bytes"] = r.reserved_bytes;
+  d["peak_allocated_bytes"] = r.peak_allocated_bytes;
+  d["spilled_bytes"] = r.spilled_bytes;
+  d["restored_bytes"] = r.restored_bytes;
+  d["pending_migration_bytes"] = r.pending_migration_bytes;
+  d["iteration_last_us"] = r.iteration_last_us;
+  d["iteration_ewma_us"] = r.iteration_ewma_us;
+  d["iteration_count"] = r.iteration_count;
+  d["applied_memory_cap"] = cap_to_python(r.applied_memory_cap);
+  d["applied_share"] = r.applied_share;
+  d["applied_command_sequence"] = r.applied_command_sequence;
+  d["apply_errors"] = r.apply_errors;
+  d["heartbeat_ns"] = r.heartbeat_ns;
+  return d;
+}
+
+// The coordinator's handle on one block.
+class PyJobBlock {
+ public:
+  explicit PyJobBlock(ShmRegion region) : region_(std::move(region)) {}
+
+  static std::unique_ptr<PyJobBlock> create(const std::string& name, std::uint64_t job_id,
+                                            const std::string& job_name, const std::string& role,
+                                            std::uint32_t device, std::uint64_t pid, std::uint64_t uid,
+                                            const py::object& memory_cap, double share) {
+    JobIdentity identity;
+    identity.job_id = job_id;
+    identity.name = job_name;
+    identity.role = shm::parse_job_role(role);
+    identity.device = device;
+    identity.pid = pid;
+    identity.uid = uid;
+    identity.created_ns = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count());
+    JobControl control;
+    control.memory_cap = cap_from_python(memory_cap);
+    control.share = share_from_python(share);
+    auto block = std::make_unique<PyJobBlock>(ShmRegion::create(name, shm::kJobBlockBytes));
+    shm::initialize_job_block(block->block(), identity, control);
+    return block;
+  }
+
+  static std::unique_ptr<PyJobBlock> open(const std::string& name) {
+    auto block = std::make_unique<PyJobBlock>(ShmRegion::open(name, 0));
+    shm::check_job_block(block->block(), block->region_.size());
+    return block;
+  }
+
+  JobBlock& block() {
+    if (!region_.valid()) throw Error("the job block '" + name_ + "' was closed");
+    return *static_cast<JobBlock*>(region_.data());
+  }
+  const std::string& name() {
+    if (name_.empty()) name_ = region_.name();
+    return name_;
+  }
+
+  void set_control(const py::object& memory_cap, const py::object& share) {
+    auto& b = block();
+    JobControl control = shm::read_control(b);
+    if (!memory_cap.is(py::ellipsis())) control.memory_cap = cap_from_python(memory_cap);
+    if (!share.is(py::ellipsis())) control.share = share_from_python(share.cast<double>());
+    shm::write_control(b, control);
+  }
+
+  std::uint64_t send_command(const std::string& name) {
+    auto& b = block();
+    JobControl control = shm::read_control(b);
+    control.command = command_from_name(name);
+    ++control.command_sequence;
+    shm::write_control(b, control);
+    return control.command_sequence;
+  }
+
+  void close() {
+    name();
+    region_ = ShmRegion();
+  }
+  bool unlink() {
+    auto n = name();
+    region_ = ShmRegion();
+    return ShmRegion::unlink(n);
+  }
+
+ private:
+  ShmRegion region_;
+  std::string name_;
+};
+
+// The job side. Owns the C++ channel; stops it with the GIL released so a
+// Python hook waiting for the GIL cannot deadlock the stop.
+class PyJobChannel {
+ public:
+  PyJobChannel(const std::string& block_name, JobChannelHooks hooks, std::uint64_t poll_interval_us,
+               bool uses_python_hooks)
+      : uses_python_hooks_(uses_python_hooks) {
+    JobChannelOptions options;
+    options.poll_interval = std::chrono::microseconds(poll_interval_us);
+    channel_ = std::make_unique<JobChannel>(block_name, std::move(hooks), options);
+  }
+  ~PyJobChannel() { close(); }
+
+  JobChannel& channel() {
+    if (!channel_) throw Error("the job channel was closed; open a new one to talk to the coordinator");
+    return *channel_;
+  }
+  void close() {
+    if (!channel_) return;
+    if (uses_python_hooks_ && PyGILState_Check()) {
+      py::gil_scoped_release released;
+      channel_->stop();
+    } else {
+      channel_->stop();
+    }
+    channel_.reset();  // destroys the hooks (Python objects) with the GIL held
+  }
+
+ private:
+  std::unique_ptr<JobChannel> channel_;
+  bool uses_python_hooks_;
+};
+
+// Wraps an optional Python callable as a hook that takes the GIL to run.
+template <typename... Args>
+std::function<void(Args...)> python_hook(const py::object& callable) {
+  if (callable.is_none()) return {};
+  auto shared = std::make_shared<py::object>(callable);
+  return [shared](Args... args) {
+    py::gil_scoped_acquire gil;
+    (*shared)(args...);
+  };
+}
+
+}  // namespace
+
+COTENANT_CORE_BINDINGS(job_channel) {
+  m.attr("JOB_BLOCK_VERSION") = shm::kJobBlockVersion;
+  m.attr("JOB_BLOCK_BYTES") = shm::kJobBlockBytes;
+  m.def("monotonic_ns", &shm::monotonic_ns, "CLOCK_MONOTONIC in nanoseconds: the heartbeat clock.");
+  m.def("shm_exists", [](const std::string& name) { return ShmRegion::exists(name); }, py::arg("name"));
+  m.def("shm_unlink", [](const std::string& name) { return ShmRegion::unlink(name); }, py::arg("name"),
+        "Removes a shared-memory name; False if it did not exist.");
+
+  py::class_<PyJobBlock>(m, "JobBlock",
+                         "The coordinator's handle on one job's shared-memory block (cap, share, commands "
+                         "out; the job's report in).")
+      .def_static("create", &PyJobBlock::create, py::arg("name"), py::kw_only(), py::arg("job_id"),
+                  py::arg("job_name"), py::arg("role"), py::arg("device"), py::arg("pid"), py::arg("uid"),
+                  py::arg("memory_cap") = py::none(), py::arg("share") = 1.0,
+                  "Creates the block (refuses an existing name) with its identity and initial control.")
+      .def_static("open", &PyJobBlock::open, py::arg("name"),
+                  "Opens an existing block; raises Error if it is not a block of this version.")
+      .def_property_readonly("name", &PyJobBlock::name)
+      .def("identity", [](PyJobBlock& self) { return identity_dict(shm::read_identity(self.block())); })
+      .def("control", [](PyJobBlock& self) { return control_dict(shm::read_control(self.block())); })
+      .def("report", [](PyJobBlock& self) { return report_dict(shm::read_report(self.block())); })
+      .def("heartbeat_ns", [](PyJobBlock& self) { return shm::read_heartbeat_ns(self.block()); })
+      .def("set_control", &PyJobBlock::set_control, py::kw_only(), py::arg("memory_cap") = py::ellipsis(),
+           py::arg("share") = py::ellipsis(),
+           "Sets the cap (int bytes, None = no cap) and/or the share in [0, 1]; omitted ones stay.")
+      .def("send_command", &PyJobBlock::send_command, py::arg("command"),
+           "Queues spill_all, restore_all, suspend or resume; returns its sequence number.")
+      .def("close", &PyJobBlock::close, "Unmaps the block; the name stays.")
+      .def("unlink", &PyJobBlock::unlink, "Unmaps the block and removes its name.");
+
+  py::class_<PyJobChannel>(m, "JobChannel",
+                           "The job side of the data plane: a C++ thread that applies the coordinator's cap, "
+                           "share and commands and publishes the job's numbers and a heartbeat.")
+      .def(py::init([](const std::string& block_name, CachingAllocator* allocator, const py::object& on_cap,
+                       const py::object& on_share, const py::object& on_spill_all,
+                       const py::object& on_restore_all, const py::object& on_suspend,
+                       std::uint64_t poll_interval_us) {
+             JobChannelHooks hooks;
+             if (allocator != nullptr) hooks = JobChannel::simulated_allocator_hooks(*allocator);
+             bool python_hooks = false;
+             auto take = [&python_hooks](auto& slot, auto hook) {
+               if (hook) {
+                 slot = std::move(hook);
+                 python_hooks = true;
+               }
+             };
+             take(hooks.set_memory_cap, python_hook<std::uint64_t>(on_cap));
+             take(hooks.set_share, python_hook<double>(on_share));
+             take(hooks.spill_all, python_hook<>(on_spill_all));
+             take(hooks.restore_all, python_hook<>(on_restore_all));
+             take(hooks.set_suspended, python_hook<bool>(on_suspend));
+             return std::make_unique<PyJobChannel>(block_name, std::move(hooks), poll_interval_us, python_hooks);
+           }),
+           // The channel's hooks hold the allocator: keep it alive as long.
+           py::keep_alive<1, 3>(), py::arg("block_name"), py::kw_only(), py::arg("allocator") = nullptr,
+           py::arg("on_cap") = py::none(), py::arg("on_share") = py::none(), py::arg("on_spill_all") = py::none(),
+           py::arg("on_restore_all") = py::none(), py::arg("on_suspend") = py::none(),
+           py::arg("poll_interval_us") = 2000,
+           "allocator: a CachingAllocator whose cap and statistics the channel drives (migrations apply at "
+           "once, as on the simulated device). on_*: Python callables run with the GIL (they override the "
+           "allocator's hooks).")
+      .def("start", [](PyJobChannel& self) { self.channel().start(); })
+      .def("stop",
+           [](PyJobChannel& self) {
+             py::gil_scoped_release released;
+             self.channel().stop();
+           })
+      .def("close", &PyJobChannel::close, "Stops the thread and reports the job as exited.")
+      .def("poll_once",
+           [](PyJobChannel& self) {
+             py::gil_scoped_release released;
+             return self.channel().poll_once();
+           },
+           "One apply + publish round on this thread; True if anything was applied.")
+      .def("record_iteration", [](PyJobChannel& self, double us) { self.channel().record_iteration(us); },
+           py::arg("microseconds"))
+      .def_property_readonly("running", [](PyJobChannel& self) { return self.channel().running(); })
+      .def_property_readonly("block_name", [](PyJobChannel& self) { return self.channel().block_name(); })
+      .def("identity", [](PyJobChannel& self) { return identity_dict(self.channel().identity()); })
+      .def("control", [](PyJobChannel& self) { return control_dict(self.channel().control()); })
+      .def("report", [](PyJobChannel& self) { return report_dict(self.channel().report()); })
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyJobChannel& self, py::args) { self.close(); });
+}
+
+}  // namespace cotenant::bindings

@@ -1,0 +1,242 @@
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cotenant/caching_allocator.h"
+#include "cotenant/errors.h"
+#include "cotenant/job_channel.h"
+#include "cotenant/shm/job_block.h"
+#include "cotenant/shm/shm_region.h"
+#include "cotenant/simulated_backend.h"
+
+using namespace cotenant;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr std::uint64_t MiB = 1u << 20;
+
+// The coordinator's side of one job: creates and owns the block.
+struct CoordinatorBlock {
+  explicit CoordinatorBlock(const char* what, shm::JobRole role = shm::JobRole::kOpportunistic)
+      : region(shm::ShmRegion::create("/cotenant-test-channel-" + std::string(what) + "-" +
+                                          std::to_string(::getpid()),
+                                      shm::kJobBlockBytes, /*unlink_on_destroy=*/true)) {
+    shm::JobIdentity identity;
+    identity.job_id = 7;
+    identity.name = what;
+    identity.role = role;
+    identity.device = 1;
+    identity.pid = static_cast<std::uint64_t>(::getpid());
+    shm::initialize_job_block(block(), identity, shm::JobControl{});
+  }
+  shm::JobBlock& block() { return *static_cast<shm::JobBlock*>(region.data()); }
+  void set(std::uint64_t cap, double share) {
+    auto control = shm::read_control(block());
+    control.memory_cap = cap;
+    control.share = share;
+    shm::write_control(block(), control);
+  }
+  void command(shm::JobCommand command) {
+    auto control = shm::read_control(block());
+    control.command = command;
+    ++control.command_sequence;
+    shm::write_control(block(), control);
+  }
+  shm::ShmRegion region;
+};
+
+template <typename Predicate>
+bool eventually(Predicate predicate, std::chrono::milliseconds within = 1000ms) {
+  auto deadline = std::chrono::steady_clock::now() + within;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (predicate()) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return predicate();
+}
+
+}  // namespace
+
+TEST_CASE("block_identity_control_and_report_round_trip", "[job_channel]") {
+  CoordinatorBlock coordinator("roundtrip", shm::JobRole::kGuaranteed);
+  auto identity = shm::read_identity(coordinator.block());
+  CHECK(identity.job_id == 7);
+  CHECK(identity.name == "roundtrip");
+  CHECK(identity.role == shm::JobRole::kGuaranteed);
+  CHECK(identity.device == 1);
+  coordinator.set(300 * MiB, 0.25);
+  auto control = shm::read_control(coordinator.block());
+  CHECK(control.memory_cap == 300 * MiB);
+  CHECK(control.share == 0.25);
+  CHECK(shm::read_report(coordinator.block()).heartbeat_ns == 0);  // no job attached yet
+}
+
+TEST_CASE("block_of_another_version_is_refused_with_a_sentence", "[job_channel]") {
+  CoordinatorBlock coordinator("version");
+  coordinator.block().version.store(shm::kJobBlockVersion + 1);
+  CHECK_THROWS_WITH(JobChannel(coordinator.region.name(), {}), Catch::Contains("same cotenant version"));
+}
+
+TEST_CASE("channel_applies_cap_and_share_once_per_change", "[job_channel]") {
+  CoordinatorBlock coordinator("levels");
+  std::vector<std::uint64_t> caps;
+  std::vector<double> shares;
+  JobChannelHooks hooks;
+  hooks.set_memory_cap = [&](std::uint64_t bytes) { caps.push_back(bytes); };
+  hooks.set_share = [&](double share) { shares.push_back(share); };
+  JobChannel channel(coordinator.region.name(), hooks);
+  CHECK_FALSE(channel.poll_once());  // defaults: nothing to apply
+  coordinator.set(512 * MiB, 0.5);
+  CHECK(channel.poll_once());
+  CHECK_FALSE(channel.poll_once());
+  CHECK(caps == std::vector<std::uint64_t>{512 * MiB});
+  CHECK(shares == std::vector<double>{0.5});
+  auto report = shm::read_report(coordinator.block());
+  CHECK(report.applied_memory_cap == 512 * MiB);
+  CHECK(report.applied_share == 0.5);
+  CHECK(report.pid == static_cast<std::uint64_t>(::getpid()));
+  CHECK(report.state == shm::JobState::kRunning);
+}
+
+TEST_CASE("share_outside_zero_to_one_is_clamped", "[job_channel]") {
+  CoordinatorBlock coordinator("clamp");
+  double last = -1;
+  JobChannelHooks hooks;
+  hooks.set_share = [&](double share) { last = share; };
+  JobChannel channel(coordinator.region.name(), hooks);
+  coordinator.set(shm::kUnlimitedCap, 3.0);
+  channel.poll_once();
+  CHECK(last == -1);  // clamped to 1.0, which was already applied: nothing to run
+  CHECK(shm::read_report(coordinator.block()).applied_share == 1.0);
+  coordinator.set(shm::kUnlimitedCap, -2.0);
+  channel.poll_once();
+  CHECK(last == 0.0);
+}
+
+TEST_CASE("each_command_runs_once_and_is_acknowledged_by_sequence", "[job_channel]") {
+  CoordinatorBlock coordinator("commands");
+  int spills = 0, restores = 0;
+  std::vector<bool> suspended;
+  JobChannelHooks hooks;
+  hooks.spill_all = [&] { ++spills; };
+  hooks.restore_all = [&] { ++restores; };
+  hooks.set_suspended = [&](bool value) { suspended.push_back(value); };
+  JobChannel channel(coordinator.region.name(), hooks);
+  coordinator.command(shm::JobCommand::kSpillAll);
+  channel.poll_once();
+  channel.poll_once();
+  CHECK(spills == 1);
+  coordinator.command(shm::JobCommand::kSuspend);
+  channel.poll_once();
+  CHECK(spills == 2);
+  CHECK(shm::read_report(coordinator.block()).state == shm::JobState::kSuspended);
+  coordinator.command(shm::JobCommand::kResume);
+  channel.poll_once();
+  CHECK(restores == 1);
+  CHECK(suspended == std::vector<bool>{true, false});
+  auto report = shm::read_report(coordinator.block());
+  CHECK(report.applied_command_sequence == 3);
+  CHECK(report.state == shm::JobState::kRunning);
+}
+
+TEST_CASE("a_throwing_hook_is_counted_and_not_retried", "[job_channel]") {
+  CoordinatorBlock coordinator("errors");
+  int calls = 0;
+  JobChannelHooks hooks;
+  hooks.set_memory_cap = [&](std::uint64_t) {
+    ++calls;
+    throw Error("refused");
+  };
+  JobChannel channel(coordinator.region.name(), hooks);
+  coordinator.set(1, 1.0);
+  channel.poll_once();
+  channel.poll_once();
+  CHECK(calls == 1);
+  CHECK(shm::read_report(coordinator.block()).apply_errors == 1);
+}
+
+TEST_CASE("iteration_times_publish_last_ewma_and_count", "[job_channel]") {
+  CoordinatorBlock coordinator("iterations");
+  JobChannelOptions options;
+  options.iteration_ewma_weight = 0.5;
+  JobChannel channel(coordinator.region.name(), {}, options);
+  channel.record_iteration(100.0);
+  channel.record_iteration(200.0);
+  channel.record_iteration(-5.0);  // ignored
+  channel.poll_once();
+  auto report = shm::read_report(coordinator.block());
+  CHECK(report.iteration_last_us == 200.0);
+  CHECK(report.iteration_ewma_us == 150.0);
+  CHECK(report.iteration_count == 2);
+}
+
+TEST_CASE("polling_thread_applies_a_cap_within_milliseconds_and_heartbeats", "[job_channel]") {
+  CoordinatorBlock coordinator("thread");
+  std::atomic<std::uint64_t> cap{0};
+  JobChannelHooks hooks;
+  hooks.set_memory_cap = [&](std::uint64_t bytes) { cap = bytes; };
+  JobChannel channel(coordinator.region.name(), hooks);
+  channel.start();
+  auto first_beat = shm::read_heartbeat_ns(coordinator.block());
+  coordinator.set(64 * MiB, 1.0);
+  CHECK(eventually([&] { return cap.load() == 64 * MiB; }, 500ms));
+  CHECK(eventually([&] { return shm::read_heartbeat_ns(coordinator.block()) > first_beat; }, 500ms));
+  channel.stop();
+  CHECK_FALSE(channel.running());
+}
+
+TEST_CASE("destroyed_channel_reports_the_job_exited", "[job_channel]") {
+  CoordinatorBlock coordinator("exit");
+  {
+    JobChannel channel(coordinator.region.name(), {});
+    channel.start();
+  }
+  CHECK(shm::read_report(coordinator.block()).state == shm::JobState::kExited);
+}
+
+TEST_CASE("shrinking_cap_spills_a_simulated_allocator_and_reports_its_bytes", "[job_channel]") {
+  CoordinatorBlock coordinator("allocator");
+  SimulatedDeviceConfig config;
+  config.device_capacity = 256 * MiB;
+  SimulatedBackend backend(config);
+  CachingAllocator allocator(backend);
+  std::vector<DevicePtr> live;
+  for (int i = 0; i < 8; ++i) live.push_back(allocator.allocate(16 * MiB, 0));
+  const char pattern[] = "survives the spill";
+  backend.write(live[0], pattern, sizeof pattern);
+
+  JobChannel channel(coordinator.region.name(), JobChannel::simulated_allocator_hooks(allocator));
+  channel.poll_once();
+  auto before = shm::read_report(coordinator.block());
+  CHECK(before.allocated_bytes == 128 * MiB);
+  CHECK(before.device_bytes >= 128 * MiB);
+  CHECK(before.host_bytes == 0);
+
+  coordinator.set(64 * MiB, 1.0);
+  channel.poll_once();
+  auto after = shm::read_report(coordinator.block());
+  CHECK(after.device_bytes <= 64 * MiB);
+  CHECK(after.host_bytes >= 64 * MiB);
+  CHECK(after.device_bytes + after.host_bytes == after.reserved_bytes);
+  CHECK(after.spilled_bytes >= 64 * MiB);
+  CHECK(after.applied_memory_cap == 64 * MiB);
+  char read_back[sizeof pattern] = {};
+  backend.read(live[0], read_back, sizeof read_back);
+  CHECK(std::string(read_back) == pattern);
+
+  coordinator.set(shm::kUnlimitedCap, 1.0);
+  channel.poll_once();
+  channel.poll_once();
+  auto restored = shm::read_report(coordinator.block());
+  CHECK(restored.host_bytes == 0);
+  CHECK(restored.restored_bytes >= 64 * MiB);
+  for (auto address : live) allocator.free(address);
+}
