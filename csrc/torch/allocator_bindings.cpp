@@ -70,14 +70,16 @@ std::unique_ptr<JobChannel> job_channel;
 
 COTENANT_TORCH_BINDINGS(allocator) {
   // The C++ core's errors, as Python sees them from this module.
-  static py::exception<Error> error_type(m, "Error", PyExc_RuntimeError);
-  py::register_exception_translator([](std::exception_ptr p) {
+  // Never destroyed: it must outlive the interpreter's teardown of this module.
+  static auto* error_type = new py::exception<Error>(m, "Error", PyExc_RuntimeError);
+  // Module-local: cotenant._core translates the same C++ types for its own functions.
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const OutOfMemoryError& e) {
       PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const Error& e) {
-      py::set_error(error_type, e.what());
+      py::set_error(*error_type, e.what());
     }
   });
 

@@ -7,3 +7,18 @@ from pkgutil import extend_path
 __path__ = extend_path(__path__, __name__)
 
 __version__ = "0.1.0"
+
+# The allocator's API. Importing it does not import torch: enable() does.
+from cotenant.api import (  # noqa: E402
+    NoGpuError,
+    disable,
+    enable,
+    enable_from_environment,
+    is_enabled,
+    memory_cap,
+    memory_stats,
+    restore_all,
+    safe_point,
+    set_memory_cap,
+    spill_all,
+)

@@ -1,0 +1,444 @@
+"""The Python API of cotenant's allocator.
+
+    import cotenant
+    cotenant.enable(role="opportunistic")   # before the first CUDA tensor
+    cotenant.set_memory_cap("6GiB")         # any time; shrinking never OOMs
+    cotenant.memory_stats()                 # device / host / cached bytes and the mode
+
+This module imports torch only inside enable() and the functions that need
+it, so `import cotenant` stays cheap for the CLI and the coordinator.
+
+Turning cotenant off: set COTENANT_DISABLE=1 in the environment (enable()
+and enable_from_environment() then do nothing), or call disable() to lift
+the cap, bring spilled memory back and leave the coordinator.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import warnings
+from typing import Any, Dict, Optional, Union
+
+__all__ = [
+    "enable",
+    "enable_from_environment",
+    "disable",
+    "is_enabled",
+    "set_memory_cap",
+    "memory_cap",
+    "memory_stats",
+    "spill_all",
+    "restore_all",
+    "parse_memory_cap",
+    "NoGpuError",
+]
+
+ROLES = (None, "guaranteed", "opportunistic")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+
+SizeLike = Union[int, float, str, None]
+
+
+class NoGpuError(RuntimeError):
+    """cotenant was asked to manage CUDA memory on a machine where no GPU is usable."""
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.enabled = False
+        self.device: Optional[int] = None
+        self.role: Optional[str] = None
+        self.registration: Any = None
+        self.job_channel = False
+        self.optimizer_hook: Any = None
+
+
+_state = _State()
+
+
+# ---- parsing and validation (no torch, no GPU) ------------------------------------------
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE_WORDS
+
+
+def disabled_by_environment() -> bool:
+    """True when COTENANT_DISABLE asks for cotenant to stay off."""
+    return _env_true("COTENANT_DISABLE")
+
+
+def parse_memory_cap(size: SizeLike, device_total_bytes: Optional[int] = None) -> Optional[int]:
+    """Reads a memory cap and returns it in bytes (None: no cap).
+
+    Accepts a positive number of bytes (int), a size string through cotenant's
+    one size parser ("6GiB", "512MiB", "1.5GB"), or a fraction of the
+    device's memory as a float in (0, 1] (needs `device_total_bytes`).
+    Raises ValueError or TypeError with the accepted forms otherwise.
+    """
+    if size is None:
+        return None
+    if isinstance(size, bool):
+        raise TypeError(
+            f"a memory cap cannot be {size!r}; pass bytes (e.g. 6442450944), a size string "
+            f"(e.g. \"6GiB\") or a fraction of the device (e.g. 0.5)")
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(
+                f"a memory cap of {size} bytes is not allowed; pass a positive size (e.g. \"512MiB\"), "
+                f"or call cotenant.spill_all() to move all memory to the host")
+        return size
+    if isinstance(size, float):
+        if not (0.0 < size <= 1.0):
+            raise ValueError(
+                f"a fractional memory cap must be in (0, 1] of the device's memory, got {size}; "
+                f"pass e.g. 0.5 for half the device, or a size such as \"6GiB\"")
+        if device_total_bytes is None:
+            raise ValueError(
+                "a fractional memory cap needs the device's size; call cotenant.enable() first")
+        return max(1, int(size * device_total_bytes))
+    if isinstance(size, str):
+        from cotenant import _core  # the one size parser
+
+        try:
+            value = _core.parse_size(size)
+        except _core.Error as error:  # a ValueError whose message lists the accepted forms
+            raise ValueError(f"cannot use {size!r} as a memory cap: {error}") from None
+        if value <= 0:
+            raise ValueError(
+                f"a memory cap of {size!r} is 0 bytes; pass a positive size (e.g. \"512MiB\"), "
+                f"or call cotenant.spill_all() to move all memory to the host")
+        return value
+    raise TypeError(
+        f"a memory cap must be bytes (int), a size string such as \"6GiB\", or a fraction "
+        f"such as 0.5; got {type(size).__name__}")
+
+
+def parse_device(device: Any) -> Optional[int]:
+    """Device index from None, an int, "cuda", "cuda:1" or a torch.device."""
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        raise TypeError(f"device must be a CUDA device index or \"cuda:N\", got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device index must be >= 0, got {device}")
+        return device
+    text = str(device).strip()
+    if text.isdigit():
+        return int(text)
+    kind, _, index = text.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"cotenant manages CUDA devices only; got device {device!r} "
+                         f"(pass an index such as 0 or \"cuda:0\")")
+    return int(index) if index else None
+
+
+def parse_role(role: Optional[str]) -> Optional[str]:
+    if role is not None and not isinstance(role, str):
+        raise TypeError(f"role must be None, \"guaranteed\" or \"opportunistic\", got {role!r}")
+    if role is not None:
+        role = role.strip().lower() or None
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; use \"guaranteed\" (keeps its speed), "
+                         f"\"opportunistic\" (uses what is left) or None (no launch gate)")
+    return role
+
+
+# ---- the extension ------------------------------------------------------------------------
+
+
+def _extension():
+    """cotenant._C, after torch (whose libraries it links against)."""
+    import torch  # noqa: F401  (loads libc10/libtorch and the CUDA runtime first)
+
+    try:
+        from cotenant import _C
+    except ImportError as error:
+        raise ImportError(
+            "cotenant's torch extension (cotenant._C) is not built or not on the path: "
+            f"{error}. Build it with COTENANT_BUILD_PYTHON=ON and torch plus the CUDA toolkit "
+            "installed.") from error
+    return _C
+
+
+def _require_enabled() -> int:
+    if not _state.enabled:
+        raise RuntimeError("cotenant is not enabled in this process; call cotenant.enable() "
+                           "first (before the first CUDA allocation)")
+    assert _state.device is not None
+    return _state.device
+
+
+def _resolve_device(device: Any) -> int:
+    index = parse_device(device)
+    return _require_enabled() if index is None else index
+
+
+# ---- enable / disable -----------------------------------------------------------------
+
+
+def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str] = None,
+           socket: Optional[str] = None) -> bool:
+    """Makes cotenant the process's CUDA allocator. Call it before the first CUDA tensor.
+
+    role: None (no launch gate), "guaranteed" or "opportunistic".
+    device: the CUDA device the job uses (default: COTENANT_DEVICE, else 0).
+    name, socket: the job's name and the coordinator's socket when one runs.
+
+    Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
+    Raises NoGpuError without a usable GPU, and RuntimeError when PyTorch's own
+    allocator already holds CUDA memory (the message says how to fix it).
+    """
+    role = parse_role(role)
+    index = parse_device(device)
+    if index is None:
+        index = parse_device(os.environ.get("COTENANT_DEVICE") or 0)
+    if disabled_by_environment():
+        return False
+    with _state.lock:
+        if _state.enabled:
+            if role != _state.role or index != _state.device:
+                raise RuntimeError(
+                    f"cotenant is already enabled with role={_state.role!r} on cuda:{_state.device}; "
+                    f"it cannot switch to role={role!r} on cuda:{index} in the same process")
+            return True
+        _C = _extension()
+        available, reason = _C.gpu_available()
+        if not available:
+            raise NoGpuError(reason)
+        _C.install()  # raises _C.Error (a RuntimeError) if CUDA memory already exists
+        _state.enabled, _state.device, _state.role = True, index, role
+        _install_optimizer_safe_point()
+        _join_coordinator(_C, role, index, name, socket)
+        _activate_gate(role, index)
+        atexit.register(_shutdown)
+    return True
+
+
+def enable_from_environment() -> bool:
+    """Enables cotenant as `cotenant run` asks, through the environment:
+
+    COTENANT_ENABLE=1, COTENANT_ROLE, COTENANT_MEMORY_CAP, COTENANT_DEVICE,
+    COTENANT_SOCKET, COTENANT_JOB_NAME. COTENANT_DISABLE=1 wins over all.
+    Returns True when cotenant was enabled.
+    """
+    if disabled_by_environment() or not _env_true("COTENANT_ENABLE"):
+        return False
+    role = os.environ.get("COTENANT_ROLE") or None
+    cap_text = os.environ.get("COTENANT_MEMORY_CAP") or None
+    cap: SizeLike = cap_text
+    if cap_text is not None:
+        try:
+            # "0.5" means half the device; anything else goes to the size parser.
+            fraction = float(cap_text)
+            if 0.0 < fraction <= 1.0 and not cap_text.strip().isdigit():
+                cap = fraction
+        except ValueError:
+            pass
+        if not isinstance(cap, float):
+            parse_memory_cap(cap)  # a bad COTENANT_MEMORY_CAP fails before CUDA is touched
+    enabled = enable(role=role, device=os.environ.get("COTENANT_DEVICE") or None,
+                     name=os.environ.get("COTENANT_JOB_NAME") or None,
+                     socket=os.environ.get("COTENANT_SOCKET") or None)
+    if enabled and cap is not None:
+        set_memory_cap(cap)
+    return enabled
+
+
+def is_enabled() -> bool:
+    return _state.enabled
+
+
+def disable() -> None:
+    """Lifts the memory cap, brings spilled memory back to the device (as far as
+    it fits) and leaves the coordinator. The allocator itself stays installed:
+    live tensors belong to it. To run without cotenant at all, start the
+    process with COTENANT_DISABLE=1."""
+    with _state.lock:
+        if not _state.enabled:
+            return
+        _C = _extension()
+        _stop_job_channel(_C)
+        device = _state.device
+        _C.set_memory_cap(device, _C.NO_CAP)
+        _C.restore_all(device)
+        _C.safe_point()
+        if _state.optimizer_hook is not None:
+            _state.optimizer_hook.remove()
+            _state.optimizer_hook = None
+
+
+# ---- caps, statistics, spill/restore ------------------------------------------------------
+
+
+def set_memory_cap(size: SizeLike, device: Any = None) -> Optional[int]:
+    """Caps the job's device-resident memory; None removes the cap.
+
+    size: bytes (int), a string such as "6GiB" or "512MiB", or a fraction of
+    the device such as 0.5. Lowering the cap below what the job holds moves its
+    coldest pages to host memory at once (no OutOfMemoryError); raising it
+    brings them back. Returns the cap in bytes (None for no cap).
+    """
+    index = _resolve_device(device)
+    _C = _extension()
+    total = _C.device_total_bytes(index) if isinstance(size, float) else None
+    cap = parse_memory_cap(size, total)
+    _C.set_memory_cap(index, _C.NO_CAP if cap is None else cap)
+    _C.safe_point()
+    return cap
+
+
+def memory_cap(device: Any = None) -> Optional[int]:
+    """The current cap in bytes, or None when there is none."""
+    index = _resolve_device(device)
+    _C = _extension()
+    cap = _C.memory_cap(index)
+    return None if cap == _C.NO_CAP else int(cap)
+
+
+def summarize_stats(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """The device / host / cached split of a raw statistics map (no GPU needed)."""
+    allocated = int(raw.get("allocated_bytes.all.current", 0))
+    reserved = int(raw.get("reserved_bytes.all.current", 0))
+    cap = raw.get("memory_cap")
+    no_cap = 2**64 - 1
+    return {
+        "mode": raw.get("mode"),
+        "host_page_kind": raw.get("host_page_kind"),
+        "memory_cap": None if cap is None or cap in (no_cap, -1) else int(cap),
+        "device_bytes": int(raw.get("device_resident_bytes.current", 0)),
+        "host_bytes": int(raw.get("host_resident_bytes.current", 0)),
+        "cached_bytes": max(reserved - allocated, 0),
+        "allocated_bytes": allocated,
+        "reserved_bytes": reserved,
+        "pending_spill_bytes": int(raw.get("pending_spill_bytes", 0)),
+        "pending_restore_bytes": int(raw.get("pending_restore_bytes", 0)),
+        "spilled_bytes": int(raw.get("spilled_bytes", 0)),
+        "restored_bytes": int(raw.get("restored_bytes", 0)),
+        "raw": dict(raw),
+    }
+
+
+def memory_stats(device: Any = None) -> Dict[str, Any]:
+    """Device-resident, host-resident and cached bytes, the cap and the mode
+    ("remap": pages move both ways keeping their addresses; "pinned_fallback":
+    over-cap memory comes from mapped pinned host memory), plus every raw
+    counter under "raw" (torch.cuda.memory_stats() names and cotenant's)."""
+    index = _resolve_device(device)
+    return summarize_stats(_extension().stats(index))
+
+
+def spill_all(device: Any = None) -> int:
+    """Moves every live device page to host memory now. Returns bytes moved."""
+    index = _resolve_device(device)
+    _C = _extension()
+    _C.spill_all(index)
+    return int(_C.safe_point())
+
+
+def restore_all(device: Any = None) -> int:
+    """Brings host pages back to the device, as far as the cap allows. Returns bytes moved."""
+    index = _resolve_device(device)
+    _C = _extension()
+    _C.restore_all(index)
+    return int(_C.safe_point())
+
+
+def safe_point() -> int:
+    """Moves pages waiting for a safe point now; returns bytes moved. cotenant
+    also does this at every ATen op entry and after every optimizer step."""
+    if not _state.enabled:
+        return 0
+    return int(_extension().safe_point())
+
+
+# ---- the pieces enable() wires together ---------------------------------------------------
+
+
+def _install_optimizer_safe_point() -> None:
+    """A safe point after each optimizer step: the iteration boundary."""
+    import torch
+
+    import time
+
+    _C = _extension()
+    last_step = [None]  # time.perf_counter() of the previous step's end
+
+    def after_step(optimizer, args, kwargs):  # noqa: ARG001 (torch's hook signature)
+        if _C.has_pending_migrations():
+            _C.safe_point()
+        if _state.job_channel:
+            # The coordinator's compute-share policy reads iteration times.
+            now = time.perf_counter()
+            if last_step[0] is not None:
+                _C.record_iteration((now - last_step[0]) * 1e6)
+            last_step[0] = now
+
+    _state.optimizer_hook = torch.optim.Optimizer.register_optimizer_step_post_hook(after_step)
+
+
+def _join_coordinator(_C, role, device, name, socket) -> None:
+    """Registers with the node's coordinator when one runs, and starts the
+    C++ job channel that applies its caps and commands."""
+    try:
+        from cotenant.coordinator import client
+    except ImportError:
+        return  # this installation has no coordinator: the job runs on its own
+    try:
+        registration = client.register(role or "guaranteed", device, name, socket)
+    except Exception as error:  # a broken coordinator must not stop training
+        warnings.warn(f"cotenant: could not register with the coordinator ({error}); "
+                      f"running without it", RuntimeWarning, stacklevel=3)
+        return
+    if registration is None:
+        return  # no coordinator running
+    _state.registration = registration
+    block_name = getattr(registration, "block_name", None) or getattr(registration, "block", None)
+    if not getattr(_C, "HAS_JOB_CHANNEL", False) or block_name is None:
+        warnings.warn("cotenant: registered with the coordinator, but this build has no job "
+                      "channel; caps set by the coordinator will not apply", RuntimeWarning,
+                      stacklevel=3)
+        return
+    _C.start_job_channel(block_name, device, _gate_share_setter())
+    _state.job_channel = True
+
+
+def _gate_share_setter():
+    try:
+        from cotenant import gate
+    except ImportError:
+        return None
+    return getattr(gate, "set_share", None)
+
+
+def _activate_gate(role, device) -> None:
+    if role is None:
+        return
+    try:
+        from cotenant import gate
+        activate = gate._activate
+    except (ImportError, AttributeError):
+        warnings.warn(f"cotenant: role={role!r} was given but this build has no launch gate; "
+                      f"the job runs ungated", RuntimeWarning, stacklevel=3)
+        return
+    activate(role, device)
+
+
+def _stop_job_channel(_C) -> None:
+    if _state.job_channel:
+        _C.stop_job_channel()
+        _state.job_channel = False
+
+
+def _shutdown() -> None:
+    # The job channel's thread must stop while the interpreter still runs.
+    try:
+        if _state.job_channel and "cotenant._C" in sys.modules:
+            _stop_job_channel(sys.modules["cotenant._C"])
+    except Exception:
+        pass
