@@ -1,0 +1,96 @@
+"""Builds cotenant's compiled modules through CMake.
+
+    pip install --no-build-isolation .        # or -e . for a development install
+
+CMake builds cotenant._core (the allocator core for Python) and, when the CUDA
+toolkit and torch are found, cotenant._C (the torch extension). Every module
+CMake puts in <build>/python/cotenant/ is copied into the package.
+
+Environment:
+  CMAKE_BUILD_PARALLEL_LEVEL   parallel compile jobs (default: the CPU count)
+  COTENANT_CMAKE_ARGS          extra arguments for the CMake configure step
+  COTENANT_BUILD_TORCH=0       skip the torch extension even when CUDA is found
+"""
+
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version() -> str:
+    with open(os.path.join(HERE, "python", "cotenant", "__init__.py"), encoding="utf-8") as f:
+        match = re.search(r'^__version__\s*=\s*"([^"]+)"', f.read(), re.MULTILINE)
+    if not match:
+        raise RuntimeError("python/cotenant/__init__.py must define __version__")
+    return match.group(1)
+
+
+class CMakeExtension(Extension):
+    """A module CMake builds; setuptools only copies it into place."""
+
+    def __init__(self, name: str):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def run(self):
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            raise RuntimeError("building cotenant needs CMake >= 3.25: apt-get install cmake, or pip install cmake")
+        build_dir = os.path.abspath(os.path.join(self.build_temp, "cmake"))
+        os.makedirs(build_dir, exist_ok=True)
+        configure = [
+            cmake, "-S", HERE, "-B", build_dir,
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DCOTENANT_BUILD_PYTHON=ON",
+            "-DCOTENANT_BUILD_TESTS=OFF",
+            f"-DCOTENANT_BUILD_TORCH={'OFF' if os.environ.get('COTENANT_BUILD_TORCH') == '0' else 'ON'}",
+        ]
+        if shutil.which("ninja") and not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
+            configure += ["-G", "Ninja"]
+        configure += shlex.split(os.environ.get("COTENANT_CMAKE_ARGS", ""))
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
+        subprocess.run(configure, check=True)
+        subprocess.run([cmake, "--build", build_dir, "--parallel", jobs], check=True)
+
+        # Every compiled module of the package (_core, and _C where it was built).
+        built = sorted(glob.glob(os.path.join(build_dir, "python", "cotenant", "*.so")))
+        if not built:
+            raise RuntimeError(f"CMake built no Python module in {build_dir}/python/cotenant")
+        destination = os.path.dirname(self.get_ext_fullpath("cotenant._core"))
+        os.makedirs(destination, exist_ok=True)
+        for module in built:
+            shutil.copy2(module, destination)
+            print(f"cotenant: installed {os.path.basename(module)} into {destination}")
+
+
+setup(
+    name="cotenant",
+    version=read_version(),
+    description="Share one NVIDIA GPU between PyTorch jobs without hurting the one that matters",
+    license="Apache-2.0",
+    package_dir={"": "python"},
+    packages=find_packages(where="python"),
+    ext_modules=[CMakeExtension("cotenant._core")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.9",
+    install_requires=["torch==2.11.0", "numpy", "prometheus-client", "matplotlib"],
+    extras_require={"test": ["pytest", "hypothesis"]},
+    entry_points={
+        "console_scripts": [
+            "cotenant = cotenant.cli:main",
+            "cotenant-replay = cotenant.replay:main",
+        ]
+    },
+    zip_safe=False,
+)

@@ -1,0 +1,206 @@
+"""cotenant._core: sizes, errors, the simulated device and the allocator from Python."""
+
+import threading
+
+import pytest
+
+from cotenant import _core
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+# ---- sizes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("6GiB", 6 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("2 MiB", 2 * MiB),
+        ("6g", 6 * GiB),
+    ],
+)
+def test_parse_size_reads_binary_and_decimal_units(text, expected):
+    assert _core.parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("6 GB?", 'unexpected "?"'),
+        ("-1", "negative"),
+        ("", "empty"),
+        ("abc", "does not start with a number"),
+        ("12 parsecs", "not a unit"),
+    ],
+)
+def test_parse_size_refuses_malformed_sizes_with_the_accepted_forms(text, problem):
+    with pytest.raises(_core.Error) as caught:
+        _core.parse_size(text)
+    message = str(caught.value)
+    assert problem in message
+    assert f'"{text}"' in message
+    assert "6GiB" in message  # the message shows how to write a size
+
+
+def test_core_error_is_a_value_error_and_oom_is_a_memory_error():
+    assert issubclass(_core.Error, ValueError)
+    assert issubclass(_core.OutOfMemoryError, MemoryError)
+    assert issubclass(_core.ReplayError, _core.Error)
+    with pytest.raises(ValueError):
+        _core.parse_size("-1")
+
+
+def test_format_size_is_readable():
+    assert _core.format_size(6 * GiB) == "6.00 GiB"
+    assert _core.format_size(4096).endswith("KiB") or _core.format_size(4096).endswith("B")
+
+
+# ---- the simulated device -----------------------------------------------------------
+
+
+def test_simulated_backend_accepts_size_strings_and_refuses_bad_granularity():
+    backend = _core.SimulatedBackend(device_capacity="64MiB", granularity="2MiB")
+    assert backend.device_total_bytes == 64 * MiB
+    assert backend.granularity == 2 * MiB
+    with pytest.raises(_core.Error, match="power of two"):
+        _core.SimulatedBackend(granularity=3 * MiB)
+    with pytest.raises(_core.Error, match="negative"):
+        _core.SimulatedBackend(device_capacity=-5)
+
+
+def test_bytes_written_through_the_backend_read_back_at_the_same_address():
+    backend = _core.SimulatedBackend(device_capacity="64MiB")
+    allocator = _core.CachingAllocator(backend)
+    address = allocator.allocate("3MiB")
+    payload = bytes(range(256)) * 16
+    backend.write(address + MiB, payload)
+    assert backend.read(address + MiB, len(payload)) == payload
+    assert backend.residency_at(address) == "device"
+    assert backend.calls()["map"] >= 2
+
+
+# ---- the allocator ----------------------------------------------------------------
+
+
+def test_shrinking_cap_below_live_bytes_spills_at_the_safe_point_and_keeps_bytes():
+    backend = _core.SimulatedBackend(device_capacity="64MiB")
+    allocator = _core.CachingAllocator(backend)
+    addresses = [allocator.allocate(2 * MiB) for _ in range(4)]
+    for i, address in enumerate(addresses):
+        backend.write(address, bytes([i + 1]) * 64)
+
+    allocator.set_memory_cap("4MiB")
+    assert allocator.memory_cap() == 4 * MiB
+    assert allocator.has_pending_migrations()
+    moved = allocator.apply_pending_migrations()
+
+    assert moved >= 4 * MiB
+    stats = allocator.stats()
+    assert stats["device_resident_bytes.current"] <= 4 * MiB
+    assert stats["spilled_bytes"] >= 4 * MiB
+    assert sum(backend.residency_at(a) == "host" for a in addresses) >= 2
+    for i, address in enumerate(addresses):
+        assert backend.read(address, 64) == bytes([i + 1]) * 64
+
+
+def test_raising_the_cap_restores_spilled_pages():
+    backend = _core.SimulatedBackend(device_capacity="64MiB")
+    allocator = _core.CachingAllocator(backend)
+    address = allocator.allocate(8 * MiB)
+    allocator.spill_all()
+    allocator.apply_pending_migrations()
+    assert backend.residency_at(address) == "host"
+    allocator.restore_all()
+    allocator.apply_pending_migrations()
+    assert backend.residency_at(address) == "device"
+    assert allocator.stats()["restored_bytes"] >= 8 * MiB
+
+
+def test_memory_cap_none_means_no_cap_and_zero_is_refused():
+    allocator = _core.CachingAllocator(_core.SimulatedBackend())
+    assert allocator.memory_cap() is None
+    allocator.set_memory_cap("6GiB")
+    assert allocator.memory_cap() == 6 * GiB
+    allocator.set_memory_cap(None)
+    assert allocator.memory_cap() is None
+    with pytest.raises(_core.Error, match="0 bytes"):
+        allocator.set_memory_cap(0)
+    with pytest.raises(_core.Error):
+        allocator.set_memory_cap("6 GB?")
+
+
+def test_free_of_an_unknown_address_raises_and_keeps_live_allocations():
+    allocator = _core.CachingAllocator(_core.SimulatedBackend(device_capacity="64MiB"))
+    address = allocator.allocate(MiB)
+    with pytest.raises(_core.Error):
+        allocator.free(address + 12345)
+    assert allocator.allocation_size(address) == MiB
+    allocator.free(address)
+    with pytest.raises(_core.Error):
+        allocator.free(address)  # a double free
+
+
+def test_allocation_beyond_device_and_host_raises_out_of_memory_error():
+    backend = _core.SimulatedBackend(device_capacity="8MiB", host_capacity=0)
+    allocator = _core.CachingAllocator(backend)
+    with pytest.raises(MemoryError) as caught:
+        allocator.allocate("64MiB")
+    assert isinstance(caught.value, _core.OutOfMemoryError)
+    assert allocator.stats()["num_ooms"] == 1
+
+
+def test_stats_use_torch_key_names_and_snapshot_lists_blocks():
+    allocator = _core.CachingAllocator(_core.SimulatedBackend(device_capacity="64MiB"))
+    address = allocator.allocate(1000)
+    stats = allocator.stats()
+    assert stats["allocated_bytes.all.current"] == 1024  # rounded to 512 bytes
+    assert stats["requested_bytes.all.current"] == 1000
+    assert stats["allocation.small_pool.current"] == 1
+    assert stats["reserved_bytes.all.current"] >= 2 * MiB
+    segments = allocator.snapshot()
+    blocks = [b for s in segments for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert [b["address"] for b in blocks] == [address]
+    assert allocator.mode() == "remap"
+
+
+def test_allocator_keeps_its_backend_alive():
+    allocator = _core.CachingAllocator(_core.SimulatedBackend(device_capacity="64MiB"))
+    import gc
+
+    gc.collect()
+    address = allocator.allocate(MiB)  # would crash if the backend had been destroyed
+    allocator.free(address)
+    allocator.empty_cache()
+    assert allocator.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_apply_pending_migrations_releases_the_gil_for_other_threads():
+    backend = _core.SimulatedBackend(device_capacity="1GiB")
+    allocator = _core.CachingAllocator(backend)
+    for _ in range(64):
+        allocator.allocate(8 * MiB)
+    allocator.set_memory_cap("64MiB")
+    results = []
+    worker = threading.Thread(target=lambda: results.append(allocator.apply_pending_migrations()))
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert results and results[0] > 0
+
+
+def test_record_stream_holds_a_block_until_that_stream_completes():
+    backend = _core.SimulatedBackend(device_capacity="64MiB", events_complete_immediately=False)
+    allocator = _core.CachingAllocator(backend)
+    address = allocator.allocate(MiB, stream=1)
+    allocator.record_stream(address, 2)
+    allocator.free(address)
+    assert allocator.stats()["active_bytes.all.current"] == MiB  # waiting on stream 2's event
+    backend.complete_stream(2)
+    again = allocator.allocate(MiB, stream=1)
+    assert allocator.stats()["active_bytes.all.current"] == MiB
+    allocator.free(again)
