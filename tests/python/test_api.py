@@ -1,0 +1,360 @@
+"""The allocator's Python API and the torch extension, on any machine (no GPU needed).
+
+Run with the build tree on the path:
+    PYTHONPATH=python:<build>/python python -m pytest tests/python/test_api.py
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import cotenant
+from cotenant import api
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AUTOENABLE_DIR = os.path.join(REPO, "python", "cotenant", "_autoenable")
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def _extension_or_skip():
+    """cotenant._C, or a skip when this build tree was configured without it.
+    COTENANT_REQUIRE_TORCH_EXTENSION=1 (CI) turns the skip into a failure."""
+    import torch  # noqa: F401
+
+    try:
+        from cotenant import _C
+    except ImportError as error:
+        if os.environ.get("COTENANT_REQUIRE_TORCH_EXTENSION") == "1":
+            raise
+        pytest.skip(f"the torch extension cotenant._C is not built in this tree: {error}")
+    return _C
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_python(code, env_extra=None, pythonpath_prefix=None, timeout=120):
+    env = dict(os.environ)
+    for key in list(env):
+        if key.startswith("COTENANT_") and key != "COTENANT_REQUIRE_TORCH_EXTENSION":
+            del env[key]
+    if pythonpath_prefix:
+        env["PYTHONPATH"] = os.pathsep.join([*pythonpath_prefix, env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---- the package and the extension ----------------------------------------------------
+
+
+def test_importing_cotenant_does_not_import_torch():
+    result = _run_python("import sys, cotenant; print('torch' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_extension_imports_and_reports_whether_a_gpu_is_usable():
+    _C = _extension_or_skip()
+    available, reason = _C.gpu_available()
+    if _gpu_present():
+        assert available and reason == ""
+    else:
+        assert not available
+        assert "no usable NVIDIA GPU" in reason and "COTENANT_DISABLE=1" in reason
+
+
+def test_enable_without_a_gpu_raises_no_gpu_error_that_says_what_to_do():
+    _extension_or_skip()
+    if _gpu_present():
+        pytest.skip("this machine has a GPU; tests/python/test_allocator_gpu.py covers enable()")
+    result = _run_python("""
+        import cotenant
+        try:
+            cotenant.enable()
+        except cotenant.NoGpuError as error:
+            print("NoGpuError:", error)
+        print("enabled:", cotenant.is_enabled())
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "NoGpuError: cotenant found no usable NVIDIA GPU" in result.stdout
+    assert "enabled: False" in result.stdout
+
+
+def test_enable_does_nothing_when_cotenant_disable_is_set():
+    result = _run_python("""
+        import sys, cotenant
+        print(cotenant.enable(role="opportunistic"), cotenant.is_enabled(), 'torch' in sys.modules)
+    """, env_extra={"COTENANT_DISABLE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "False"]
+
+
+def test_enable_rejects_an_unknown_role_before_touching_cuda():
+    with pytest.raises(ValueError, match="guaranteed"):
+        cotenant.enable(role="best-effort")
+
+
+def test_api_calls_before_enable_say_to_call_enable_first():
+    for call in (lambda: cotenant.set_memory_cap("1GiB"), cotenant.memory_cap,
+                 cotenant.memory_stats, cotenant.spill_all, cotenant.restore_all):
+        with pytest.raises(RuntimeError, match=r"call cotenant.enable\(\) first"):
+            call()
+
+
+# ---- caps: parsing and validation -------------------------------------------------------
+
+
+@pytest.mark.parametrize("size, expected", [
+    (4096, 4096),
+    ("6GiB", 6 * GIB),
+    ("512MiB", 512 * MIB),
+    ("1.5GB", 1_500_000_000),
+    (0.5, 8 * GIB),
+    (1.0, 16 * GIB),
+    (None, None),
+])
+def test_memory_cap_accepts_bytes_size_strings_and_fractions_of_the_device(size, expected):
+    assert api.parse_memory_cap(size, device_total_bytes=16 * GIB) == expected
+
+
+@pytest.mark.parametrize("size, message", [
+    (0, "positive size"),
+    (-5, "positive size"),
+    ("0MiB", "0 bytes"),
+    ("6 apples", "cannot use '6 apples' as a memory cap"),
+    ("", "cannot use '' as a memory cap"),
+    (0.0, r"in \(0, 1\]"),
+    (1.5, r"in \(0, 1\]"),
+    (-0.25, r"in \(0, 1\]"),
+])
+def test_memory_cap_rejects_bad_values_with_the_accepted_forms(size, message):
+    with pytest.raises(ValueError, match=message):
+        api.parse_memory_cap(size, device_total_bytes=16 * GIB)
+
+
+def test_memory_cap_rejects_non_sizes_with_a_type_error():
+    for size in (True, [1], object()):
+        with pytest.raises(TypeError, match="6GiB"):
+            api.parse_memory_cap(size, device_total_bytes=16 * GIB)
+
+
+def test_fractional_cap_needs_the_device_size():
+    with pytest.raises(ValueError, match="enable"):
+        api.parse_memory_cap(0.5)
+
+
+def test_size_strings_go_through_the_one_core_parser():
+    from cotenant import _core
+
+    for text in ("6GiB", "512 MiB", "1.5GB", "4096", "2g"):
+        assert api.parse_memory_cap(text) == _core.parse_size(text)
+
+
+@pytest.mark.parametrize("device, expected", [
+    (None, None), (0, 0), (3, 3), ("1", 1), ("cuda", None), ("cuda:2", 2),
+])
+def test_device_accepts_indices_and_cuda_names(device, expected):
+    assert api.parse_device(device) == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:x", "mps:0", -1])
+def test_device_rejects_non_cuda_devices(device):
+    with pytest.raises(ValueError):
+        api.parse_device(device)
+
+
+def test_role_is_normalised_and_validated():
+    assert api.parse_role(" Guaranteed ") == "guaranteed"
+    assert api.parse_role("") is None
+    assert api.parse_role(None) is None
+    with pytest.raises(ValueError, match="opportunistic"):
+        api.parse_role("background")
+
+
+def test_memory_stats_split_device_host_and_cached_bytes():
+    raw = {
+        "allocated_bytes.all.current": 6 * MIB,
+        "reserved_bytes.all.current": 10 * MIB,
+        "device_resident_bytes.current": 8 * MIB,
+        "host_resident_bytes.current": 2 * MIB,
+        "memory_cap": 8 * MIB,
+        "mode": "remap",
+        "host_page_kind": "host-numa",
+    }
+    stats = api.summarize_stats(raw)
+    assert stats["device_bytes"] == 8 * MIB
+    assert stats["host_bytes"] == 2 * MIB
+    assert stats["cached_bytes"] == 4 * MIB
+    assert stats["device_bytes"] + stats["host_bytes"] == stats["reserved_bytes"]
+    assert stats["memory_cap"] == 8 * MIB and stats["mode"] == "remap"
+    # The core's "no cap" (2**64 - 1) reads back as -1 through int64 maps.
+    assert api.summarize_stats({**raw, "memory_cap": -1})["memory_cap"] is None
+
+
+# ---- enabling through the environment -----------------------------------------------------
+
+
+def test_environment_enabling_is_off_unless_cotenant_enable_is_set():
+    result = _run_python("""
+        import sys, cotenant
+        print(cotenant.enable_from_environment(), 'torch' in sys.modules)
+    """, env_extra={"COTENANT_ROLE": "guaranteed", "COTENANT_MEMORY_CAP": "1GiB"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
+
+
+def test_environment_enabling_rejects_a_bad_cap_before_touching_cuda():
+    result = _run_python("""
+        import sys, cotenant
+        try:
+            cotenant.enable_from_environment()
+        except ValueError as error:
+            print("ValueError:", error)
+        print("torch imported:", 'torch' in sys.modules)
+    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "6 apples"})
+    assert result.returncode == 0, result.stderr
+    assert "ValueError: cannot use '6 apples' as a memory cap" in result.stdout
+    assert "torch imported: False" in result.stdout
+
+
+def test_environment_enabling_rejects_a_bad_role():
+    result = _run_python("""
+        import cotenant
+        try:
+            cotenant.enable_from_environment()
+        except ValueError as error:
+            print("ValueError:", error)
+    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_ROLE": "vip"})
+    assert "ValueError: unknown role 'vip'" in result.stdout, result.stderr
+
+
+def test_autoenable_reports_why_it_did_not_enable_and_runs_the_sites_own_sitecustomize(tmp_path):
+    _extension_or_skip()
+    if _gpu_present():
+        pytest.skip("this machine has a GPU; tests/python/test_allocator_gpu.py covers autoenable")
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "sitecustomize.py").write_text("import os\nos.environ['SITE_HOOK_RAN'] = 'yes'\n")
+    result = _run_python("""
+        import os
+        print("site hook:", os.environ.get("SITE_HOOK_RAN"))
+        print("program ran")
+    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic"},
+        pythonpath_prefix=[AUTOENABLE_DIR, str(site_dir)])
+    assert result.returncode == 0, result.stderr
+    assert "program ran" in result.stdout
+    assert "site hook: yes" in result.stdout
+    assert "cotenant: not enabled in this process: cotenant found no usable NVIDIA GPU" in result.stderr
+
+
+# ---- the op-entry interception point (CPU ops are ATen ops too) ------------------------------
+
+
+def test_op_entry_hooks_run_once_per_outermost_op():
+    _C = _extension_or_skip()
+    import torch
+
+    x = torch.randn(4, 8)
+    w = torch.randn(3, 8)
+    _C._count_op_entries(True)
+    try:
+        before = _C._counted_op_entries()
+        torch.nn.functional.linear(x, w)  # aten::linear runs aten::t and aten::matmul inside
+        assert _C._counted_op_entries() - before == 1
+        before = _C._counted_op_entries()
+        torch.add(x, 1.0)
+        torch.mul(x, 2.0)
+        assert _C._counted_op_entries() - before == 2
+    finally:
+        _C._count_op_entries(False)
+    assert _C.ops_in_flight() == 0
+
+
+def test_op_entry_hooks_see_ops_from_other_threads_and_backward():
+    _C = _extension_or_skip()
+    import torch
+
+    _C._count_op_entries(True)
+    try:
+        before = _C._counted_op_entries()
+        worker = threading.Thread(target=lambda: [torch.ones(2) + 1 for _ in range(10)])
+        worker.start()
+        worker.join()
+        assert _C._counted_op_entries() - before >= 20  # ones + add, ten times
+        a = torch.randn(3, 3, requires_grad=True)
+        loss = (a @ a).sum()
+        before = _C._counted_op_entries()
+        loss.backward()
+        assert _C._counted_op_entries() > before  # backward's ops are intercepted too
+    finally:
+        _C._count_op_entries(False)
+
+
+def test_paused_launches_hold_other_threads_at_op_entry_until_resumed():
+    _C = _extension_or_skip()
+    import torch
+
+    _C._count_op_entries(True)  # installs the interception point
+    _C._count_op_entries(False)
+    done = threading.Event()
+
+    def worker():
+        torch.add(torch.zeros(2), 1.0)
+        done.set()
+
+    assert _C._pause_launches(1.0)
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        time.sleep(0.3)
+        assert not done.is_set(), "an op ran while launches were paused"
+    finally:
+        _C._resume_launches()
+    thread.join(timeout=10)
+    assert done.is_set()
+    assert _C.ops_in_flight() == 0
+
+
+def test_a_pause_waits_for_ops_already_running_on_other_threads():
+    _C = _extension_or_skip()
+    import torch
+
+    _C._count_op_entries(True)
+    _C._count_op_entries(False)
+    big = torch.randn(1500, 1500)
+    started = threading.Event()
+
+    def worker():
+        started.set()
+        for _ in range(20):
+            big @ big
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    started.wait()
+    if _C._pause_launches(30.0):
+        try:
+            assert _C.ops_in_flight() == 0  # the pause only returns once running ops finished
+        finally:
+            _C._resume_launches()
+    thread.join()
+
+
+# ---- the benchmark script -------------------------------------------------------------------
+
+
+def test_allocator_benchmark_script_parses_and_lists_its_figures():
+    result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_allocator.py"),
+                             "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "shrink_response_s" in result.stdout
