@@ -1,0 +1,292 @@
+// The per-GPU peer segment's life cycle: create and attach, slots claimed and
+// reclaimed from crashed holders (a forked child killed with SIGKILL), stale
+// heartbeats, segments left by an earlier run or another version.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include <atomic>
+#include <cstring>
+#include <set>
+#include <string>
+
+#include "cotenant/errors.h"
+#include "cotenant/shm/gpu_block.h"
+
+using namespace cotenant;
+using namespace cotenant::shm;
+
+namespace {
+
+constexpr Nanoseconds kMs = 1'000'000;
+
+class FakeClock final : public Clock {
+ public:
+  Nanoseconds now_ns() const override { return now_.load(); }
+  void advance(Nanoseconds by) { now_ += by; }
+
+ private:
+  std::atomic<Nanoseconds> now_{MonotonicClock::instance().now_ns()};
+};
+
+// A segment name no other test or process uses; removed when the test ends.
+struct ScopedName {
+  std::string name;
+  ScopedName() {
+    static int counter = 0;
+    name = "/cotenant-test-gpu-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    GpuPeerSegment::remove(name);
+  }
+  ~ScopedName() { GpuPeerSegment::remove(name); }
+};
+
+// The pid of a process that has exited and been reaped: certainly dead.
+std::uint64_t dead_pid() {
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return static_cast<std::uint64_t>(child);
+}
+
+}  // namespace
+
+TEST_CASE("first_open_creates_the_segment_and_later_opens_attach", "[segment]") {
+  ScopedName n;
+  auto first = GpuPeerSegment::open(n.name, 3);
+  CHECK(first.opening() == SegmentOpening::kCreated);
+  CHECK(first.block().magic.load() == kGpuBlockMagic);
+  CHECK(first.block().device.load() == 3);
+  auto second = GpuPeerSegment::open(n.name, 3);
+  CHECK(second.opening() == SegmentOpening::kAttached);
+  CHECK(second.view().generation == first.view().generation);
+  // Both map the same bytes.
+  first.claim_guaranteed(::getpid());
+  CHECK(second.view().guaranteed.pid == static_cast<std::uint64_t>(::getpid()));
+  CHECK(second.view().guaranteed.live);
+}
+
+TEST_CASE("default_name_is_per_gpu_and_per_user", "[segment]") {
+  CHECK(GpuPeerSegment::default_name(0, 1000) == "/cotenant-gpu0-1000");
+  CHECK(GpuPeerSegment::default_name(7, 0) == "/cotenant-gpu7-0");
+}
+
+TEST_CASE("a_second_live_guaranteed_job_is_refused_with_the_holder_named", "[segment]") {
+  ScopedName n;
+  auto segment = GpuPeerSegment::open(n.name, 0);
+  const auto parent = static_cast<std::uint64_t>(::getppid());  // alive: it runs us
+  segment.claim_guaranteed(parent);
+  try {
+    segment.claim_guaranteed(::getpid());
+    FAIL("the second claim should have been refused");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("pid " + std::to_string(parent)));
+    CHECK_THAT(e.what(), Catch::Contains("opportunistic"));
+  }
+  segment.release_guaranteed(parent);
+  segment.claim_guaranteed(::getpid());
+  CHECK(segment.view().guaranteed.pid == static_cast<std::uint64_t>(::getpid()));
+}
+
+TEST_CASE("a_guaranteed_job_killed_with_sigkill_is_detected_and_its_slot_reclaimed", "[segment]") {
+  ScopedName n;
+  auto segment = GpuPeerSegment::open(n.name, 0);
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto own = GpuPeerSegment::open(n.name, 0);
+    own.claim_guaranteed(::getpid());
+    own.publish_activity(true, 4, MonotonicClock::instance().now_ns());
+    char byte = 1;
+    (void)::write(ready[1], &byte, 1);
+    for (;;) ::pause();
+  }
+  char byte = 0;
+  REQUIRE(::read(ready[0], &byte, 1) == 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  CHECK(segment.guaranteed_busy());
+  CHECK_THROWS_AS(segment.claim_guaranteed(::getpid()), Error);
+
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  REQUIRE(WIFSIGNALED(status));
+
+  CHECK_FALSE(segment.view().guaranteed.live);
+  CHECK(segment.reclaim_crashed() == 1);
+  CHECK_FALSE(segment.guaranteed_busy());  // opportunistic jobs run again
+  CHECK(segment.view().guaranteed.pid == 0);
+  segment.claim_guaranteed(::getpid());
+  CHECK(segment.view().guaranteed.busy == false);  // the new holder starts clean
+}
+
+TEST_CASE("a_holder_whose_heartbeat_went_stale_counts_as_crashed", "[segment]") {
+  ScopedName n;
+  FakeClock clock;
+  GpuPeerSegmentOptions options;
+  options.stale_after_ns = 1000 * kMs;
+  auto segment = GpuPeerSegment::open(n.name, 0, options, clock);
+  const auto hung = static_cast<std::uint64_t>(::getppid());  // alive, but never beats
+  segment.claim_guaranteed(hung);
+  segment.publish_activity(true, 1, clock.now_ns());
+  CHECK(segment.guaranteed_busy());
+  clock.advance(500 * kMs);
+  segment.heartbeat(hung);
+  clock.advance(900 * kMs);
+  CHECK(segment.guaranteed_busy());  // beat 900 ms ago: still alive
+  CHECK(segment.reclaim_crashed() == 0);
+  clock.advance(200 * kMs);
+  CHECK_FALSE(segment.guaranteed_busy());  // 1.1 s without a beat
+  CHECK(segment.reclaim_crashed() == 1);
+}
+
+TEST_CASE("attaching_to_a_segment_from_an_earlier_run_frees_its_dead_holders_slots", "[segment]") {
+  ScopedName n;
+  const std::uint64_t gone = dead_pid();
+  {
+    auto earlier = GpuPeerSegment::open(n.name, 1);
+    earlier.claim_guaranteed(gone);
+    earlier.publish_activity(true, 2, MonotonicClock::instance().now_ns());
+    earlier.claim_opportunistic(gone);
+  }
+  auto later = GpuPeerSegment::open(n.name, 1);
+  CHECK(later.opening() == SegmentOpening::kAttached);
+  CHECK(later.view().guaranteed.pid == 0);
+  CHECK(later.view().opportunistic.empty());
+  CHECK_FALSE(later.guaranteed_busy());
+}
+
+TEST_CASE("a_segment_with_foreign_bytes_or_another_version_is_reinitialised", "[segment]") {
+  ScopedName n;
+  std::uint64_t generation = 0;
+  {
+    auto segment = GpuPeerSegment::open(n.name, 0);
+    generation = segment.view().generation;
+    segment.block().version.store(kGpuBlockVersion + 1);  // as another version left it
+  }
+  {
+    auto segment = GpuPeerSegment::open(n.name, 0);
+    CHECK(segment.opening() == SegmentOpening::kReinitialised);
+    CHECK(segment.block().version.load() == kGpuBlockVersion);
+    CHECK(segment.view().generation == generation + 1);
+  }
+  // Garbage, and too short for the layout.
+  int fd = ::shm_open(n.name.c_str(), O_RDWR | O_TRUNC, 0660);
+  REQUIRE(fd >= 0);
+  const char junk[] = "not a cotenant segment";
+  REQUIRE(::write(fd, junk, sizeof junk) == static_cast<ssize_t>(sizeof junk));
+  ::close(fd);
+  auto segment = GpuPeerSegment::open(n.name, 0);
+  CHECK(segment.opening() == SegmentOpening::kReinitialised);
+  CHECK(segment.block().magic.load() == kGpuBlockMagic);
+  CHECK(segment.block().block_bytes.load() == sizeof(GpuBlock));
+  segment.claim_guaranteed(::getpid());
+  CHECK(segment.view().guaranteed.live);
+}
+
+TEST_CASE("opportunistic_slots_take_the_default_share_until_a_coordinator_sets_one", "[segment]") {
+  ScopedName n;
+  GpuPeerSegmentOptions options;
+  options.default_share = 0.5;
+  auto segment = GpuPeerSegment::open(n.name, 0, options);
+  const std::size_t slot = segment.claim_opportunistic(::getpid());
+  CHECK(segment.claim_opportunistic(::getpid()) == slot);  // idempotent
+  CHECK(segment.share(slot) == 0.5);
+  SegmentPeerState peer(segment, slot);
+  CHECK(peer.published_share() == 0.5);
+  segment.set_share(slot, 0.2);
+  CHECK(peer.published_share() == Approx(0.2));
+  CHECK(segment.view().opportunistic.at(0).share_from_coordinator);
+  segment.set_share(slot, 3.0);
+  CHECK(segment.share(slot) == 1.0);
+  CHECK_THROWS_AS(segment.set_share(kMaxOpportunisticJobs, 0.5), Error);
+}
+
+TEST_CASE("a_gpu_takes_at_most_the_maximum_of_live_opportunistic_jobs", "[segment]") {
+  ScopedName n;
+  auto segment = GpuPeerSegment::open(n.name, 0);
+  // Each slot needs a distinct live holder: fork sleeping children.
+  std::vector<pid_t> sleepers;
+  for (std::size_t i = 0; i < kMaxOpportunisticJobs; ++i) {
+    pid_t child = ::fork();
+    if (child == 0) {
+      for (;;) ::pause();
+    }
+    sleepers.push_back(child);
+    segment.claim_opportunistic(static_cast<std::uint64_t>(child));
+  }
+  try {
+    segment.claim_opportunistic(::getpid());
+    FAIL("a ninth opportunistic job should have been refused");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("another GPU"));
+  }
+  ::kill(sleepers.back(), SIGKILL);
+  ::waitpid(sleepers.back(), nullptr, 0);
+  sleepers.pop_back();
+  CHECK(segment.claim_opportunistic(::getpid()) == kMaxOpportunisticJobs - 1);
+  for (pid_t child : sleepers) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  }
+}
+
+TEST_CASE("iteration_figures_published_by_the_guaranteed_job_read_back_together", "[segment]") {
+  ScopedName n;
+  auto segment = GpuPeerSegment::open(n.name, 0);
+  segment.claim_guaranteed(::getpid());
+  SegmentGuaranteedSink sink(segment);
+  IterationStats stats;
+  stats.iterations = 42;
+  stats.last_ns = 11 * kMs;
+  stats.ewma_ns = 10 * kMs;
+  stats.p99_ns = 13 * kMs;
+  sink.publish_iterations(stats);
+  auto read = segment.guaranteed_iterations();
+  CHECK(read.iterations == 42);
+  CHECK(read.last_ns == 11 * kMs);
+  CHECK(read.ewma_ns == 10 * kMs);
+  CHECK(read.p99_ns == 13 * kMs);
+  CHECK(segment.block().guaranteed.iteration_sequence.load() % 2 == 0);
+}
+
+TEST_CASE("the_gate_over_the_segment_admits_only_while_the_guaranteed_job_is_idle", "[segment][gate]") {
+  ScopedName n;
+  auto segment = GpuPeerSegment::open(n.name, 0);
+  segment.claim_guaranteed(static_cast<std::uint64_t>(::getppid()));
+  const std::size_t slot = segment.claim_opportunistic(::getpid());
+  SegmentPeerState peer(segment, slot);
+  struct NoWork final : InFlightWork {
+    void record_marker() override {}
+    std::size_t poll_in_flight() override { return 0; }
+  } work;
+  LaunchGate gate(MonotonicClock::instance(), work, peer);
+  segment.publish_activity(true, 1, MonotonicClock::instance().now_ns());
+  CHECK_FALSE(gate.try_admit());
+  segment.publish_activity(false, 0, MonotonicClock::instance().now_ns());
+  CHECK(gate.try_admit());
+  gate.launched();
+  segment.set_share(slot, 0.0);
+  CHECK_FALSE(gate.try_admit());
+  segment.report_gate(slot, gate.stats());
+  CHECK(segment.view().opportunistic.at(0).admitted_ops == 1);
+}
+
+TEST_CASE("the_layout_description_covers_every_field_once_inside_the_block", "[segment]") {
+  auto fields = gpu_block_layout();
+  CHECK(fields.size() == 7 + 10 + 7 * kMaxOpportunisticJobs);
+  CHECK(fields.size() * sizeof(Word) == sizeof(GpuBlock));
+  std::set<std::size_t> offsets;
+  for (const auto& f : fields) {
+    CHECK(f.offset + f.bytes <= sizeof(GpuBlock));
+    offsets.insert(f.offset);
+  }
+  CHECK(offsets.size() == fields.size());
+}
