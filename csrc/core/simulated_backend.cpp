@@ -212,12 +212,13 @@ void SimulatedBackend::synchronize_device() {
   std::lock_guard lock(mutex_);
   ++calls_.synchronize_device;
   for (auto& [id, state] : events_) state.pending = false;
-  for (auto& [stream, done] : stream_completed_ticket_) done = next_ticket_;
+  // Tickets issued so far are 1 .. next_ticket_ - 1: all of them are done.
+  for (auto& [stream, done] : stream_completed_ticket_) done = next_ticket_ - 1;
 }
 
 void SimulatedBackend::complete_stream(StreamId stream) {
   std::lock_guard lock(mutex_);
-  stream_completed_ticket_[stream] = next_ticket_;
+  stream_completed_ticket_[stream] = next_ticket_ - 1;  // every ticket issued so far
 }
 
 const SimulatedBackend::Page* SimulatedBackend::page_at_locked(DevicePtr address, std::size_t* offset) const {

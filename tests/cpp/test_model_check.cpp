@@ -1,0 +1,305 @@
+// A randomized, seeded model check of the allocator against a reference
+// model, with several threads, several streams, record_stream, cap changes,
+// spill_all/restore_all, empty_cache and migrations at safe points.
+//
+// The model: every live block's address range and the seed of the bytes last
+// written into it; ranges held back by record_stream. Checked throughout:
+//  - live blocks never overlap one another, nor a range still held back;
+//  - every live byte reads back what was last written (through moves);
+//  - device-resident bytes are at most the cap after every safe point;
+// and at the end of each round, with all threads stopped:
+//  - the statistics equal the model's sums and the simulated device's bytes.
+//
+// A safe point is modelled as a writer lock: data reads and writes (kernels)
+// hold it shared, apply_pending_migrations() holds it exclusive.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <map>
+#include <random>
+#include <shared_mutex>
+#include <thread>
+
+#include "cotenant/errors.h"
+#include "test_helpers.h"
+
+using namespace cotenant;
+using namespace cotenant::testing;
+
+namespace {
+
+constexpr std::size_t kKiB = 1024;
+constexpr std::size_t kPage = 64 * kKiB;
+
+// Fast reproducible contents: 8-byte words derived from (seed, offset).
+void write_pattern(SimulatedBackend& device, DevicePtr address, std::size_t bytes, std::uint64_t seed) {
+  std::vector<std::uint64_t> words((bytes + 7) / 8);
+  for (std::size_t i = 0; i < words.size(); ++i) words[i] = (seed * 0x9E3779B97F4A7C15ull) ^ (i * 0xD1B54A32D192ED03ull);
+  device.write(address, words.data(), bytes);
+}
+
+bool pattern_holds(const SimulatedBackend& device, DevicePtr address, std::size_t bytes, std::uint64_t seed) {
+  std::vector<std::uint64_t> words((bytes + 7) / 8), expected((bytes + 7) / 8);
+  device.read(address, words.data(), bytes);
+  for (std::size_t i = 0; i < expected.size(); ++i) expected[i] = (seed * 0x9E3779B97F4A7C15ull) ^ (i * 0xD1B54A32D192ED03ull);
+  return std::memcmp(words.data(), expected.data(), bytes) == 0;
+}
+
+struct LiveBlock {
+  std::size_t size = 0;       // what allocation_size() reports
+  std::size_t requested = 0;
+  std::uint64_t seed = 0;
+  StreamId stream = 0;
+};
+
+// The reference model, shared by all threads.
+struct Model {
+  std::mutex mutex;
+  std::map<DevicePtr, std::size_t> live;                        // address -> size
+  std::multimap<StreamId, std::pair<DevicePtr, std::size_t>> held;  // record_stream ranges by stream
+  std::vector<std::string> violations;
+
+  static bool overlaps(DevicePtr a, std::size_t a_size, DevicePtr b, std::size_t b_size) {
+    return a < b + b_size && b < a + a_size;
+  }
+
+  void add_live(DevicePtr address, std::size_t size) {
+    std::lock_guard lock(mutex);
+    auto next = live.lower_bound(address);
+    if (next != live.end() && overlaps(address, size, next->first, next->second)) {
+      violations.push_back("new block overlaps a live block");
+    }
+    if (next != live.begin() && overlaps(address, size, std::prev(next)->first, std::prev(next)->second)) {
+      violations.push_back("new block overlaps a live block");
+    }
+    for (const auto& [stream, range] : held) {
+      if (overlaps(address, size, range.first, range.second)) {
+        violations.push_back("a block held back by record_stream was handed out before its stream finished");
+      }
+    }
+    live.emplace(address, size);
+  }
+};
+
+struct Config {
+  std::uint64_t seed;
+  int threads;
+  int ops_per_thread;
+};
+
+struct Harness {
+  explicit Harness(std::uint64_t seed)
+      : device(make_config()), allocator(device, make_options()), rng(seed) {}
+
+  static SimulatedDeviceConfig make_config() {
+    SimulatedDeviceConfig config;
+    config.device_capacity = 6 * 1024 * kKiB;
+    config.granularity = kPage;
+    config.events_complete_immediately = false;
+    return config;
+  }
+  // The production size classes scaled down 32x with the page, so that a
+  // few thousand operations exercise segments, splits and page boundaries.
+  static AllocatorOptions make_options() {
+    AllocatorOptions options;
+    options.small_request_max = 32 * kKiB;
+    options.small_segment_bytes = kPage;
+    options.large_segment_bytes = 640 * kKiB;
+    options.large_segment_threshold = 320 * kKiB;
+    return options;
+  }
+
+  SimulatedBackend device;
+  CachingAllocator allocator;
+  Model model;
+  std::shared_mutex safe_point;  // shared: kernels touching memory; exclusive: migrations
+  std::mt19937_64 rng;
+  std::atomic<std::uint64_t> cap{kNoCap};
+  // Lock-step: a worker waits for one controller round every kOpsPerRound
+  // operations, so cap changes land among the workers' operations however
+  // the threads are scheduled.
+  static constexpr int kOpsPerRound = 20;
+  std::atomic<int> controller_rounds{0};
+  std::atomic<bool> controller_running{false};
+
+  std::size_t random_size(std::mt19937_64& r) {
+    const int kind = static_cast<int>(r() % 10);
+    if (kind < 5) return 1 + r() % (32 * kKiB);
+    if (kind < 9) return 32 * kKiB + r() % (300 * kKiB);
+    return 300 * kKiB + r() % (1200 * kKiB);
+  }
+
+  // One worker: its own streams, its own live blocks.
+  void worker(int index, std::uint64_t seed, int ops) {
+    std::mt19937_64 r(seed);
+    const StreamId streams[2] = {StreamId(10 + 2 * index), StreamId(11 + 2 * index)};
+    const StreamId side_stream = 100 + index;  // record_stream target
+    std::map<DevicePtr, LiveBlock> mine;
+    for (int op = 0; op < ops; ++op) {
+      while (controller_running.load() && controller_rounds.load() < op / kOpsPerRound) std::this_thread::yield();
+      const int action = static_cast<int>(r() % 100);
+      if (action < 45 || mine.empty()) {
+        LiveBlock block;
+        block.requested = random_size(r);
+        block.seed = r();
+        block.stream = streams[r() % 2];
+        DevicePtr address = 0;
+        try {
+          address = allocator.allocate(block.requested, block.stream);
+        } catch (const OutOfMemoryError&) {
+          std::lock_guard lock(model.mutex);
+          model.violations.push_back("out of memory although host memory is plentiful");
+          continue;
+        }
+        block.size = allocator.allocation_size(address);
+        if (block.size < block.requested || block.size % 512 != 0) {
+          std::lock_guard lock(model.mutex);
+          model.violations.push_back("allocation_size is not the rounded request");
+        }
+        model.add_live(address, block.size);
+        {
+          std::shared_lock kernel(safe_point);
+          write_pattern(device, address, block.requested, block.seed);
+        }
+        mine.emplace(address, block);
+      } else if (action < 80) {
+        auto it = std::next(mine.begin(), static_cast<long>(r() % mine.size()));
+        const bool on_side_stream = r() % 5 == 0;
+        if (on_side_stream) allocator.record_stream(it->first, side_stream);
+        {
+          std::lock_guard lock(model.mutex);
+          model.live.erase(it->first);
+          if (on_side_stream) model.held.emplace(side_stream, std::make_pair(it->first, it->second.size));
+        }
+        allocator.free(it->first);
+        mine.erase(it);
+      } else if (action < 95) {
+        auto it = std::next(mine.begin(), static_cast<long>(r() % mine.size()));
+        std::shared_lock kernel(safe_point);
+        if (!pattern_holds(device, it->first, it->second.requested, it->second.seed)) {
+          std::lock_guard lock(model.mutex);
+          model.violations.push_back("a live block does not hold the bytes last written into it");
+        }
+      } else {
+        // The side stream's work finishes: its held-back ranges may be reused.
+        std::lock_guard lock(model.mutex);
+        device.complete_stream(side_stream);
+        model.held.erase(side_stream);
+      }
+    }
+    std::lock_guard lock(model.mutex);
+    for (auto& [address, block] : mine) {
+      model.live.erase(address);
+      allocator.free(address);
+    }
+  }
+
+  // The coordinator's role: move the cap, spill/restore, empty the cache, and
+  // run safe points; checks the cap after each.
+  void controller(std::uint64_t seed, const std::atomic<bool>& done) {
+    std::mt19937_64 r(seed);
+    const std::uint64_t caps[] = {2 * 1024 * kKiB, 3 * 1024 * kKiB, 5 * 1024 * kKiB, kNoCap};
+    for (; !done.load(); ++controller_rounds) {
+      const int action = static_cast<int>(r() % 10);
+      if (action < 5) {
+        const std::uint64_t next = caps[r() % 4];
+        if (next == kNoCap) allocator.set_memory_cap(~std::uint64_t{0});
+        else allocator.set_memory_cap(next);
+        cap = next;
+      } else if (action == 5) {
+        allocator.spill_all();
+        cap = 0;
+      } else if (action == 6) {
+        allocator.restore_all();
+        cap = allocator.memory_cap();
+      } else if (action == 7) {
+        std::lock_guard lock(model.mutex);
+        allocator.empty_cache();  // waits for held-back blocks: their streams are done
+        model.held.clear();
+      }
+      {
+        std::unique_lock quiet(safe_point);
+        std::lock_guard lock(model.mutex);
+        const auto synchronized_before = device.calls().synchronize_device;
+        allocator.apply_pending_migrations();
+        // A safe point that moved pages synchronized the device: every
+        // stream's work is done, so held-back ranges may be reused.
+        if (device.calls().synchronize_device != synchronized_before) model.held.clear();
+        const AllocatorStats stats = allocator.stats();
+        const std::uint64_t limit = cap.load();
+        if (static_cast<std::uint64_t>(stats.device_resident_bytes.current) > limit ||
+            device.device_bytes_in_use() > limit) {
+          model.violations.push_back("device-resident bytes above the cap after a safe point");
+        }
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  // With every thread stopped: the statistics against the model and the device.
+  void check_quiescent_stats() {
+    device.synchronize_device();
+    allocator.empty_cache();
+    model.held.clear();
+    const AllocatorStats stats = allocator.stats();
+    std::int64_t live_bytes = 0;
+    for (const auto& [address, size] : model.live) live_bytes += static_cast<std::int64_t>(size);
+    CHECK(stats.allocated_bytes.all.current == live_bytes);
+    CHECK(stats.allocation.all.current == static_cast<std::int64_t>(model.live.size()));
+    CHECK(stats.active_bytes.all.current == live_bytes);
+    CHECK(stats.reserved_bytes.all.current ==
+          static_cast<std::int64_t>(device.device_bytes_in_use() + device.host_bytes_in_use()));
+    CHECK(stats.device_resident_bytes.current == static_cast<std::int64_t>(device.device_bytes_in_use()));
+    CHECK(stats.host_resident_bytes.current == static_cast<std::int64_t>(device.host_bytes_in_use()));
+    CHECK(stats.allocated_bytes.all.current ==
+          stats.allocated_bytes.small_pool.current + stats.allocated_bytes.large_pool.current);
+    CHECK(stats.allocated_bytes.all.allocated - stats.allocated_bytes.all.freed == live_bytes);
+    CHECK(stats.num_ooms == 0);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("model_check_random_operations_from_many_threads_and_streams", "[model]") {
+  const std::uint64_t seed = GENERATE(1, 2, 3);
+  INFO("seed " << seed << " (rerun with this seed to reproduce)");
+  Harness harness(seed);
+  constexpr int kThreads = 4;
+  constexpr int kOps = 1500;
+  std::atomic<bool> done{false};
+  harness.controller_running = true;
+  std::thread controller([&] { harness.controller(seed * 7919, done); });
+  std::vector<std::thread> workers;
+  for (int t = 0; t < kThreads; ++t) {
+    workers.emplace_back([&, t] { harness.worker(t, seed * 1000 + static_cast<std::uint64_t>(t), kOps); });
+  }
+  for (auto& w : workers) w.join();
+  done = true;
+  controller.join();
+
+  for (const std::string& violation : harness.model.violations) FAIL_CHECK(violation);
+  CHECK(harness.model.violations.empty());
+  harness.check_quiescent_stats();
+  const AllocatorStats stats = harness.allocator.stats();
+  // The run really exercised what it claims to.
+  CHECK(stats.allocation.all.allocated >= kThreads * kOps / 3);
+  CHECK(stats.num_migrations > 0);
+  CHECK(stats.spilled_bytes > 0);
+  CHECK(stats.restored_bytes > 0);
+}
+
+TEST_CASE("model_check_single_thread_interleaves_with_exact_statistics_midway", "[model]") {
+  const std::uint64_t seed = GENERATE(11, 12);
+  INFO("seed " << seed);
+  Harness harness(seed);
+  std::mt19937_64 r(seed);
+  for (int round = 0; round < 6; ++round) {
+    harness.worker(0, r(), 400);  // frees everything it allocated at the end
+    harness.allocator.set_memory_cap((1 + r() % 4) * 1024 * kKiB);
+    harness.allocator.apply_pending_migrations();
+    harness.model.held.clear();  // the safe point synchronized every stream
+    harness.check_quiescent_stats();
+    CHECK(harness.allocator.stats().allocated_bytes.all.current == 0);
+  }
+  CHECK(harness.model.violations.empty());
+}
