@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Sets everything up on a fresh Debian 12 machine and runs every test:
+#   1. the core and its Catch2 tests (ctest)
+#   2. the core tests under AddressSanitizer + UndefinedBehaviorSanitizer
+#   3. the core tests under ThreadSanitizer
+#   4. pip install --no-build-isolation .   (cotenant._core, and _C when CUDA is found)
+#   5. pytest tests/python                   (GPU tests skip with a reason without a GPU)
+# Any failure, sanitizer report or empty test run fails the script.
+#
+# Environment:
+#   COTENANT_BUILD_ROOT   where the three CMake builds go (default: build)
+#   COTENANT_VENV         a virtual environment to create and use (default: .venv
+#                         when python3 is the system's externally managed Python,
+#                         otherwise python3 itself is used)
+#   COTENANT_SKIP_APT=1   do not apt-get install (the packages are there already)
+#   JOBS                  parallel compile jobs (default: the CPU count)
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+BUILD_ROOT=${COTENANT_BUILD_ROOT:-build}
+JOBS=${JOBS:-$(nproc)}
+export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+
+source scripts/setup_env.sh
+
+GENERATOR=()
+if command -v ninja >/dev/null; then GENERATOR=(-G Ninja); fi
+
+# Builds the core tests in $1 with the extra CMake arguments that follow, then
+# runs them under ctest, each command prefixed by RUN_PREFIX (an array).
+RUN_PREFIX=()
+core_tests() {
+  local dir=$1; shift
+  cmake -S "$ROOT" -B "$dir" "${GENERATOR[@]}" -DCOTENANT_BUILD_PYTHON=OFF -DCOTENANT_BUILD_TESTS=ON "$@"
+  "${RUN_PREFIX[@]}" cmake --build "$dir" --parallel "$JOBS"
+  # --no-tests=error: a build that discovered no tests is a failure, not a pass.
+  "${RUN_PREFIX[@]}" ctest --test-dir "$dir" --output-on-failure --no-tests=error --parallel "$JOBS"
+}
+
+# ---- 1. core ---------------------------------------------------------------------------
+step "core build and tests"
+core_tests "$BUILD_ROOT/core" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+# ---- 2. ASan + UBSan --------------------------------------------------------------------
+step "core tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+core_tests "$BUILD_ROOT/asan" -DCMAKE_BUILD_TYPE=Debug -DCOTENANT_SANITIZE=address,undefined
+
+# ---- 3. TSan ----------------------------------------------------------------------------
+step "core tests under ThreadSanitizer"
+# TSan needs the address-space layout it was built for; with high ASLR entropy
+# (vm.mmap_rnd_bits > 28 on recent kernels) it dies with "unexpected memory
+# mapping". setarch -R turns randomisation off for the build (test discovery
+# runs the binary) and the tests.
+if command -v setarch >/dev/null && setarch "$(uname -m)" -R true 2>/dev/null; then
+  RUN_PREFIX=(setarch "$(uname -m)" -R)
+fi
+core_tests "$BUILD_ROOT/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOTENANT_SANITIZE=thread
+RUN_PREFIX=()
+
+# ---- 4. the Python package ----------------------------------------------------------------
+step "pip install --no-build-isolation ."
+"$PYTHON" -m pip install --no-build-isolation --no-deps .
+
+# ---- 5. Python tests ----------------------------------------------------------------------
+step "pytest tests/python"
+# From outside the source tree, so `import cotenant` is the installed package.
+set +e
+(cd / && "$PYTHON" -m pytest -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")
+status=$?
+set -e
+if [[ $status -eq 5 ]]; then
+  echo "pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+if [[ $status -ne 0 ]]; then exit "$status"; fi
+
+step "all tests passed"
