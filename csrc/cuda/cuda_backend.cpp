@@ -194,6 +194,14 @@ void CudaBackend::map(DevicePtr address, PageHandle page) {
 }
 
 void CudaBackend::unmap(DevicePtr address) {
+  if (!graph_capture_.load(std::memory_order_acquire)) {
+    CurrentDevice current(device_);
+    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize before unmapping a page");
+  }
+  unmap_now(address);
+}
+
+void CudaBackend::unmap_now(DevicePtr address) {
   check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
 }
 
@@ -208,15 +216,20 @@ void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
   try {
     map(dst_va, dst);
   } catch (...) {
-    unmap(src_va);
+    unmap_now(src_va);
     throw;
   }
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   cudaError_t err = cudaMemcpyAsync(reinterpret_cast<void*>(dst_va), reinterpret_cast<void*>(src_va),
                                     granularity_, cudaMemcpyDefault, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-  unmap(dst_va);
-  unmap(src_va);
+  if (err == cudaSuccess) {  // the copy finished: the staging mappings are idle
+    unmap_now(dst_va);
+    unmap_now(src_va);
+  } else {
+    unmap(dst_va);
+    unmap(src_va);
+  }
   check_runtime(err, "copying a page between device and host");
 }
 

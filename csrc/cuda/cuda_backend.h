@@ -12,6 +12,10 @@
 //    host memory (cuMemHostAlloc with DEVICEMAP): AntMan's scheme.
 //  - Page copies map both pages into a private staging range and copy with
 //    cudaMemcpyAsync on a private stream, then synchronize that stream.
+//  - unmap() synchronizes the device first: kernels launched before a block
+//    was freed may still touch its page, and cuMemUnmap does not wait for
+//    them (PyTorch's expandable segments synchronize for the same reason).
+//    When the GPU is idle (safe points, repeated unmaps) this costs a few us.
 //  - Events and streams are the CUDA runtime's (the runtime torch loads);
 //    a StreamId is a cudaStream_t cast to an integer.
 //
@@ -19,6 +23,7 @@
 // guarded by a mutex; everything else is stateless or the driver's.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <mutex>
 #include <string>
@@ -38,6 +43,11 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   int device() const { return device_; }
+
+  // While a CUDA graph is being captured on the device, unmap() must not
+  // synchronize (that would invalidate the capture). The adapter sets this
+  // between beginAllocateToPool and endAllocateToPool.
+  void set_graph_capture(bool capturing) { graph_capture_.store(capturing, std::memory_order_release); }
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
   const char* host_page_kind() const;
 
@@ -68,11 +78,13 @@ class CudaBackend final : public Backend {
   enum class HostLocation { kNone, kHost, kHostNuma };
 
   void set_device_access(DevicePtr address, std::size_t bytes);
+  void unmap_now(DevicePtr address);  // no synchronization: the caller knows the page is idle
 
   int device_ = 0;
   HostLocation host_location_ = HostLocation::kNone;
   int host_numa_id_ = 0;
   std::size_t granularity_ = 0;
+  std::atomic<bool> graph_capture_{false};
 
   // Two pages of address space for copy_page: source at base, destination at
   // base + granularity. Guarded by staging_mutex_, which also serialises the

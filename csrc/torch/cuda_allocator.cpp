@@ -521,6 +521,7 @@ void CotenantCudaAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::Me
     }
     d.capture_routes.emplace_back(mempool_id, std::move(filter));
   }
+  d.backend->set_graph_capture(true);
   d.capturing.store(true, std::memory_order_release);
 }
 
@@ -533,6 +534,7 @@ void CotenantCudaAllocator::endAllocateToPool(c10::DeviceIndex device, c10::Memp
                               [&](const auto& route) { return route.first == mempool_id; }),
                routes.end());
   d->capturing.store(!routes.empty(), std::memory_order_release);
+  d->backend->set_graph_capture(!routes.empty());
 }
 
 void CotenantCudaAllocator::releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
