@@ -1,0 +1,283 @@
+"""The `cotenant` command: coordinator, status, set-cap, set-share, run, timeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+EXIT_USAGE = 2
+
+
+def _parse_size(text: str) -> int:
+    from cotenant._core import parse_size  # the one parser for sizes
+
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _format_size(value: Optional[int]) -> str:
+    if value is None:
+        return "-"
+    from cotenant._core import format_size
+
+    return format_size(value)
+
+
+def _gpu_list(text: str) -> List[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices separated by commas, like 0,1; not {text!r}") from None
+
+
+# --- status ------------------------------------------------------------------
+
+COLUMNS = ("GPU", "JOB", "PID", "ROLE", "STATE", "CAP", "DEVICE", "HOST", "SHARE", "ITER/BASE")
+
+
+def status_rows(view: Dict[str, Any]) -> List[List[str]]:
+    rows = []
+    for job in view["jobs"]:
+        slowdown = job.get("slowdown")
+        if slowdown is not None:
+            ratio = f"{slowdown:.2f}x"
+        elif job["role"] == "guaranteed" and job.get("iteration_count", 0):
+            ratio = "warm-up"
+        else:
+            ratio = "-"
+        share = f"{job['share']:.2f}" + ("*" if job.get("share_pinned") else "")
+        rows.append([
+            str(job["gpu"]), f"{job['name']} ({job['job_id']})", str(job["pid"]), job["role"], job["state"],
+            _format_size(job["cap"]), _format_size(job["device_bytes"]), _format_size(job["host_bytes"]), share, ratio,
+        ])
+    return rows
+
+
+def format_status(view: Dict[str, Any]) -> str:
+    rows = [list(COLUMNS)] + status_rows(view)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+    if not view["jobs"]:
+        lines.append("(no jobs registered)")
+    for job in view["jobs"]:
+        if job.get("queue_reason"):
+            lines.append(f"{job['name']}: {job['queue_reason']}")
+    if any(j.get("share_pinned") for j in view["jobs"]):
+        lines.append("* share pinned with `cotenant set-share` (`set-share JOB auto` hands it back to the policy)")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cotenant.coordinator import client
+
+    while True:
+        view = client.status(args.socket)
+        if args.json:
+            text = json.dumps(view, indent=2)
+        else:
+            text = format_status(view)
+        if args.watch:
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + view["coordinator"]["socket"] + "\n")
+        print(text, flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
+# --- admin ---------------------------------------------------------------------
+
+
+def cmd_set_cap(args: argparse.Namespace) -> int:
+    from cotenant.coordinator import client
+
+    size = None if args.size.lower() in ("none", "unlimited") else _parse_size(args.size)
+    reply = client.set_cap(args.job, size, args.socket)
+    print(f"{reply['job']}: cap bound {_format_size(reply['user_cap'])}, cap in force {_format_size(reply['memory_cap'])}")
+    return 0
+
+
+def cmd_set_share(args: argparse.Namespace) -> int:
+    from cotenant.coordinator import client
+
+    if args.share != "auto":
+        try:
+            value = float(args.share)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            print(f"cotenant: a share is a number from 0 (paused) to 1, or 'auto'; not {args.share!r}", file=sys.stderr)
+            return EXIT_USAGE
+        share: Any = value
+    else:
+        share = "auto"
+    reply = client.set_share(args.job, share, args.socket)
+    how = "pinned" if reply["pinned"] else "set by the policy"
+    print(f"{reply['job']}: share {reply['share']:.2f} ({how})")
+    return 0
+
+
+# --- run -----------------------------------------------------------------------
+
+
+def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment that enables cotenant in an unmodified child program."""
+    import cotenant
+
+    env = dict(os.environ if base is None else base)
+    env["COTENANT_ENABLE"] = "1"
+    env["COTENANT_ROLE"] = "guaranteed" if args.guaranteed else "opportunistic"
+    if args.cap:
+        _parse_size(args.cap)  # refuse a bad size here, not in the child
+        env["COTENANT_MEMORY_CAP"] = args.cap
+    env["COTENANT_DEVICE"] = str(args.device)
+    if args.socket:
+        env["COTENANT_SOCKET"] = args.socket
+    if args.name:
+        env["COTENANT_JOB_NAME"] = args.name
+    autoenable = os.path.join(os.path.dirname(cotenant.__file__), "_autoenable")
+    # Every directory the package spans (sources and build tree) must stay importable in the child.
+    package_roots = [os.path.dirname(p) for p in cotenant.__path__]
+    parts = [autoenable] + package_roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    seen: List[str] = []
+    for p in parts:
+        if p not in seen:
+            seen.append(p)
+    env["PYTHONPATH"] = os.pathsep.join(seen)
+    return env
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("cotenant run: give the command after --, e.g. `cotenant run --opportunistic -- python train.py`",
+              file=sys.stderr)
+        return EXIT_USAGE
+    env = child_environment(args)
+    try:
+        os.execvpe(command[0], command, env)  # same pid: the coordinator sees the real job
+    except FileNotFoundError:
+        print(f"cotenant run: no program named {command[0]!r} on PATH", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+# --- coordinator and timeline ----------------------------------------------------
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from cotenant.coordinator import daemon, policy
+    from cotenant.coordinator.paths import default_socket_path
+
+    memory = policy.MemoryPolicyConfig(headroom_bytes=_parse_size(args.headroom))
+    config = daemon.CoordinatorConfig(
+        socket_path=args.socket or default_socket_path(), gpus=args.gpus, group=args.group,
+        metrics_port=args.metrics_port, memory=memory,
+        gpu_memory_bytes=_parse_size(args.gpu_memory) if args.gpu_memory else None,
+    )
+    return daemon.run(config, args.log_level)
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from cotenant import timeline
+    from cotenant.coordinator import client, paths
+
+    records = None
+    if args.history:
+        records = timeline.load_history(args.history)
+    else:
+        try:
+            records = client.history(args.socket)
+        except (client.CoordinatorUnavailable, OSError):
+            path = paths.history_path(args.socket or paths.default_socket_path())
+            if not os.path.exists(path):
+                print(f"cotenant timeline: no coordinator is running and there is no recorded history at {path}",
+                      file=sys.stderr)
+                return 1
+            records = timeline.load_history(path)
+    n = timeline.plot(records, args.output)
+    print(f"wrote {args.output} ({n} samples)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cotenant", description="Share NVIDIA GPUs between PyTorch jobs.")
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+
+    def with_socket(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--socket", help="coordinator socket (default: $COTENANT_SOCKET, $XDG_RUNTIME_DIR/cotenant/"
+                       "coordinator.sock, /run/cotenant/coordinator.sock, or /tmp/cotenant-UID/coordinator.sock)")
+        return p
+
+    p = with_socket(sub.add_parser("coordinator", help="run the per-node coordinator daemon"))
+    p.add_argument("--gpus", type=_gpu_list, help="GPU indices to manage, e.g. 0,1 (default: all)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--headroom", default="512MiB", help="device memory kept free on every GPU (default 512MiB)")
+    p.add_argument("--group", help="a group whose members may change caps and shares")
+    p.add_argument("--gpu-memory", help="device memory per GPU, when nvidia-smi cannot tell (e.g. 80GiB)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_coordinator)
+
+    p = with_socket(sub.add_parser("status", help="show the jobs, their memory and shares"))
+    p.add_argument("--json", action="store_true", help="print the coordinator's view as JSON")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    p.set_defaults(func=cmd_status)
+
+    p = with_socket(sub.add_parser("set-cap", help="bound a job's device memory"))
+    p.add_argument("job", help="job name or id")
+    p.add_argument("size", help="a size like 6GiB, or 'none' to remove the bound")
+    p.set_defaults(func=cmd_set_cap)
+
+    p = with_socket(sub.add_parser("set-share", help="pin a job's compute share"))
+    p.add_argument("job", help="job name or id")
+    p.add_argument("share", help="0 (paused) to 1, or 'auto' to hand it back to the policy")
+    p.set_defaults(func=cmd_set_share)
+
+    p = with_socket(sub.add_parser("run", help="run a command as a cotenant job, with no change to its code"))
+    role = p.add_mutually_exclusive_group(required=True)
+    role.add_argument("--guaranteed", action="store_true", help="the job whose speed is protected")
+    role.add_argument("--opportunistic", action="store_true", help="a job that uses what is left")
+    p.add_argument("--cap", help="device-memory cap, e.g. 6GiB")
+    p.add_argument("--name", help="job name shown by `cotenant status`")
+    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
+    p.set_defaults(func=cmd_run)
+
+    p = with_socket(sub.add_parser("timeline", help="plot each job's memory and share over time (PNG)"))
+    p.add_argument("-o", "--output", default="cotenant-timeline.png")
+    p.add_argument("--history", help="a recorded history file (default: ask the coordinator, else its history file)")
+    p.set_defaults(func=cmd_timeline)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from cotenant.coordinator.client import CoordinatorError, CoordinatorUnavailable
+
+    try:
+        return args.func(args)
+    except CoordinatorUnavailable as error:
+        print(f"cotenant: {error}", file=sys.stderr)
+        return 1
+    except CoordinatorError as error:
+        print(f"cotenant: {error}", file=sys.stderr)
+        return 1
+    except PermissionError as error:
+        print(f"cotenant: permission denied on the coordinator socket ({error.filename or error}); ask for membership "
+              "in the coordinator's group", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Talking to the coordinator: job registration and administrator calls.
+
+    reg = register("opportunistic", device=0)   # None when no coordinator runs
+    if reg is not None:
+        channel = reg.open_channel(allocator=...)   # the C++ JobChannel thread
+
+Jobs run on their own when no coordinator is running: register() returns
+None instead of raising, so `cotenant.enable()` works the same either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+from cotenant.coordinator import protocol
+from cotenant.coordinator.paths import default_socket_path
+
+__all__ = [
+    "AdmissionRefused", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Registration",
+    "default_socket_path", "history", "register", "set_cap", "set_share", "send_command", "status",
+]
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator answered with an error; .code is the protocol's error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class AdmissionRefused(CoordinatorError):
+    """The coordinator will never have room for this job on this GPU (the message says why)."""
+
+
+class CoordinatorUnavailable(ConnectionError):
+    """No coordinator answers on the socket."""
+
+
+class CoordinatorClient:
+    """One connection; requests are answered in order."""
+
+    def __init__(self, socket_path: Optional[str] = None, timeout: float = 5.0) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as error:
+            self._sock.close()
+            raise CoordinatorUnavailable(
+                f"no cotenant coordinator at {self.socket_path} ({error.strerror}); start one with "
+                "`cotenant coordinator`, or pass --socket / set COTENANT_SOCKET"
+            ) from None
+        except PermissionError:
+            self._sock.close()
+            raise
+        self._file = self._sock.makefile("rb")
+        self._next_id = 1
+
+    def request(self, op: str, **fields: Any) -> Dict[str, Any]:
+        message = protocol.request(op, self._next_id, **fields)
+        self._next_id += 1
+        self._sock.sendall(protocol.encode(message))
+        line = self._file.readline(protocol.MAX_MESSAGE_BYTES + 1)
+        if not line:
+            raise CoordinatorUnavailable(f"the coordinator at {self.socket_path} closed the connection")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            error = reply.get("error", {})
+            code, text = error.get("code", "unknown"), error.get("message", "the coordinator refused the request")
+            if code == protocol.ADMISSION_REFUSED:
+                raise AdmissionRefused(code, text)
+            raise CoordinatorError(code, text)
+        return reply
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+    def __enter__(self) -> "CoordinatorClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A job's place with the coordinator: the shared-memory block its JobChannel opens."""
+
+    job_id: int
+    name: str
+    block_name: str
+    memory_cap: Optional[int]
+    share: float
+    admitted: bool
+    queue_reason: str
+    socket_path: str
+
+    def open_channel(self, **hooks: Any):
+        """Starts the C++ JobChannel on this job's block (see cotenant._core.JobChannel)."""
+        from cotenant import _core
+
+        channel = _core.JobChannel(self.block_name, **hooks)
+        channel.start()
+        return channel
+
+
+def _size(value: Union[int, str, None]) -> Optional[int]:
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "unlimited")):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    from cotenant._core import parse_size  # the one parser for sizes
+
+    return parse_size(str(value))
+
+
+def register(
+    role: str,
+    device: int,
+    name: Optional[str] = None,
+    socket: Optional[str] = None,
+    memory_cap: Union[int, str, None] = None,
+    persistent_bytes: Union[int, str, None] = None,
+    device_total_bytes: Optional[int] = None,
+    timeout: float = 5.0,
+) -> Optional[Registration]:
+    """Registers the calling process as a job. Returns None when no coordinator
+    is running (the job then runs on its own). Raises AdmissionRefused when
+    the coordinator says the job can never fit, CoordinatorError otherwise."""
+    if role not in protocol.ROLES:
+        raise ValueError(f"role must be 'guaranteed' or 'opportunistic', not {role!r}")
+    fields: Dict[str, Any] = {"role": role, "device": int(device)}
+    if name:
+        fields["name"] = name[: protocol.MAX_NAME_CHARS]
+    cap = _size(memory_cap)
+    if cap is not None:
+        fields["memory_cap"] = cap
+    persistent = _size(persistent_bytes)
+    if persistent:
+        fields["persistent_bytes"] = persistent
+    if device_total_bytes:
+        fields["device_total_bytes"] = int(device_total_bytes)
+    try:
+        client = CoordinatorClient(socket, timeout)
+    except CoordinatorUnavailable:
+        return None
+    with client:
+        reply = client.request("register", **fields)
+    return Registration(
+        job_id=reply["job_id"], name=reply["name"], block_name=reply["block"], memory_cap=reply["memory_cap"],
+        share=reply["share"], admitted=reply["admitted"], queue_reason=reply.get("queue_reason", ""),
+        socket_path=client.socket_path,
+    )
+
+
+def _call(op: str, socket_path: Optional[str], **fields: Any) -> Dict[str, Any]:
+    with CoordinatorClient(socket_path) as client:
+        return client.request(op, **fields)
+
+
+def status(socket: Optional[str] = None) -> Dict[str, Any]:
+    """The coordinator's view: {"coordinator": ..., "gpus": [...], "jobs": [...]}."""
+    return _call("status", socket)
+
+
+def history(socket: Optional[str] = None, since: float = 0) -> List[Dict[str, Any]]:
+    return _call("history", socket, since=int(since))["records"]
+
+
+def set_cap(job: Union[str, int], size: Union[int, str, None], socket: Optional[str] = None) -> Dict[str, Any]:
+    """Bounds a job's device memory (a size like "6GiB"; None removes the bound)."""
+    return _call("set_cap", socket, job=str(job), memory_cap=_size(size))
+
+
+def set_share(job: Union[str, int], share: Union[float, str], socket: Optional[str] = None) -> Dict[str, Any]:
+    """Pins a job's compute share in [0, 1]; "auto" hands it back to the policy."""
+    value: Union[float, str] = share if share == "auto" else float(share)
+    return _call("set_share", socket, job=str(job), share=value)
+
+
+def send_command(job: Union[str, int], command: str, socket: Optional[str] = None) -> Dict[str, Any]:
+    """spill_all, restore_all, suspend or resume."""
+    return _call("command", socket, job=str(job), command=command)

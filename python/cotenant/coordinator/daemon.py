@@ -1,0 +1,753 @@
+"""The per-node coordinator daemon (asyncio).
+
+Control plane: a Unix socket (mode 0660) speaking protocol.py; every peer is
+identified by SO_PEERCRED. Data plane: one JobBlock per job in shared memory,
+written here (cap, share, commands) and by the job's C++ JobChannel thread
+(its numbers and a heartbeat). Every `tick_s` the daemon reads every block,
+reclaims dead jobs, runs the policies (policy.py) and writes the caps and
+shares that changed.
+
+Failures:
+  * the daemon dies: blocks stay, each job keeps its last cap and share and
+    keeps publishing; a restarted daemon on the same socket path finds the
+    blocks by name (paths.job_block_prefix), re-adopts the live jobs and
+    reloads administrator settings and baselines from the state file;
+  * a job dies: its pid is gone (or a zombie), it reported "exited", or its
+    heartbeat stopped for `stale_heartbeat_s`: its block is unlinked and its
+    memory returns to the others at the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import grp
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+from cotenant.coordinator import paths, policy, protocol
+from cotenant.coordinator.protocol import ProtocolError
+
+log = logging.getLogger("cotenant.coordinator")
+
+
+def _core():
+    from cotenant import _core
+
+    return _core
+
+
+# --- structured logs ---------------------------------------------------------
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, event, and the event's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "event": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
+    log.log(level, event, extra={"fields": fields})
+
+
+# --- processes ---------------------------------------------------------------
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (killed, not yet reaped) counts as dead."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
+        return state not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def peer_credentials(sock: socket.socket) -> tuple:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)
+
+
+def supplementary_groups(pid: int) -> List[int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return [int(g) for g in line.split()[1:]]
+    except OSError:
+        pass
+    return []
+
+
+def detect_gpu_memory() -> Dict[int, int]:
+    """Total memory per GPU index from nvidia-smi; empty where there is none."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    totals = {}
+    for line in out.strip().splitlines():
+        try:
+            index, mib = (part.strip() for part in line.split(","))
+            totals[int(index)] = int(mib) << 20
+        except ValueError:
+            continue
+    return totals
+
+
+# --- state -------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    job_id: int
+    name: str
+    role: str
+    device: int
+    pid: int
+    uid: int
+    block: Any  # _core.JobBlock
+    user_cap: Optional[int] = None
+    pinned_share: Optional[float] = None
+    persistent_bytes: int = 0
+    admitted: bool = True
+    queue_reason: str = ""
+    baseline: policy.Baseline = field(default_factory=policy.Baseline)
+    report: Dict[str, Any] = field(default_factory=dict)
+    cap: Optional[int] = None
+    share: float = 1.0
+    registered_at: float = field(default_factory=time.monotonic)
+    adopted: bool = False
+
+    def slowdown(self) -> Optional[float]:
+        return policy.slowdown_of(self.report.get("iteration_ewma_us", 0.0), self.baseline)
+
+    def observation(self) -> policy.JobObservation:
+        return policy.JobObservation(
+            job_id=self.job_id, role=self.role, device=self.device,
+            device_bytes=self.report.get("device_bytes", 0), host_bytes=self.report.get("host_bytes", 0),
+            allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
+        )
+
+    def status(self, now_ns: int) -> Dict[str, Any]:
+        r = self.report
+        heartbeat = r.get("heartbeat_ns", 0)
+        return {
+            "job_id": self.job_id, "name": self.name, "gpu": self.device, "pid": self.pid, "uid": self.uid,
+            "role": self.role,
+            "state": "queued" if not self.admitted else r.get("state", "starting"),
+            "queue_reason": self.queue_reason,
+            "cap": self.cap, "user_cap": self.user_cap, "share": self.share,
+            "share_pinned": self.pinned_share is not None,
+            "device_bytes": r.get("device_bytes", 0), "host_bytes": r.get("host_bytes", 0),
+            "allocated_bytes": r.get("allocated_bytes", 0), "cached_bytes": r.get("cached_bytes", 0),
+            "spilled_bytes": r.get("spilled_bytes", 0), "restored_bytes": r.get("restored_bytes", 0),
+            "pending_migration_bytes": r.get("pending_migration_bytes", 0),
+            "applied_cap": r.get("applied_memory_cap"), "applied_share": r.get("applied_share"),
+            "iteration_ewma_us": r.get("iteration_ewma_us", 0.0), "iteration_count": r.get("iteration_count", 0),
+            "baseline_us": self.baseline.baseline_us, "slowdown": self.slowdown(),
+            "heartbeat_age_s": (now_ns - heartbeat) / 1e9 if heartbeat else None,
+            "block": self.block.name, "adopted": self.adopted,
+        }
+
+
+class Metrics:
+    """Prometheus gauges and counters on a private registry."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        labels = ["gpu", "job", "role"]
+        self.cap = Gauge("cotenant_job_memory_cap_bytes", "Device-memory cap in force (absent: none).", labels, registry=self.registry)
+        self.device = Gauge("cotenant_job_device_bytes", "Device-resident bytes.", labels, registry=self.registry)
+        self.host = Gauge("cotenant_job_host_bytes", "Host-resident (spilled) bytes.", labels, registry=self.registry)
+        self.share = Gauge("cotenant_job_compute_share", "Compute share in [0, 1].", labels, registry=self.registry)
+        self.slowdown = Gauge("cotenant_job_slowdown", "Guaranteed iteration time over its solo baseline.", labels, registry=self.registry)
+        self.jobs = Gauge("cotenant_jobs", "Jobs known to the coordinator.", ["gpu", "role"], registry=self.registry)
+        self.reclaimed = Counter("cotenant_jobs_reclaimed_total", "Dead jobs whose memory was reclaimed.", registry=self.registry)
+        self.errors = Counter("cotenant_protocol_errors_total", "Requests answered with an error.", ["code"], registry=self.registry)
+
+    def update(self, jobs: Dict[int, Job]) -> None:
+        counts: Dict[tuple, int] = collections.Counter()
+        for job in jobs.values():
+            labels = (str(job.device), job.name, job.role)
+            if job.cap is not None:
+                self.cap.labels(*labels).set(job.cap)
+            self.device.labels(*labels).set(job.report.get("device_bytes", 0))
+            self.host.labels(*labels).set(job.report.get("host_bytes", 0))
+            self.share.labels(*labels).set(job.share)
+            slowdown = job.slowdown()
+            if slowdown is not None:
+                self.slowdown.labels(*labels).set(slowdown)
+            counts[(str(job.device), job.role)] += 1
+        self.jobs.clear()
+        for (gpu, role), n in counts.items():
+            self.jobs.labels(gpu, role).set(n)
+
+    def forget(self, job: Job) -> None:
+        labels = (str(job.device), job.name, job.role)
+        for gauge in (self.cap, self.device, self.host, self.share, self.slowdown):
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass
+
+
+@dataclass
+class CoordinatorConfig:
+    socket_path: str
+    gpus: Optional[List[int]] = None         # None: every GPU a job names
+    gpu_memory_bytes: Optional[int] = None   # overrides detection, for every GPU
+    group: Optional[str] = None              # admin group (besides our uid and root)
+    metrics_port: Optional[int] = None
+    memory: policy.MemoryPolicyConfig = field(default_factory=policy.MemoryPolicyConfig)
+    share: policy.SharePolicyConfig = field(default_factory=policy.SharePolicyConfig)
+    baseline: policy.BaselineConfig = field(default_factory=policy.BaselineConfig)
+    tick_s: float = 0.05
+    share_interval_s: float = 0.5
+    history_interval_s: float = 0.25
+    stale_heartbeat_s: float = 3.0
+    detect_gpus: bool = True
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.socket_path = os.path.abspath(config.socket_path)
+        self.jobs: Dict[int, Job] = {}
+        self.next_job_id = 1
+        self.gpu_memory: Dict[int, int] = {}
+        self.history: Deque[Dict[str, Any]] = collections.deque(maxlen=50000)
+        self.metrics = Metrics()
+        self.admin_gid = grp.getgrnam(config.group).gr_gid if config.group else None
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._stopping = asyncio.Event()
+        self._last_share_decision = 0.0
+        self._last_history = 0.0
+        self._history_file = None
+        self._state_dirty = False
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def serve(self) -> None:
+        self._prepare_socket_dir()
+        if self.config.detect_gpus and self.config.gpu_memory_bytes is None:
+            self.gpu_memory.update(detect_gpu_memory())
+        self._adopt_existing_jobs()
+        self._history_file = open(paths.history_path(self.socket_path), "a", buffering=1)
+        self._server = await asyncio.start_unix_server(
+            self._handle_connection, path=self.socket_path, limit=protocol.MAX_MESSAGE_BYTES + 1
+        )
+        os.chmod(self.socket_path, 0o660)
+        if self.admin_gid is not None:
+            os.chown(self.socket_path, -1, self.admin_gid)
+        if self.config.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.config.metrics_port, registry=self.metrics.registry)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stopping.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        _event("coordinator started", socket=self.socket_path, pid=os.getpid(), gpus=self.config.gpus,
+               adopted=[j.name for j in self.jobs.values()], metrics_port=self.config.metrics_port)
+        tick = asyncio.create_task(self._tick_loop())
+        try:
+            await self._stopping.wait()
+        finally:
+            tick.cancel()
+            self._server.close()
+            await self._server.wait_closed()
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+            self._save_state()
+            self._history_file.close()
+            # Blocks stay: running jobs keep their caps and a new coordinator re-adopts them.
+            _event("coordinator stopped", jobs=len(self.jobs))
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _prepare_socket_dir(self) -> None:
+        directory = os.path.dirname(self.socket_path)
+        os.makedirs(directory, mode=0o770 if self.admin_gid is not None else 0o755, exist_ok=True)
+        if os.path.exists(self.socket_path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(self.socket_path)
+            except OSError:
+                os.unlink(self.socket_path)  # stale socket of a dead coordinator
+            else:
+                raise SystemExit(
+                    f"a coordinator already serves {self.socket_path}; stop it first or give another --socket"
+                )
+            finally:
+                probe.close()
+
+    # --- adoption and persistence -----------------------------------------------
+
+    def _adopt_existing_jobs(self) -> None:
+        core = _core()
+        saved = self._load_state()
+        prefix = paths.job_block_prefix(self.socket_path)
+        try:
+            names = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+        except OSError:
+            names = []
+        for entry in names:
+            name = "/" + entry
+            try:
+                block = core.JobBlock.open(name)
+                identity = block.identity()
+                report = block.report()
+            except (core.Error, ValueError, OSError) as error:
+                _event("unreadable job block removed", logging.WARNING, block=name, reason=str(error))
+                self._unlink_quietly(name)
+                continue
+            pid = report["pid"] or identity["pid"]
+            if report["state"] == "exited" or not process_alive(pid):
+                block.unlink()
+                _event("dead job reclaimed at start", job=identity["name"], pid=pid)
+                continue
+            control = block.control()
+            job = Job(
+                job_id=identity["job_id"], name=identity["name"], role=identity["role"], device=identity["device"],
+                pid=pid, uid=identity["uid"], block=block, report=report,
+                cap=control["memory_cap"], share=control["share"], adopted=True,
+            )
+            extra = saved.get(str(job.job_id), {})
+            job.user_cap = extra.get("user_cap")
+            job.pinned_share = extra.get("pinned_share")
+            job.persistent_bytes = extra.get("persistent_bytes", 0)
+            job.admitted = extra.get("admitted", True)
+            job.queue_reason = extra.get("queue_reason", "")
+            if extra.get("baseline_us"):
+                job.baseline = policy.Baseline(start_count=0, baseline_us=extra["baseline_us"])
+            self.jobs[job.job_id] = job
+            self.next_job_id = max(self.next_job_id, job.job_id + 1)
+            _event("job re-adopted", job=job.name, job_id=job.job_id, pid=pid, role=job.role, cap=job.cap, share=job.share)
+        self.next_job_id = max(self.next_job_id, saved.get("_next_job_id", 1))
+        for device, total in saved.get("_gpu_memory", {}).items():
+            self.gpu_memory.setdefault(int(device), total)
+
+    @staticmethod
+    def _unlink_quietly(name: str) -> None:
+        try:
+            _core().shm_unlink(name)
+        except Exception:  # noqa: BLE001 - a name we cannot remove is not worth stopping for
+            pass
+
+    def _load_state(self) -> Dict[str, Any]:
+        try:
+            with open(paths.state_path(self.socket_path)) as f:
+                state = json.load(f)
+            return state if isinstance(state, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _save_state(self) -> None:
+        state: Dict[str, Any] = {
+            str(j.job_id): {
+                "user_cap": j.user_cap, "pinned_share": j.pinned_share, "persistent_bytes": j.persistent_bytes,
+                "admitted": j.admitted, "queue_reason": j.queue_reason, "baseline_us": j.baseline.baseline_us,
+            }
+            for j in self.jobs.values()
+        }
+        state["_next_job_id"] = self.next_job_id
+        state["_gpu_memory"] = {str(k): v for k, v in self.gpu_memory.items()}
+        path = paths.state_path(self.socket_path)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)  # atomic: a kill -9 leaves the old or the new file
+        self._state_dirty = False
+
+    # --- the control loop ------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - one bad tick must not stop the coordinator
+                log.exception("tick failed", extra={"fields": {}})
+            await asyncio.sleep(self.config.tick_s)
+
+    def tick(self, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        now_ns = _core().monotonic_ns()
+        for job in list(self.jobs.values()):
+            try:
+                job.report = job.block.report()
+            except Exception as error:  # noqa: BLE001
+                self._reclaim(job, f"its block could not be read: {error}")
+                continue
+            reason = self._death_reason(job, now_ns)
+            if reason:
+                self._reclaim(job, reason)
+        for device in sorted({j.device for j in self.jobs.values()}):
+            self._plan_device(device, now)
+        if now - self._last_share_decision >= self.config.share_interval_s:
+            self._last_share_decision = now
+        if now - self._last_history >= self.config.history_interval_s:
+            self._last_history = now
+            self._record_history()
+        self.metrics.update(self.jobs)
+        if self._state_dirty:
+            self._save_state()
+
+    def _death_reason(self, job: Job, now_ns: int) -> str:
+        if job.report.get("state") == "exited":
+            return "it exited"
+        if not process_alive(job.pid):
+            return f"its process {job.pid} is gone"
+        heartbeat = job.report.get("heartbeat_ns", 0)
+        if heartbeat and (now_ns - heartbeat) / 1e9 > self.config.stale_heartbeat_s:
+            return f"its heartbeat stopped {(now_ns - heartbeat) / 1e9:.1f} s ago"
+        return ""
+
+    def _reclaim(self, job: Job, reason: str) -> None:
+        self.jobs.pop(job.job_id, None)
+        try:
+            job.block.unlink()
+        except Exception:  # noqa: BLE001
+            self._unlink_quietly(paths.job_block_name(self.socket_path, job.job_id))
+        self.metrics.reclaimed.inc()
+        self.metrics.forget(job)
+        self._state_dirty = True
+        self._write_history({"t": time.time(), "event": "reclaimed", "job": job.name, "job_id": job.job_id,
+                             "gpu": job.device, "reason": reason})
+        _event("job reclaimed", job=job.name, job_id=job.job_id, pid=job.pid, reason=reason)
+
+    def _device_total(self, device: int) -> Optional[int]:
+        if self.config.gpu_memory_bytes is not None:
+            return self.config.gpu_memory_bytes
+        return self.gpu_memory.get(device)
+
+    def _plan_device(self, device: int, now: float) -> None:
+        jobs = [j for j in self.jobs.values() if j.device == device]
+        total = self._device_total(device)
+        guaranteed = [j for j in jobs if j.role == policy.GUARANTEED]
+        opportunistic = [j for j in jobs if j.role == policy.OPPORTUNISTIC]
+
+        # Admission of queued jobs, oldest first.
+        if total is not None:
+            for job in sorted((j for j in opportunistic if not j.admitted), key=lambda j: j.job_id):
+                decision = self._admission(job.persistent_bytes, device, total, exclude=job.job_id)
+                if decision.decision == policy.ADMIT:
+                    job.admitted, job.queue_reason = True, ""
+                    self._state_dirty = True
+                    _event("queued job admitted", job=job.name, job_id=job.job_id)
+
+        # Baselines.
+        for job in guaranteed:
+            updated = policy.update_baseline(
+                job.baseline, job.report.get("iteration_count", 0), job.report.get("iteration_ewma_us", 0.0),
+                self.config.baseline,
+            )
+            if updated != job.baseline:
+                job.baseline = updated
+                if updated.baseline_us is not None:
+                    self._state_dirty = True
+                    _event("baseline measured", job=job.name, baseline_us=round(updated.baseline_us, 1))
+
+        # Memory.
+        if total is not None:
+            caps = policy.plan_memory_caps(total, [j.observation() for j in jobs], self.config.memory)
+            for job in jobs:
+                self._apply(job, cap=caps.get(job.job_id, job.cap))
+        else:
+            for job in jobs:  # capacity unknown: only administrator caps apply
+                self._apply(job, cap=job.user_cap)
+
+        # Compute shares, at a slower pace (a decision needs fresh iterations).
+        if now - self._last_share_decision >= self.config.share_interval_s or any(
+            j.baseline.warming_up for j in guaranteed
+        ):
+            shares = policy.plan_shares(
+                {j.job_id: j.share for j in opportunistic},
+                [j.slowdown() for j in guaranteed],
+                any(j.baseline.warming_up for j in guaranteed),
+                bool(guaranteed),
+                pinned={j.job_id: j.pinned_share for j in opportunistic if j.pinned_share is not None},
+                admitted={j.job_id: j.admitted for j in opportunistic},
+                config=self.config.share,
+            )
+            for job in opportunistic:
+                self._apply(job, share=shares[job.job_id])
+        for job in guaranteed:
+            self._apply(job, share=job.pinned_share if job.pinned_share is not None else 1.0)
+
+    def _apply(self, job: Job, cap: Any = ..., share: Any = ...) -> None:
+        changes: Dict[str, Any] = {}
+        if cap is not ... and cap != job.cap:
+            changes["memory_cap"] = cap
+        if share is not ... and share != job.share:
+            changes["share"] = share
+        if not changes:
+            return
+        job.block.set_control(**changes)
+        if "memory_cap" in changes:
+            job.cap = changes["memory_cap"]
+        if "share" in changes:
+            job.share = changes["share"]
+        _event("control changed", logging.DEBUG, job=job.name, **changes)
+
+    def _admission(self, persistent_bytes: int, device: int, total: int, exclude: int = -1) -> policy.Admission:
+        held = sum(j.observation().live_bytes for j in self.jobs.values()
+                   if j.device == device and j.role == policy.GUARANTEED)
+        others = sum(j.persistent_bytes for j in self.jobs.values()
+                     if j.device == device and j.role == policy.OPPORTUNISTIC and j.admitted and j.job_id != exclude)
+        return policy.admit_opportunistic(persistent_bytes, total, held, others, self.config.memory)
+
+    def _record_history(self) -> None:
+        t = time.time()
+        for job in self.jobs.values():
+            self._write_history({
+                "t": round(t, 3), "gpu": job.device, "job": job.name, "job_id": job.job_id, "role": job.role,
+                "cap": job.cap, "device_bytes": job.report.get("device_bytes", 0),
+                "host_bytes": job.report.get("host_bytes", 0), "share": job.share, "slowdown": job.slowdown(),
+            })
+
+    def _write_history(self, record: Dict[str, Any]) -> None:
+        self.history.append(record)
+        if self._history_file is not None:
+            self._history_file.write(json.dumps(record) + "\n")
+
+    # --- the control plane -----------------------------------------------------
+
+    def _is_admin(self, pid: int, uid: int, gid: int) -> bool:
+        if uid in (0, os.getuid()):
+            return True
+        if self.admin_gid is not None:
+            return gid == self.admin_gid or self.admin_gid in supplementary_groups(pid)
+        return False
+
+    async def _handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        try:
+            pid, uid, gid = peer_credentials(sock)
+        except OSError:
+            writer.close()
+            return
+        last_id = -1
+        try:
+            while not reader.at_eof():
+                try:
+                    line = await reader.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    # The line is longer than the limit: no way to find the next one.
+                    await self._send(writer, protocol.reply_error(
+                        None, protocol.TOO_LARGE,
+                        f"a message may be at most {protocol.MAX_MESSAGE_BYTES} bytes; closing this connection"))
+                    self.metrics.errors.labels(protocol.TOO_LARGE).inc()
+                    break
+                if not line:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    req = protocol.parse_request(line)
+                    if req.id <= last_id:
+                        raise ProtocolError(
+                            protocol.OUT_OF_ORDER,
+                            f"request id {req.id} is not greater than the previous id {last_id} on this connection",
+                            req.id)
+                    last_id = req.id
+                    reply = self._dispatch(req, pid, uid, gid)
+                except ProtocolError as error:
+                    self.metrics.errors.labels(error.code).inc()
+                    reply = protocol.reply_error(error.request_id, error.code, error.message)
+                except Exception as error:  # noqa: BLE001 - one bad request must not stop the others
+                    log.exception("request failed", extra={"fields": {"pid": pid}})
+                    self.metrics.errors.labels(protocol.INTERNAL).inc()
+                    reply = protocol.reply_error(None, protocol.INTERNAL, f"the coordinator failed: {error}")
+                await self._send(writer, reply)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, reply: Dict[str, Any]) -> None:
+        try:
+            data = protocol.encode(reply)
+        except ProtocolError as error:
+            data = protocol.encode(protocol.reply_error(reply.get("id"), error.code, error.message))
+        writer.write(data)
+        await writer.drain()
+
+    def _find_job(self, ref: str, request_id: int) -> Job:
+        for job in self.jobs.values():
+            if job.name == ref or str(job.job_id) == ref:
+                return job
+        raise ProtocolError(protocol.NO_SUCH_JOB,
+                            f"no job named {ref!r}; `cotenant status` lists the jobs and their ids", request_id)
+
+    def _dispatch(self, req: protocol.Request, pid: int, uid: int, gid: int) -> Dict[str, Any]:
+        op, args = req.op, req.args
+        if op == "hello":
+            return protocol.reply_ok(req.id, server="cotenant-coordinator", protocol=protocol.PROTOCOL_VERSION,
+                                     pid=os.getpid(), your_pid=pid, your_uid=uid)
+        if op == "status":
+            return protocol.reply_ok(req.id, **self.status())
+        if op == "history":
+            since = args.get("since", 0)
+            records = [r for r in self.history if r.get("t", 0) >= since][-args.get("limit", 100000):]
+            return protocol.reply_ok(req.id, records=records)
+        if op == "register":
+            return self._register(req, pid, uid)
+        if op == "unregister":
+            mine = [j for j in self.jobs.values() if j.pid == pid]
+            if not mine:
+                raise ProtocolError(protocol.OUT_OF_ORDER,
+                                    f"process {pid} has no registered job to unregister; register first", req.id)
+            for job in mine:
+                self._reclaim(job, "it unregistered")
+            return protocol.reply_ok(req.id, unregistered=[j.name for j in mine])
+        if op in protocol.ADMIN_OPS:
+            job = self._find_job(args["job"], req.id)
+            if not (self._is_admin(pid, uid, gid) or (job.pid == pid and job.uid == uid)):
+                raise ProtocolError(
+                    protocol.PERMISSION_DENIED,
+                    f"process {pid} (uid {uid}) may not change job {job.name!r}: only the job itself, the "
+                    "coordinator's user, root or the coordinator's admin group may", req.id)
+            if op == "set_cap":
+                job.user_cap = args["memory_cap"]
+                self._state_dirty = True
+                if self._device_total(job.device) is None:
+                    self._apply(job, cap=job.user_cap)
+                else:
+                    self._plan_device(job.device, time.monotonic())
+                _event("cap set", job=job.name, user_cap=job.user_cap, by_pid=pid, by_uid=uid)
+                return protocol.reply_ok(req.id, job=job.name, memory_cap=job.cap, user_cap=job.user_cap)
+            if op == "set_share":
+                share = args["share"]
+                job.pinned_share = None if share == "auto" else float(share)
+                self._state_dirty = True
+                if job.pinned_share is not None:
+                    self._apply(job, share=job.pinned_share)
+                _event("share set", job=job.name, share=share, by_pid=pid, by_uid=uid)
+                return protocol.reply_ok(req.id, job=job.name, share=job.share, pinned=job.pinned_share is not None)
+            if op == "command":
+                sequence = job.block.send_command(args["command"])
+                _event("command sent", job=job.name, command=args["command"], sequence=sequence, by_pid=pid)
+                return protocol.reply_ok(req.id, job=job.name, command=args["command"], sequence=sequence)
+        raise ProtocolError(protocol.UNKNOWN_OP, f"op {op!r} is not handled", req.id)
+
+    def _register(self, req: protocol.Request, pid: int, uid: int) -> Dict[str, Any]:
+        args = req.args
+        device, role = args["device"], args["role"]
+        if self.config.gpus is not None and device not in self.config.gpus:
+            raise ProtocolError(protocol.BAD_REQUEST,
+                                f"this coordinator manages GPUs {self.config.gpus}, not GPU {device}; start one "
+                                "with --gpus including it, or run the job on a managed GPU", req.id)
+        if any(j.pid == pid and j.device == device for j in self.jobs.values()):
+            raise ProtocolError(protocol.OUT_OF_ORDER,
+                                f"process {pid} already registered a job on GPU {device}", req.id)
+        if "device_total_bytes" in args and device not in self.gpu_memory:
+            self.gpu_memory[device] = args["device_total_bytes"]
+            self._state_dirty = True
+        persistent = args.get("persistent_bytes", 0)
+        admitted, reason = True, ""
+        total = self._device_total(device)
+        if role == policy.OPPORTUNISTIC and persistent and total is not None:
+            decision = self._admission(persistent, device, total)
+            if decision.decision == policy.REFUSE:
+                _event("job refused", job=args.get("name"), pid=pid, reason=decision.reason)
+                raise ProtocolError(protocol.ADMISSION_REFUSED, decision.reason, req.id)
+            if decision.decision == policy.QUEUE:
+                admitted, reason = False, decision.reason
+        job_id = self.next_job_id
+        self.next_job_id += 1
+        name = args.get("name") or f"job{job_id}"
+        if any(j.name == name for j in self.jobs.values()):
+            name = f"{name[:50]}-{job_id}"
+        user_cap = args.get("memory_cap")
+        guaranteed_exists = any(j.device == device and j.role == policy.GUARANTEED for j in self.jobs.values())
+        # Opportunistic jobs start slow (or paused) and climb; guaranteed jobs run unthrottled.
+        share = 1.0 if role == policy.GUARANTEED or not guaranteed_exists else 0.0
+        if not admitted:
+            share = 0.0
+        block_name = paths.job_block_name(self.socket_path, job_id)
+        self._unlink_quietly(block_name)  # a leftover of a coordinator that died mid-registration
+        block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=device,
+                                        pid=pid, uid=uid, memory_cap=user_cap, share=share)
+        job = Job(job_id=job_id, name=name, role=role, device=device, pid=pid, uid=uid, block=block,
+                  user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
+                  cap=user_cap, share=share)
+        job.report = block.report()
+        self.jobs[job_id] = job
+        self._plan_device(device, time.monotonic())
+        self._state_dirty = True
+        self._save_state()
+        _event("job registered", job=name, job_id=job_id, pid=pid, uid=uid, role=role, gpu=device,
+               cap=job.cap, share=job.share, queued=not admitted)
+        return protocol.reply_ok(req.id, job_id=job_id, name=name, block=block_name, memory_cap=job.cap,
+                                 share=job.share, admitted=admitted, queue_reason=reason)
+
+    def status(self) -> Dict[str, Any]:
+        now_ns = _core().monotonic_ns()
+        gpus = sorted({j.device for j in self.jobs.values()} | set(self.config.gpus or []))
+        return {
+            "coordinator": {"pid": os.getpid(), "socket": self.socket_path, "protocol": protocol.PROTOCOL_VERSION},
+            "gpus": [{"gpu": d, "total_bytes": self._device_total(d)} for d in gpus],
+            "jobs": [j.status(now_ns) for j in sorted(self.jobs.values(), key=lambda j: (j.device, j.job_id))],
+        }
+
+
+def run(config: CoordinatorConfig, log_level: str = "info") -> int:
+    configure_logging(log_level)
+    coordinator = Coordinator(config)
+    try:
+        asyncio.run(coordinator.serve())
+    except KeyboardInterrupt:
+        pass
+    return 0

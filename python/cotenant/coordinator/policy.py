@@ -1,0 +1,281 @@
+"""The coordinator's policies: pure functions from observed job state to caps and shares.
+
+Nothing here does I/O or reads a clock; the daemon feeds observations in
+and applies what comes out, so each rule is tested with tables of cases.
+
+Memory (AntMan):
+  * guaranteed jobs get what their live tensors hold plus a burst margin,
+    first; whatever no one else gets goes to them too, so a burst
+    needs no round trip;
+  * the spare memory, minus a headroom, goes to opportunistic jobs
+    (water-filling: each up to what it holds plus a margin);
+  * when a guaranteed job bursts, opportunistic caps shrink at once (their
+    pages spill) but a guaranteed cap grows only into memory that is free
+    now, so the opportunistic jobs are out of the way first;
+  * when room appears, opportunistic caps do not grow while a guaranteed job
+    on the GPU still has spilled bytes, so its memory comes back first.
+Compute (TGS-style AIMD): each opportunistic share follows the guaranteed
+job's iteration time over its solo baseline, measured in a warm-up window
+during which opportunistic jobs are paused.
+Admission (Salus): an opportunistic job whose persistent memory cannot fit
+next to the guaranteed jobs and the admitted opportunistic ones is queued,
+or refused when it could never fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
+
+MiB = 1 << 20
+
+GUARANTEED = "guaranteed"
+OPPORTUNISTIC = "opportunistic"
+
+
+@dataclass(frozen=True)
+class JobObservation:
+    """What the coordinator knows about one job at one moment (bytes, microseconds)."""
+
+    job_id: int
+    role: str
+    device: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    allocated_bytes: Optional[int] = None  # held by live tensors; None: count everything held
+    cap: Optional[int] = None       # the cap now in force (None = none)
+    user_cap: Optional[int] = None  # an upper bound an administrator set
+    admitted: bool = True           # False while queued by admission
+
+    @property
+    def held_bytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        """What the job cannot give back without spilling: its live tensors.
+        Its cache above that is released when its cap comes down."""
+        return self.held_bytes if self.allocated_bytes is None else self.allocated_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPolicyConfig:
+    headroom_bytes: int = 512 * MiB      # kept free on every GPU
+    burst_margin_bytes: int = 256 * MiB  # room above what a job holds before its cap binds
+    min_cap_bytes: int = 2 * MiB         # never cap a job below one page (cap 0 is refused)
+
+
+def plan_memory_caps(
+    device_total_bytes: int, jobs: Sequence[JobObservation], config: MemoryPolicyConfig = MemoryPolicyConfig()
+) -> Dict[int, int]:
+    """New caps (bytes) for the jobs of ONE GPU, keyed by job id."""
+    usable = max(0, device_total_bytes - config.headroom_bytes)
+    guaranteed = [j for j in jobs if j.role == GUARANTEED]
+    opportunistic = [j for j in jobs if j.role == OPPORTUNISTIC]
+
+    def bounded(job: JobObservation, value: int) -> int:
+        if job.user_cap is not None:
+            value = min(value, job.user_cap)
+        return max(config.min_cap_bytes, value)
+
+    # Guaranteed need: its live bytes plus a margin, within what the GPU can give
+    # (its cache beyond that is lent out: lowering a cap releases cache before spilling).
+    need = {j.job_id: bounded(j, j.live_bytes + config.burst_margin_bytes) for j in guaranteed}
+    total_need = sum(need.values())
+    if total_need > usable and total_need > 0:
+        need = {k: max(config.min_cap_bytes, v * usable // total_need) for k, v in need.items()}
+        total_need = sum(need.values())
+    spare = max(0, usable - total_need)
+
+    # Opportunistic: water-fill the spare up to each job's want.
+    wants = {
+        j.job_id: (bounded(j, j.held_bytes + config.burst_margin_bytes) if j.admitted else config.min_cap_bytes)
+        for j in opportunistic
+    }
+    given = _water_fill(spare, wants)
+    caps: Dict[int, int] = {}
+    guaranteed_spilled = any(j.host_bytes > 0 for j in guaranteed)
+    for job in opportunistic:
+        cap = max(config.min_cap_bytes, given[job.job_id])
+        if guaranteed_spilled and job.cap is not None and cap > job.cap:
+            cap = job.cap  # the guaranteed job's spilled memory comes back first
+        caps[job.job_id] = cap
+
+    # Guaranteed jobs also get what is left over, split evenly.
+    leftover = max(0, usable - total_need - sum(caps.values()))
+    device_used = sum(j.device_bytes for j in jobs)
+    free_now = max(0, usable - device_used)  # the headroom is never lent out
+    for job in guaranteed:
+        target = need[job.job_id] + (leftover // len(guaranteed))
+        if job.user_cap is not None:
+            target = min(target, job.user_cap)
+        target = max(config.min_cap_bytes, target)
+        if job.cap is not None and target > job.cap:
+            # Grow only into memory free now: opportunistic jobs shrink first.
+            target = max(job.cap, min(target, job.device_bytes + free_now))
+        caps[job.job_id] = target
+    return caps
+
+
+def _water_fill(budget: int, wants: Dict[int, int]) -> Dict[int, int]:
+    """Splits `budget` evenly, no job above its want; leftovers go to those still wanting."""
+    given = {k: 0 for k in wants}
+    remaining = dict(wants)
+    while remaining and budget > 0:
+        portion = budget // len(remaining)
+        if portion == 0:
+            break
+        satisfied = []
+        for job_id, want in remaining.items():
+            take = min(want - given[job_id], portion)
+            given[job_id] += take
+            budget -= take
+            if given[job_id] >= want:
+                satisfied.append(job_id)
+        if not satisfied:
+            break
+        for job_id in satisfied:
+            del remaining[job_id]
+    return given
+
+
+# --- compute share ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharePolicyConfig:
+    target_slowdown: float = 1.05     # guaranteed iteration time / baseline the policy keeps under
+    increase_step: float = 0.05       # additive increase per decision
+    decrease_factor: float = 0.5      # multiplicative decrease when over target
+    min_share: float = 0.0            # 0 lets a badly hurting opportunistic job pause
+    tolerance: float = 0.02           # a band under the target where the share holds
+
+
+def next_share(current: float, slowdown: Optional[float], config: SharePolicyConfig = SharePolicyConfig()) -> float:
+    """AIMD step. slowdown is the guaranteed job's iteration time over its baseline,
+    None when there is no guaranteed job to protect (share 1) or no measurement yet (hold)."""
+    if slowdown is None:
+        return current
+    if slowdown > config.target_slowdown:
+        return max(config.min_share, round(current * config.decrease_factor, 6))
+    if slowdown < config.target_slowdown - config.tolerance:
+        return min(1.0, round(current + config.increase_step, 6))
+    return current
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    skip_iterations: int = 3      # first iterations (compilation, cuDNN autotuning) are not counted
+    window_iterations: int = 10   # iterations averaged into the solo baseline
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A guaranteed job's solo iteration time, or the warm-up that measures it."""
+
+    start_count: Optional[int] = None  # iteration count when the window opened
+    baseline_us: Optional[float] = None
+
+    @property
+    def warming_up(self) -> bool:
+        return self.baseline_us is None
+
+
+def update_baseline(
+    state: Baseline, iteration_count: int, iteration_ewma_us: float, config: BaselineConfig = BaselineConfig()
+) -> Baseline:
+    """Advances the warm-up; the baseline is the iteration-time EWMA once the window is full."""
+    if state.baseline_us is not None:
+        return state
+    if state.start_count is None:
+        if iteration_count >= config.skip_iterations:
+            return Baseline(start_count=iteration_count)
+        return state
+    if iteration_count - state.start_count >= config.window_iterations and iteration_ewma_us > 0:
+        return Baseline(start_count=state.start_count, baseline_us=iteration_ewma_us)
+    return state
+
+
+def slowdown_of(iteration_ewma_us: float, baseline: Baseline) -> Optional[float]:
+    if baseline.baseline_us is None or baseline.baseline_us <= 0 or iteration_ewma_us <= 0:
+        return None
+    return iteration_ewma_us / baseline.baseline_us
+
+
+def plan_shares(
+    current: Dict[int, float],
+    guaranteed_slowdowns: Iterable[Optional[float]],
+    any_guaranteed_warming_up: bool,
+    has_guaranteed: bool,
+    pinned: Dict[int, float] = {},
+    admitted: Dict[int, bool] = {},
+    config: SharePolicyConfig = SharePolicyConfig(),
+) -> Dict[int, float]:
+    """Shares for the opportunistic jobs of ONE GPU, keyed by job id.
+
+    No guaranteed job: everyone runs at 1. A guaranteed job warming up: every
+    opportunistic job is paused (0) so the baseline is a solo one. Otherwise
+    AIMD on the worst slowdown. Pinned shares (set by an administrator) and
+    queued jobs (0) are not moved.
+    """
+    slowdowns = [s for s in guaranteed_slowdowns if s is not None]
+    worst = max(slowdowns) if slowdowns else None
+    shares: Dict[int, float] = {}
+    for job_id, share in current.items():
+        if job_id in pinned:
+            shares[job_id] = pinned[job_id]
+        elif not admitted.get(job_id, True):
+            shares[job_id] = 0.0
+        elif not has_guaranteed:
+            shares[job_id] = 1.0
+        elif any_guaranteed_warming_up:
+            shares[job_id] = 0.0
+        else:
+            # Leaving a warm-up pause, start low and climb additively.
+            shares[job_id] = next_share(share, worst if worst is not None else 0.0, config)
+    return shares
+
+
+# --- admission -------------------------------------------------------------
+
+ADMIT = "admit"
+QUEUE = "queue"
+REFUSE = "refuse"
+
+
+@dataclass(frozen=True)
+class Admission:
+    decision: str
+    reason: str = ""
+
+
+def admit_opportunistic(
+    persistent_bytes: int,
+    device_total_bytes: int,
+    guaranteed_live_bytes: int,
+    admitted_opportunistic_persistent_bytes: int,
+    config: MemoryPolicyConfig = MemoryPolicyConfig(),
+) -> Admission:
+    """Salus' safety condition for an opportunistic job's persistent memory
+    (parameters, optimizer state): it must fit on the device next to what the
+    guaranteed jobs hold and the persistent memory of the admitted
+    opportunistic jobs, minus the headroom. Sizes in bytes."""
+    from cotenant._core import format_size  # the one formatter
+
+    usable = max(0, device_total_bytes - config.headroom_bytes)
+    if persistent_bytes > usable:
+        return Admission(
+            REFUSE,
+            f"the job's persistent memory ({format_size(persistent_bytes)}) exceeds what this GPU can ever give "
+            f"an opportunistic job ({format_size(usable)} after the {format_size(config.headroom_bytes)} headroom); "
+            "run it on a larger GPU or reduce its model or batch",
+        )
+    free_for_it = usable - guaranteed_live_bytes - admitted_opportunistic_persistent_bytes
+    if persistent_bytes > free_for_it:
+        return Admission(
+            QUEUE,
+            f"queued: the job's persistent memory ({format_size(persistent_bytes)}) does not fit in the "
+            f"{format_size(max(0, free_for_it))} left next to the guaranteed jobs and the admitted opportunistic "
+            "jobs; it starts when memory frees up",
+        )
+    return Admission(ADMIT)

@@ -1,0 +1,193 @@
+"""The coordinator's control-plane protocol: versioned JSON messages over a Unix socket.
+
+Framing: one JSON object per line (UTF-8, ``\\n``-terminated), at most
+``MAX_MESSAGE_BYTES`` bytes including the newline. Every request carries the
+protocol version ``v``, a request ``id`` that strictly increases on its
+connection, and an ``op``. Every reply echoes ``v`` and ``id`` (``id`` is null
+when the request was too broken to have one) and has ``ok``; a failed
+request gets ``{"ok": false, "error": {"code": ..., "message": ...}}`` and the
+connection stays usable, except after an oversized message (the stream can
+no longer be split into lines, so it is closed after the error reply).
+
+Sizes travel as integers of bytes (``null`` = no cap): clients parse size
+strings such as "6GiB" with the one parser before sending.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_NAME_CHARS = 63  # the job block stores 63 bytes of name
+
+ROLES = ("guaranteed", "opportunistic")
+COMMANDS = ("spill_all", "restore_all", "suspend", "resume")
+
+# Error codes a reply can carry.
+BAD_JSON = "bad_json"
+BAD_REQUEST = "bad_request"
+UNSUPPORTED_VERSION = "unsupported_version"
+UNKNOWN_OP = "unknown_op"
+OUT_OF_ORDER = "out_of_order"
+TOO_LARGE = "too_large"
+PERMISSION_DENIED = "permission_denied"
+NO_SUCH_JOB = "no_such_job"
+ADMISSION_REFUSED = "admission_refused"
+INTERNAL = "internal_error"
+
+
+class ProtocolError(Exception):
+    """A request the coordinator refuses; becomes an error reply."""
+
+    def __init__(self, code: str, message: str, request_id: Optional[int] = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def _int(minimum: int = 0, maximum: int = 2**63 - 1):
+    def check(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
+
+    check.describe = f"an integer from {minimum} to {maximum}"
+    return check
+
+
+def _optional(inner):
+    def check(value: Any) -> bool:
+        return value is None or inner(value)
+
+    check.describe = f"null or {inner.describe}"
+    return check
+
+
+def _string(max_chars: int):
+    def check(value: Any) -> bool:
+        return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
+
+    check.describe = f"a printable string of 1 to {max_chars} characters"
+    return check
+
+
+def _choice(options):
+    def check(value: Any) -> bool:
+        return isinstance(value, str) and value in options
+
+    check.describe = "one of " + ", ".join(repr(o) for o in options)
+    return check
+
+
+def _fraction(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= 1
+
+
+_fraction.describe = "a number from 0 to 1"
+
+
+def _share_or_auto(value: Any) -> bool:
+    return value == "auto" or _fraction(value)
+
+
+_share_or_auto.describe = "a number from 0 to 1, or \"auto\""
+
+_BYTES = _int(1)
+_JOB_REF = _string(MAX_NAME_CHARS)  # a job name or its decimal id
+
+# op -> {field: (check, required)}. Fields not listed are refused.
+SCHEMA: Dict[str, Dict[str, tuple]] = {
+    "hello": {},
+    "register": {
+        "role": (_choice(ROLES), True),
+        "device": (_int(0, 1023), True),
+        "name": (_string(MAX_NAME_CHARS), False),
+        "memory_cap": (_optional(_BYTES), False),
+        "persistent_bytes": (_int(0), False),
+        "device_total_bytes": (_int(1), False),
+    },
+    "unregister": {},
+    "status": {},
+    "history": {"since": (_int(0), False), "limit": (_int(1, 100000), False)},
+    "set_cap": {"job": (_JOB_REF, True), "memory_cap": (_optional(_BYTES), True)},
+    "set_share": {"job": (_JOB_REF, True), "share": (_share_or_auto, True)},
+    "command": {"job": (_JOB_REF, True), "command": (_choice(COMMANDS), True)},
+}
+
+# Ops that change another job or the node: need the coordinator's uid, root,
+# or the configured group (a job may still act on itself).
+ADMIN_OPS = frozenset({"set_cap", "set_share", "command"})
+
+
+@dataclass
+class Request:
+    id: int
+    op: str
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
+def encode(message: Dict[str, Any]) -> bytes:
+    data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(TOO_LARGE, f"the message is {len(data)} bytes, more than the {MAX_MESSAGE_BYTES} allowed")
+    return data
+
+
+def parse_request(line: bytes) -> Request:
+    """Validates one request line; raises ProtocolError naming what is wrong."""
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(TOO_LARGE, f"the request is {len(line)} bytes, more than the {MAX_MESSAGE_BYTES} allowed")
+    try:
+        message = json.loads(line.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ProtocolError(BAD_JSON, f"the request is not valid UTF-8 JSON: {error}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(BAD_REQUEST, "a request must be a JSON object with v, id and op")
+    request_id = message.get("id")
+    if not (isinstance(request_id, int) and not isinstance(request_id, bool) and 0 <= request_id < 2**63):
+        raise ProtocolError(BAD_REQUEST, "the request needs an integer id from 0 to 2**63-1")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            UNSUPPORTED_VERSION,
+            f"protocol version {version!r} is not supported; this coordinator speaks version {PROTOCOL_VERSION}: "
+            "run the job and the coordinator from the same cotenant version",
+            request_id,
+        )
+    op = message.get("op")
+    if not isinstance(op, str) or op not in SCHEMA:
+        raise ProtocolError(UNKNOWN_OP, f"unknown op {op!r}; known ops: {', '.join(sorted(SCHEMA))}", request_id)
+    schema = SCHEMA[op]
+    args = {k: v for k, v in message.items() if k not in ("v", "id", "op")}
+    for name in args:
+        if name not in schema:
+            raise ProtocolError(BAD_REQUEST, f"op {op!r} takes no field {name!r}", request_id)
+    for name, (check, required) in schema.items():
+        if name not in args:
+            if required:
+                raise ProtocolError(BAD_REQUEST, f"op {op!r} needs the field {name!r} ({check.describe})", request_id)
+            continue
+        if not check(args[name]):
+            raise ProtocolError(
+                BAD_REQUEST, f"field {name!r} of op {op!r} must be {check.describe}, not {args[name]!r}", request_id
+            )
+    return Request(id=request_id, op=op, args=args)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def reply_ok(request_id: Optional[int], **fields: Any) -> Dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, **fields}
+
+
+def reply_error(request_id: Optional[int], code: str, message: str) -> Dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def request(op: str, request_id: int, **fields: Any) -> Dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "op": op, **fields}

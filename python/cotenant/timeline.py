@@ -1,0 +1,67 @@
+"""`cotenant timeline`: each job's memory and compute share over time, from the coordinator's history."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List
+
+
+def load_history(path: str) -> List[Dict[str, Any]]:
+    records = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut short by a kill -9
+    return records
+
+
+def plot(records: Iterable[Dict[str, Any]], output: str) -> int:
+    """Writes a PNG with, per GPU, device/host bytes and caps (top) and shares (bottom).
+    Returns the number of samples plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = [r for r in records if "device_bytes" in r]
+    events = [r for r in records if r.get("event")]
+    gpus = sorted({r["gpu"] for r in samples}) or [0]
+    t0 = min((r["t"] for r in samples), default=0.0)
+    fig, axes = plt.subplots(2, len(gpus), figsize=(10 * len(gpus), 7), sharex="col", squeeze=False)
+    gib = float(1 << 30)
+    for column, gpu in enumerate(gpus):
+        by_job: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
+        for r in samples:
+            if r["gpu"] == gpu:
+                by_job[f"{r['job']} ({r['role']})"].append(r)
+        memory, share = axes[0][column], axes[1][column]
+        for index, (label, rows) in enumerate(sorted(by_job.items())):
+            color = f"C{index}"
+            t = [r["t"] - t0 for r in rows]
+            memory.plot(t, [r["device_bytes"] / gib for r in rows], color=color, label=f"{label} device")
+            memory.plot(t, [r["host_bytes"] / gib for r in rows], color=color, linestyle=":", label=f"{label} host")
+            capped = [(x, r["cap"] / gib) for x, r in zip(t, rows) if r.get("cap") is not None]
+            if capped:
+                memory.step([c[0] for c in capped], [c[1] for c in capped], where="post", color=color,
+                            linestyle="--", alpha=0.6, label=f"{label} cap")
+            share.step(t, [r["share"] for r in rows], where="post", color=color, label=label)
+        for e in events:
+            if e.get("gpu") == gpu:
+                memory.axvline(e["t"] - t0, color="grey", linewidth=0.8, alpha=0.5)
+        memory.set_title(f"GPU {gpu}")
+        memory.set_ylabel("memory (GiB)")
+        memory.legend(fontsize="small", loc="upper left")
+        share.set_ylabel("compute share")
+        share.set_ylim(-0.05, 1.05)
+        share.set_xlabel("time (s)")
+        share.legend(fontsize="small", loc="upper left")
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return len(samples)

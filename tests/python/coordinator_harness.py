@@ -1,0 +1,160 @@
+"""Starts coordinators and simulated jobs as real processes for the coordinator tests."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import cotenant
+from cotenant.coordinator import client, paths
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MiB = 1 << 20
+
+
+def child_env():
+    env = dict(os.environ)
+    roots = [os.path.dirname(p) for p in cotenant.__path__]
+    env["PYTHONPATH"] = os.pathsep.join(roots + [HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.pop("COTENANT_SOCKET", None)
+    return env
+
+
+def wait_until(predicate, timeout=5.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+class Node:
+    """One coordinator socket path with its coordinator process and jobs; cleans up everything."""
+
+    def __init__(self, gpu_memory="1GiB", headroom="128MiB", extra_args=()):
+        # Unix socket paths are limited to 107 bytes: keep the directory short.
+        self.directory = tempfile.mkdtemp(prefix="ct-", dir="/tmp")
+        os.chmod(self.directory, 0o755)
+        self.socket = os.path.join(self.directory, "c.sock")
+        self.args = ["--gpu-memory", gpu_memory, "--headroom", headroom, *extra_args]
+        self.coordinator = None
+        self.jobs = []
+        self.log = open(os.path.join(self.directory, "coordinator.log"), "ab")
+
+    def start_coordinator(self, wait=True):
+        self.coordinator = subprocess.Popen(
+            [sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", self.socket, *self.args],
+            env=child_env(), stdout=self.log, stderr=self.log,
+        )
+        if wait:
+            assert wait_until(self.answers, timeout=10), "the coordinator did not start: " + self.read_log()
+        return self.coordinator
+
+    def answers(self):
+        try:
+            return client.status(self.socket)
+        except (client.CoordinatorUnavailable, OSError):
+            return None
+
+    def kill_coordinator(self):
+        self.coordinator.send_signal(signal.SIGKILL)
+        self.coordinator.wait()
+
+    def start_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, expect_registration=True):
+        control = os.path.join(self.directory, name)
+        process = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "simulated_job.py"), "--socket", self.socket, "--role", role,
+             "--name", name, "--hold-mib", str(hold_mib), "--iteration-us", str(iteration_us),
+             "--persistent-mib", str(persistent_mib), "--control", control],
+            env=child_env(), stdout=subprocess.PIPE, stderr=self.log, text=True,
+        )
+        line = process.stdout.readline()
+        info = json.loads(line) if line else {"registration": None, "exit": process.wait()}
+        job = SimulatedJob(process, control, info)
+        self.jobs.append(job)
+        if expect_registration:
+            assert info.get("registration"), f"job {name} did not register: {info} {self.read_log()}"
+        return job
+
+    def status(self):
+        return client.status(self.socket)
+
+    def job(self, name):
+        for job in self.status()["jobs"]:
+            if job["name"] == name:
+                return job
+        return None
+
+    def read_log(self):
+        self.log.flush()
+        with open(os.path.join(self.directory, "coordinator.log"), "rb") as f:
+            return f.read().decode(errors="replace")[-4000:]
+
+    def blocks(self):
+        prefix = paths.job_block_prefix(self.socket)
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+    def close(self):
+        for job in self.jobs:
+            job.kill()
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGKILL)
+            self.coordinator.wait()
+        for name in self.blocks():
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+        self.log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class SimulatedJob:
+    def __init__(self, process, control, info):
+        self.process = process
+        self.control = control
+        self.info = info
+
+    @property
+    def pid(self):
+        return self.process.pid
+
+    @property
+    def registration(self):
+        return self.info.get("registration")
+
+    def burst(self, mib):
+        with open(self.control + ".burst.tmp", "w") as f:
+            f.write(str(mib))
+        os.replace(self.control + ".burst.tmp", self.control + ".burst")
+
+    def set_iteration_us(self, us):
+        with open(self.control + ".iter_us.tmp", "w") as f:
+            f.write(str(us))
+        os.replace(self.control + ".iter_us.tmp", self.control + ".iter_us")
+
+    def alive(self):
+        return self.process.poll() is None
+
+    def kill(self, reap=True):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            if reap:
+                self.process.wait()
+        if self.process.stdout:
+            self.process.stdout.close()
+
+
+def connect_raw(socket_path):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(socket_path)
+    return sock

@@ -1,0 +1,72 @@
+"""A simulated training job for the coordinator tests.
+
+It registers with the coordinator through the real job-side client, holds
+memory in a CachingAllocator on a SimulatedBackend, drives the real C++
+JobChannel (so the coordinator's caps spill and restore its pages) and
+reports iteration times. The test steers it through small files:
+  <control>.burst     its content: MiB to allocate on top (a burst); removed = free them
+  <control>.iter_us   its content: the iteration time to report, microseconds
+Prints one JSON line (the registration) when ready, or {"registration": null}.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from cotenant import _core
+from cotenant.coordinator import client
+
+MiB = 1 << 20
+
+
+def read_number(path, default):
+    try:
+        with open(path) as f:
+            return float(f.read().strip() or default)
+    except (OSError, ValueError):
+        return default
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--role", required=True)
+    parser.add_argument("--name")
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--hold-mib", type=int, default=64)
+    parser.add_argument("--persistent-mib", type=int, default=0)
+    parser.add_argument("--iteration-us", type=float, default=10000)
+    parser.add_argument("--device-capacity-mib", type=int, default=1024)
+    parser.add_argument("--control", default="")
+    args = parser.parse_args()
+
+    registration = client.register(
+        args.role, args.device, name=args.name, socket=args.socket,
+        persistent_bytes=args.persistent_mib * MiB or None,
+    )
+    if registration is None:
+        print(json.dumps({"registration": None}), flush=True)
+        return 0
+    backend = _core.SimulatedBackend(device_capacity=args.device_capacity_mib * MiB)
+    allocator = _core.CachingAllocator(backend)
+    held = [allocator.allocate(16 * MiB) for _ in range(args.hold_mib // 16)]
+    channel = registration.open_channel(allocator=allocator, poll_interval_us=2000)
+    print(json.dumps({"registration": registration.__dict__, "pid": os.getpid()}), flush=True)
+
+    burst = []
+    while True:
+        started = time.monotonic()
+        iteration_us = read_number(args.control + ".iter_us", args.iteration_us) if args.control else args.iteration_us
+        want_burst = int(read_number(args.control + ".burst", 0)) if args.control else 0
+        while len(burst) * 16 < want_burst:
+            burst.append(allocator.allocate(16 * MiB))
+        while burst and len(burst) * 16 > want_burst:
+            allocator.free(burst.pop())
+        time.sleep(max(0.0, iteration_us / 1e6 - (time.monotonic() - started)))
+        channel.record_iteration(iteration_us)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The coordinator daemon with simulated job processes (real client, shared memory,
+CachingAllocator on the SimulatedBackend), including kill -9 fault injection."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from cotenant import _core
+from cotenant.coordinator import client
+from coordinator_harness import MiB, Node, child_env, wait_until
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    yield n
+    n.close()
+
+
+def test_status_lists_registered_jobs_with_their_allocator_numbers(node):
+    node.start_coordinator()
+    g = node.start_job("guaranteed", "train-a", hold_mib=256)
+    o = node.start_job("opportunistic", "train-b", hold_mib=128)
+    assert wait_until(lambda: (node.job("train-a") or {}).get("device_bytes") == 256 * MiB)
+    assert wait_until(lambda: (node.job("train-b") or {}).get("allocated_bytes") == 128 * MiB)
+    a, b = node.job("train-a"), node.job("train-b")
+    assert (a["pid"], a["role"], a["gpu"]) == (g.pid, "guaranteed", 0)
+    assert (b["pid"], b["role"]) == (o.pid, "opportunistic")
+    assert a["cap"] is not None and b["cap"] is not None
+    assert a["cap"] + b["cap"] <= 1024 * MiB - 128 * MiB  # the headroom stays free
+
+
+def test_guaranteed_burst_shrinks_opportunistic_cap_then_grows_guaranteed_cap(node):
+    node.start_coordinator()
+    g = node.start_job("guaranteed", "g", hold_mib=256)
+    node.start_job("opportunistic", "o", hold_mib=512)
+    assert wait_until(lambda: (node.job("o") or {}).get("device_bytes", 0) >= 256 * MiB)
+    cap_before = node.job("g")["cap"]
+    g.burst(512)  # the guaranteed job now needs 768 MiB of the 896 MiB usable
+    assert wait_until(lambda: node.job("g")["device_bytes"] == 768 * MiB and node.job("g")["host_bytes"] == 0,
+                      timeout=5), node.status()
+    o = node.job("o")
+    assert o["host_bytes"] >= 384 * MiB  # the opportunistic job's pages spilled
+    assert o["device_bytes"] <= o["cap"]
+    assert node.job("g")["cap"] > cap_before
+    # Ordering: the guaranteed cap grew only into memory the opportunistic job had given
+    # up, so at no recorded moment did the two hold more than the usable 896 MiB.
+    samples = {}
+    for r in client.history(node.socket):
+        if "device_bytes" in r:
+            samples.setdefault(r["t"], {})[r["job"]] = r["device_bytes"]
+    together = [sum(s.values()) for s in samples.values() if len(s) == 2]
+    assert together and max(together) <= 896 * MiB
+
+
+def test_guaranteed_slowdown_cuts_the_opportunistic_share(node):
+    node.start_coordinator()
+    g = node.start_job("guaranteed", "g", hold_mib=64, iteration_us=5000)
+    node.start_job("opportunistic", "o", hold_mib=64)
+    assert wait_until(lambda: node.job("o")["share"] >= 0.1, timeout=10), node.status()
+    g.set_iteration_us(10000)  # twice its baseline
+    peak = node.job("o")["share"]
+    assert wait_until(lambda: node.job("o")["share"] < peak / 1.9, timeout=5), node.status()
+
+
+def test_killed_coordinator_leaves_jobs_running_with_last_cap_and_share_and_restart_readopts_them(node):
+    node.start_coordinator()
+    g = node.start_job("guaranteed", "g", hold_mib=128)
+    o = node.start_job("opportunistic", "o", hold_mib=128)
+    client.set_cap("o", 64 * MiB, node.socket)
+    client.set_share("o", 0.3, node.socket)
+    assert wait_until(lambda: node.job("o")["applied_cap"] == 64 * MiB and node.job("o")["applied_share"] == 0.3)
+    node.kill_coordinator()
+
+    time.sleep(0.5)
+    assert g.alive() and o.alive()
+    block = _core.JobBlock.open(o.registration["block_name"])
+    control, report = block.control(), block.report()
+    assert (control["memory_cap"], control["share"]) == (64 * MiB, 0.3)
+    assert report["applied_memory_cap"] == 64 * MiB and report["applied_share"] == 0.3
+    assert report["device_bytes"] <= 64 * MiB
+    beat = block.heartbeat_ns()
+    assert wait_until(lambda: block.heartbeat_ns() > beat)  # the job side keeps publishing
+    block.close()
+
+    started = time.monotonic()
+    node.start_coordinator(wait=False)
+    view = wait_until(lambda: (s := node.answers()) and len(s["jobs"]) == 2 and s, timeout=5)
+    readopted_after = time.monotonic() - started
+    assert view, node.read_log()
+    assert {j["name"] for j in view["jobs"]} == {"g", "o"}
+    assert all(j["adopted"] for j in view["jobs"])
+    o_view = node.job("o")
+    assert (o_view["user_cap"], o_view["share"], o_view["share_pinned"]) == (64 * MiB, 0.3, True)
+    # Within 1 s of the new coordinator running (interpreter start-up excluded, measured here).
+    assert readopted_after < 3.0
+    assert '"job re-adopted"' in node.read_log()
+
+
+def test_job_killed_with_sigkill_is_reclaimed_within_one_second(node):
+    node.start_coordinator()
+    node.start_job("guaranteed", "g", hold_mib=128)
+    o = node.start_job("opportunistic", "o", hold_mib=256)
+    assert wait_until(lambda: node.job("o") is not None and node.job("o")["device_bytes"] > 0)
+    g_cap_before = node.job("g")["cap"]
+    assert len(node.blocks()) == 2
+    o.kill(reap=False)  # a zombie until reaped: still counts as dead
+    killed = time.monotonic()
+    assert wait_until(lambda: node.job("o") is None, timeout=2)
+    assert time.monotonic() - killed < 1.0
+    assert len(node.blocks()) == 1
+    assert wait_until(lambda: node.job("g")["cap"] > g_cap_before)  # the memory went back to the guaranteed job
+
+
+def test_opportunistic_job_whose_persistent_memory_can_never_fit_is_refused_with_the_reason(node):
+    node.start_coordinator()
+    job = node.start_job("opportunistic", "huge", persistent_mib=2048, expect_registration=False)
+    assert job.process.wait(timeout=10) != 0
+    assert node.job("huge") is None
+    assert "job refused" in node.read_log()
+    with pytest.raises(client.AdmissionRefused, match="exceeds what this GPU can ever give"):
+        client.register("opportunistic", 0, name="huge", socket=node.socket, persistent_bytes="2GiB")
+
+
+def test_opportunistic_job_is_queued_until_its_persistent_memory_fits(node):
+    node.start_coordinator()
+    g = node.start_job("guaranteed", "g", hold_mib=64)
+    g.burst(512)
+    assert wait_until(lambda: node.job("g")["device_bytes"] >= 576 * MiB)
+    o = node.start_job("opportunistic", "o", hold_mib=32, persistent_mib=400)
+    assert o.registration["admitted"] is False
+    view = node.job("o")
+    assert view["state"] == "queued" and "does not fit" in view["queue_reason"] and view["share"] == 0
+    g.burst(0)
+    assert wait_until(lambda: node.job("o")["state"] != "queued", timeout=5), node.status()
+
+
+def test_register_returns_none_when_no_coordinator_runs(node):
+    assert client.register("opportunistic", 0, socket=node.socket) is None
+
+
+def test_second_coordinator_on_the_same_socket_refuses_to_start(node):
+    node.start_coordinator()
+    second = subprocess.run([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", node.socket],
+                            env=child_env(), capture_output=True, text=True, timeout=30)
+    assert second.returncode != 0
+    assert "already serves" in second.stderr
+    assert node.answers()
+
+
+def test_random_kill_points_never_crash_a_job_and_state_recovers(node):
+    rng = random.Random(20260522)
+    node.start_coordinator()
+    live = [node.start_job("guaranteed", "g", hold_mib=128)]
+    for step in range(8):
+        action = rng.choice(["kill_coordinator", "kill_job", "start_job", "burst"])
+        if action == "kill_coordinator" and node.coordinator.poll() is None:
+            time.sleep(rng.uniform(0, 0.2))
+            node.kill_coordinator()
+        elif action == "kill_job" and len(live) > 1:
+            victim = live.pop(rng.randrange(1, len(live)))
+            victim.kill()
+        elif action == "start_job" and node.coordinator.poll() is None:
+            live.append(node.start_job("opportunistic", f"o{step}", hold_mib=rng.choice([32, 64, 128])))
+        elif action == "burst":
+            live[0].burst(rng.choice([0, 256, 512]))
+        if node.coordinator.poll() is not None:
+            node.start_coordinator()
+        # Invariants: every job we did not kill still runs; the coordinator lists exactly them.
+        assert all(job.alive() for job in live), f"step {step}: a job crashed"
+        expected = {job.registration["name"] for job in live}
+        assert wait_until(lambda: {j["name"] for j in node.status()["jobs"]} == expected, timeout=2), (
+            step, action, node.status(), node.read_log())
+        assert len(node.blocks()) == len(live)
+
+
+def test_metrics_endpoint_serves_job_gauges(node):
+    import socket as socket_module
+
+    with socket_module.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    node.args += ["--metrics-port", str(port)]
+    node.start_coordinator()
+    node.start_job("guaranteed", "g", hold_mib=64)
+
+    def scrape():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return ""
+
+    text = wait_until(lambda: (t := scrape()) and 'cotenant_job_device_bytes{gpu="0",job="g",role="guaranteed"} 6.7108864e+07' in t and t)
+    assert text, scrape()
+    assert "cotenant_job_memory_cap_bytes" in text
+
+
+def test_coordinator_logs_are_json_lines(node):
+    node.start_coordinator()
+    node.start_job("guaranteed", "g")
+    assert wait_until(lambda: "job registered" in node.read_log())
+    events = [json.loads(line) for line in node.read_log().splitlines() if line.startswith("{")]
+    registered = [e for e in events if e["event"] == "job registered"]
+    assert registered and registered[0]["job"] == "g" and registered[0]["role"] == "guaranteed"
+
+
+def test_cli_status_set_cap_set_share_and_timeline(node, tmp_path):
+    node.start_coordinator()
+    node.start_job("guaranteed", "g", hold_mib=64)
+    node.start_job("opportunistic", "o", hold_mib=64)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "cotenant.cli", *args, "--socket", node.socket],
+                              env=child_env(), capture_output=True, text=True, timeout=30)
+
+    assert cli("set-cap", "o", "100MiB").returncode == 0
+    assert cli("set-share", "o", "0.25").returncode == 0
+    assert wait_until(lambda: node.job("o")["applied_cap"] == 100 * MiB)
+    table = cli("status")
+    assert table.returncode == 0
+    header, *rows = table.stdout.splitlines()
+    assert header.split()[:5] == ["GPU", "JOB", "PID", "ROLE", "STATE"]
+    o_row = next(r for r in rows if r.startswith("0") and "o (" in r)
+    assert "100.00 MiB" in o_row and "0.25*" in o_row
+    as_json = json.loads(cli("status", "--json").stdout)
+    assert {j["name"] for j in as_json["jobs"]} == {"g", "o"}
+    bad = cli("set-share", "o", "1.5")
+    assert bad.returncode != 0 and "from 0 (paused) to 1" in bad.stderr
+    missing = cli("set-cap", "nobody", "1GiB")
+    assert missing.returncode == 1 and "no job named 'nobody'" in missing.stderr
+    time.sleep(0.6)  # a few history samples
+    png = tmp_path / "timeline.png"
+    drawn = cli("timeline", "-o", str(png))
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cotenant_run_enables_the_child_through_environment_variables(node):
+    script = ("import os, json, sys; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('COTENANT_')}));"
+              "print(os.environ['PYTHONPATH'])")
+    out = subprocess.run(
+        [sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--cap", "2GiB", "--name", "sidecar",
+         "--device", "1", "--socket", node.socket, "--", sys.executable, "-c", script],
+        env=child_env(), capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    variables, pythonpath = out.stdout.splitlines()
+    assert json.loads(variables) == {
+        "COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic", "COTENANT_MEMORY_CAP": "2GiB",
+        "COTENANT_DEVICE": "1", "COTENANT_SOCKET": node.socket, "COTENANT_JOB_NAME": "sidecar",
+    }
+    assert pythonpath.split(os.pathsep)[0].endswith(os.path.join("cotenant", "_autoenable"))
+
+
+def test_cotenant_run_refuses_a_bad_cap_before_starting_the_child():
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--guaranteed", "--cap", "lots", "--", "true"],
+                         env=child_env(), capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "lots" in out.stderr
