@@ -67,11 +67,15 @@ class CMakeBuild(build_ext):
         built = sorted(glob.glob(os.path.join(build_dir, "python", "cotenant", "*.so")))
         if not built:
             raise RuntimeError(f"CMake built no Python module in {build_dir}/python/cotenant")
-        destination = os.path.dirname(self.get_ext_fullpath("cotenant._core"))
-        os.makedirs(destination, exist_ok=True)
-        for module in built:
-            shutil.copy2(module, destination)
-            print(f"cotenant: installed {os.path.basename(module)} into {destination}")
+        destinations = [os.path.dirname(self.get_ext_fullpath("cotenant._core"))]
+        if getattr(self, "editable_mode", False):
+            # pip install -e: the package is imported from python/cotenant itself.
+            destinations.append(os.path.join(HERE, "python", "cotenant"))
+        for destination in destinations:
+            os.makedirs(destination, exist_ok=True)
+            for module in built:
+                shutil.copy2(module, destination)
+                print(f"cotenant: installed {os.path.basename(module)} into {destination}")
 
 
 setup(

@@ -65,9 +65,9 @@ def _core():
     try:
         from cotenant import _core
     except ImportError as error:  # pragma: no cover - depends on the install
-        raise SystemExit(
-            "cotenant-replay: cotenant's compiled module _core is missing "
-            f"({error}); build it with `pip install --no-build-isolation .` in the source tree"
+        raise ImportError(
+            f"cotenant's compiled module _core is missing ({error}); build it with "
+            "`pip install --no-build-isolation .` in the source tree"
         ) from None
     return _core
 
@@ -152,6 +152,8 @@ def _size_field(core, path: str, where: str, record: Dict[str, Any], key: str, a
     if isinstance(value, int):
         if value < 0:
             raise TraceError(path, where, f'"{key}" cannot be negative (got {value})')
+        if value >= 2**64:
+            raise TraceError(path, where, f'"{key}" is too large (got {value}; the most is 2**64-1 bytes)')
         return value
     try:
         return core.parse_size(value)
@@ -165,8 +167,8 @@ def _int_field(path: str, where: str, record: Dict[str, Any], key: str, default:
             return default
         raise TraceError(path, where, f'the "{record.get("op")}" op needs an "{key}" field')
     value = record[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TraceError(path, where, f'"{key}" must be a non-negative integer, not {json.dumps(value)}')
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+        raise TraceError(path, where, f'"{key}" must be an integer from 0 to 2**64-1, not {json.dumps(value)}')
     return value
 
 
@@ -454,7 +456,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    core = _core()
+    try:
+        core = _core()
+    except ImportError as error:
+        print(f"cotenant-replay: error: {error}", file=sys.stderr)
+        return 2
 
     def fail(message: str) -> int:
         print(f"cotenant-replay: error: {message}", file=sys.stderr)
