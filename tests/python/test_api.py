@@ -358,3 +358,47 @@ def test_allocator_benchmark_script_parses_and_lists_its_figures():
                              "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "shrink_response_s" in result.stdout
+
+
+def _load_benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_allocator", os.path.join(REPO, "benchmarks", "bench_allocator.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_allocator_benchmark_turns_measurements_into_every_figure():
+    bench = _load_benchmark_module()
+    measured = {
+        "alloc_free": {"native_s_per_pair": 2e-6, "cotenant_s_per_pair": 1e-6},
+        "step_time": {"resnet50": {"native_s": 0.100, "cotenant_s": 0.101},
+                      "gpt": {"native_s": 0.200, "cotenant_s": 0.200}},
+        "moves": {"memcpy_d2h_gbps": 25.0, "memcpy_h2d_gbps": 20.0, "spill_gbps": 22.5, "restore_gbps": 20.0},
+        "shrink": {"1GiB": 0.05, "4GiB": 0.2, "16GiB": 0.8},
+        "spilled": {"0pct_s": 0.2, "25pct_s": 0.3, "50pct_s": 0.5},
+    }
+    figures = bench.compute_figures(measured)
+    assert set(bench.FIGURES) <= set(figures)
+    assert figures["alloc_free_ratio_vs_native"] == pytest.approx(0.5)
+    assert figures["step_time_ratio_vs_native"] == pytest.approx(1.01)  # the worst model
+    assert figures["spill_bandwidth_ratio_vs_memcpy"] == pytest.approx(0.9)
+    assert figures["restore_bandwidth_ratio_vs_memcpy"] == pytest.approx(1.0)
+    assert figures["shrink_response_s_16GiB"] == pytest.approx(0.8)
+    assert figures["step_time_ratio_spilled_50pct"] == pytest.approx(2.5)
+
+
+def test_allocator_benchmark_leaves_a_figure_empty_when_its_worker_failed():
+    bench = _load_benchmark_module()
+    figures = bench.compute_figures({"alloc_free": {"native_s_per_pair": 2e-6}, "moves": {"error": "x"}})
+    assert figures["alloc_free_ratio_vs_native"] is None
+    assert figures["spill_bandwidth_ratio_vs_memcpy"] is None
+    assert figures["step_time_ratio_vs_native"] is None
+
+
+def test_allocator_benchmark_uses_the_same_size_mix_for_both_allocators():
+    bench = _load_benchmark_module()
+    assert bench.size_sequence(500) == bench.size_sequence(500)
+    assert set(bench.size_sequence(2000)) == {size for size, _ in bench.SIZE_MIX}

@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""cotenant's allocator against PyTorch's own, side by side in one run (needs a GPU).
+
+Figures (written to benchmarks/results/allocator-<device>-<time>.json):
+  alloc_free_ratio_vs_native             malloc+free time, cotenant / native, realistic size mix (target <= 1.0)
+  step_time_ratio_vs_native              training step time, no cap pressure, worst model (target <= 1.01)
+  step_time_ratio_vs_native.<model>      the same per model (resnet50, gpt)
+  spill_bandwidth_ratio_vs_memcpy        device->host page moves GB/s over pinned cudaMemcpy GB/s (target >= 0.9)
+  restore_bandwidth_ratio_vs_memcpy      host->device, the same
+  shrink_response_s_1GiB / _4GiB / _16GiB  seconds from a cap command to device bytes under the cap
+  step_time_ratio_spilled_25pct / _50pct step time with a quarter / half of the working set on the host, over none
+
+Each measurement that needs a fresh CUDA context (native vs cotenant) runs in
+its own worker process: `bench_allocator.py --worker NAME --allocator native|cotenant`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(HERE, "results")
+GIB = 1 << 30
+MIB = 1 << 20
+
+FIGURES = [
+    "alloc_free_ratio_vs_native",
+    "step_time_ratio_vs_native",
+    "spill_bandwidth_ratio_vs_memcpy",
+    "restore_bandwidth_ratio_vs_memcpy",
+    "shrink_response_s_1GiB",
+    "shrink_response_s_4GiB",
+    "shrink_response_s_16GiB",
+    "step_time_ratio_spilled_25pct",
+    "step_time_ratio_spilled_50pct",
+]
+
+# A size mix as training jobs allocate it: many small activations and
+# gradients, some mid-sized weights, a few large buffers (bytes, weight).
+SIZE_MIX = [(512, 20), (4096, 20), (65536, 15), (1 * MIB, 15), (4 * MIB, 12), (16 * MIB, 10),
+            (64 * MIB, 6), (256 * MIB, 2)]
+
+
+# ---- pure helpers (tested without a GPU) ----------------------------------------------------
+
+
+def ratio(numerator: float, denominator: float) -> Optional[float]:
+    """numerator / denominator, or None when either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def size_sequence(count: int, seed: int = 0) -> List[int]:
+    """`count` sizes drawn from SIZE_MIX, the same for both allocators."""
+    import random
+
+    rng = random.Random(seed)
+    sizes, weights = zip(*SIZE_MIX)
+    return rng.choices(sizes, weights=weights, k=count)
+
+
+def compute_figures(measured: Dict[str, Dict]) -> Dict[str, Optional[float]]:
+    """The result file's figures from the workers' raw measurements."""
+    figures: Dict[str, Optional[float]] = {}
+    alloc = measured.get("alloc_free", {})
+    figures["alloc_free_ratio_vs_native"] = ratio(alloc.get("cotenant_s_per_pair"),
+                                                  alloc.get("native_s_per_pair"))
+    steps = measured.get("step_time", {})
+    per_model = {}
+    for model, times in steps.items():
+        per_model[model] = ratio(times.get("cotenant_s"), times.get("native_s"))
+        figures[f"step_time_ratio_vs_native.{model}"] = per_model[model]
+    known = [r for r in per_model.values() if r is not None]
+    figures["step_time_ratio_vs_native"] = max(known) if known else None
+    moves = measured.get("moves", {})
+    figures["spill_bandwidth_ratio_vs_memcpy"] = ratio(moves.get("spill_gbps"), moves.get("memcpy_d2h_gbps"))
+    figures["restore_bandwidth_ratio_vs_memcpy"] = ratio(moves.get("restore_gbps"), moves.get("memcpy_h2d_gbps"))
+    for gib in (1, 4, 16):
+        figures[f"shrink_response_s_{gib}GiB"] = measured.get("shrink", {}).get(f"{gib}GiB")
+    spilled = measured.get("spilled", {})
+    for pct in (25, 50):
+        figures[f"step_time_ratio_spilled_{pct}pct"] = ratio(spilled.get(f"{pct}pct_s"), spilled.get("0pct_s"))
+    return figures
+
+
+# ---- workers (each in a fresh process) ------------------------------------------------------
+
+
+def _setup(allocator: str):
+    if allocator == "cotenant":
+        import cotenant
+
+        cotenant.enable()
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    return torch
+
+
+def _timed_steps(torch, step, warmup: int, steps: int) -> float:
+    """Median seconds per step, synchronized."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _model(torch, name: str):
+    nn = torch.nn
+    if name == "resnet50":
+        try:
+            import torchvision
+
+            model = torchvision.models.resnet50()
+        except ImportError:  # a ResNet-like stack of the same shape class, without torchvision
+            blocks = []
+            channels = 64
+            for out in (64, 128, 256, 512):
+                blocks += [nn.Conv2d(channels, out, 3, padding=1, stride=2 if out > 64 else 1),
+                           nn.BatchNorm2d(out), nn.ReLU(), nn.Conv2d(out, out, 3, padding=1),
+                           nn.BatchNorm2d(out), nn.ReLU()]
+                channels = out
+            model = nn.Sequential(nn.Conv2d(3, 64, 7, stride=2, padding=3), nn.BatchNorm2d(64), nn.ReLU(),
+                                  *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+        x = torch.randn(64, 3, 224, 224, device="cuda")
+        y = torch.randint(0, 1000, (64,), device="cuda")
+        return model.cuda(), x, y
+    # GPT-style: causal decoder stack.
+    dim, layers, vocab, seq = 768, 12, 32000, 512
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            layer = nn.TransformerEncoderLayer(dim, 12, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            self.blocks = nn.TransformerEncoder(layer, layers)
+            self.head = nn.Linear(dim, vocab)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+        def forward(self, tokens):
+            return self.head(self.blocks(self.embed(tokens), mask=self.mask, is_causal=True))
+
+    tokens = torch.randint(0, vocab, (8, seq), device="cuda")
+    return GPT().cuda(), tokens, torch.roll(tokens, -1, 1)
+
+
+def _train_step(torch, model, x, y, opt):
+    def step():
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def worker_alloc_free(allocator: str, args) -> Dict:
+    torch = _setup(allocator)
+    sizes = size_sequence(args.alloc_pairs)
+    live_window = 32  # tensors alive at once, as in a forward pass
+
+    def run():
+        live = []
+        for n in sizes:
+            live.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+            if len(live) > live_window:
+                live.pop(0)
+        live.clear()
+
+    run()  # fills the cache: both allocators measured warm
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        run()
+    elapsed = time.perf_counter() - start
+    return {"s_per_pair": elapsed / (args.repeats * len(sizes))}
+
+
+def worker_step_time(allocator: str, args) -> Dict:
+    torch = _setup(allocator)
+    model, x, y = _model(torch, args.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return {"s": _timed_steps(torch, _train_step(torch, model, x, y, opt), args.warmup, args.steps)}
+
+
+def worker_moves(allocator: str, args) -> Dict:
+    torch = _setup("cotenant")
+    import cotenant
+
+    nbytes = args.move_gib * GIB
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    x.fill_(7)
+    # Pinned cudaMemcpy, the reference, in the same process.
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    pinned.copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    d2h = nbytes / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    x.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = nbytes / (time.perf_counter() - start) / 1e9
+    del pinned
+    mode = cotenant.memory_stats()["mode"]
+    if mode != "remap":
+        return {"memcpy_d2h_gbps": d2h, "memcpy_h2d_gbps": h2d, "mode": mode}
+    start = time.perf_counter()
+    moved_out = cotenant.spill_all()
+    spill = moved_out / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    moved_in = cotenant.restore_all()
+    restore = moved_in / (time.perf_counter() - start) / 1e9
+    intact = bool((x[:: 1 << 20] == 7).all().item())
+    return {"memcpy_d2h_gbps": d2h, "memcpy_h2d_gbps": h2d, "spill_gbps": spill, "restore_gbps": restore,
+            "moved_out": moved_out, "moved_in": moved_in, "data_intact": intact, "mode": mode}
+
+
+def worker_shrink(allocator: str, args) -> Dict:
+    torch = _setup("cotenant")
+    import cotenant
+
+    out = {}
+    for gib in args.shrink_gib:
+        keep = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+        victim = torch.empty(gib * GIB, dtype=torch.uint8, device="cuda")
+        keep.fill_(1)
+        victim.fill_(2)
+        torch.cuda.synchronize()
+        held = cotenant.memory_stats()["device_bytes"]
+        start = time.perf_counter()
+        cotenant.set_memory_cap(held - gib * GIB)  # returns after the safe point moved the pages
+        elapsed = time.perf_counter() - start
+        stats = cotenant.memory_stats()
+        out[f"{gib}GiB"] = elapsed if stats["device_bytes"] <= stats["memory_cap"] else None
+        cotenant.set_memory_cap(None)
+        del keep, victim
+        torch.cuda.empty_cache()
+    return out
+
+
+def worker_spilled(allocator: str, args) -> Dict:
+    torch = _setup("cotenant")
+    import cotenant
+
+    model, x, y = _model(torch, "gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = _train_step(torch, model, x, y, opt)
+    out = {"0pct_s": _timed_steps(torch, step, args.warmup, args.steps)}
+    working_set = cotenant.memory_stats()["allocated_bytes"]
+    for pct in (25, 50):
+        cotenant.set_memory_cap(None)
+        cotenant.restore_all()
+        cotenant.set_memory_cap(int(working_set * (100 - pct) / 100))
+        out[f"{pct}pct_s"] = _timed_steps(torch, step, args.warmup, args.steps)
+        out[f"{pct}pct_host_bytes"] = cotenant.memory_stats()["host_bytes"]
+    return out
+
+
+WORKERS = {
+    "alloc_free": worker_alloc_free,
+    "step_time": worker_step_time,
+    "moves": worker_moves,
+    "shrink": worker_shrink,
+    "spilled": worker_spilled,
+}
+
+
+# ---- the driver ---------------------------------------------------------------------------
+
+
+def _run_worker(name: str, allocator: str, extra: List[str]) -> Dict:
+    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--allocator", allocator, *extra]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.stderr.write(f"worker {name}/{allocator} failed:\n{result.stderr}\n")
+        return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _environment() -> Dict[str, str]:
+    import torch
+
+    driver = "unknown"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        pass
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "driver": driver,
+            "cuda": torch.version.cuda}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON result")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and smaller sizes (a smoke run)")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--allocator", choices=["native", "cotenant"], default="cotenant", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
+    parser.add_argument("--alloc-pairs", type=int, default=20000, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=30, help=argparse.SUPPRESS)
+    parser.add_argument("--move-gib", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--shrink-gib", type=int, nargs="+", default=[1, 4, 16], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](args.allocator, args)))
+        return 0
+
+    quick = ["--steps", "5", "--warmup", "2", "--alloc-pairs", "2000", "--repeats", "2", "--move-gib", "1",
+             "--shrink-gib", "1"] if args.quick else []
+    measured: Dict[str, Dict] = {}
+    native = _run_worker("alloc_free", "native", quick)
+    ours = _run_worker("alloc_free", "cotenant", quick)
+    measured["alloc_free"] = {"native_s_per_pair": native.get("s_per_pair"),
+                              "cotenant_s_per_pair": ours.get("s_per_pair")}
+    measured["step_time"] = {}
+    for model in ("resnet50", "gpt"):
+        native = _run_worker("step_time", "native", quick + ["--model", model])
+        ours = _run_worker("step_time", "cotenant", quick + ["--model", model])
+        measured["step_time"][model] = {"native_s": native.get("s"), "cotenant_s": ours.get("s")}
+    measured["moves"] = _run_worker("moves", "cotenant", quick)
+    measured["shrink"] = _run_worker("shrink", "cotenant", quick)
+    measured["spilled"] = _run_worker("spilled", "cotenant", quick)
+
+    result = {**_environment(), "benchmark": "allocator", "figures": compute_figures(measured),
+              "measured": measured, "quick": args.quick}
+    os.makedirs(args.out, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(args.out, f"allocator-{slug}-{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+    print(json.dumps(result["figures"], indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

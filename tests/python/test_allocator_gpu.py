@@ -1,0 +1,326 @@
+"""cotenant's allocator on a real GPU: statistics, training loops with and without
+caps, record_stream, CUDA graphs, torch.compile.
+
+Every test runs its workload in a fresh Python process, because cotenant must be
+enabled before the process's first CUDA allocation. Marked `gpu`: skipped,
+with the reason shown, on machines without one (tests/python/conftest.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AUTOENABLE_DIR = os.path.join(REPO, "python", "cotenant", "_autoenable")
+MIB = 1 << 20
+
+# Shared by the training tests: deterministic kernels, so two runs of the same
+# loop produce the same bits whichever allocator hands out the memory.
+MODELS = r'''
+import os, json, torch, torch.nn as nn
+
+def deterministic():
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(128, 10)
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+class SmallTransformer(nn.Module):
+    def __init__(self, vocab=1000, dim=256, layers=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 8, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers)
+        self.out = nn.Linear(dim, vocab)
+    def forward(self, tokens):
+        return self.out(self.encoder(self.embed(tokens)))
+
+def batches(kind, steps):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        if kind == "cnn":
+            yield torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        else:
+            t = torch.randint(0, 1000, (16, 64), generator=g)
+            yield t, torch.roll(t, -1, dims=1)
+
+def train(kind, steps, on_step=None):
+    deterministic()
+    model = (SmallCNN() if kind == "cnn" else SmallTransformer()).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for step, (x, y) in enumerate(batches(kind, steps)):
+        x, y = x.cuda(), y.cuda()
+        out = model(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()  # cotenant's optimizer-step safe point runs after this
+        losses.append(loss.item().hex())
+        if on_step:
+            on_step(step)
+    return losses
+'''
+
+
+def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=600):
+    """Runs `body` in a fresh process and returns the JSON object it prints last."""
+    prelude = "import cotenant\ncotenant.enable()\n" if use_cotenant else ""
+    code = prelude + MODELS + textwrap.dedent(body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if pythonpath_prefix:
+        env["PYTHONPATH"] = os.pathsep.join([*pythonpath_prefix, env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- statistics ------------------------------------------------------------------------
+
+
+def test_torch_memory_statistics_agree_with_the_core():
+    out = run_script("""
+        stats = {}
+        xs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (100, 4096, 3 << 20, 25 << 20)]
+        core = cotenant.memory_stats()
+        stats["allocated"] = [torch.cuda.memory_allocated(), core["allocated_bytes"]]
+        stats["reserved"] = [torch.cuda.memory_reserved(), core["reserved_bytes"]]
+        stats["device_plus_host"] = core["device_bytes"] + core["host_bytes"]
+        stats["snapshot_total"] = sum(s["total_size"] for s in torch.cuda.memory_snapshot())
+        stats["count"] = torch.cuda.memory_stats()["allocation.all.current"]
+        peak = torch.cuda.max_memory_allocated()
+        del xs
+        stats["after_free"] = torch.cuda.memory_allocated()
+        stats["peak_kept"] = torch.cuda.max_memory_allocated() == peak
+        torch.cuda.reset_peak_memory_stats()
+        stats["peak_reset"] = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        stats["reserved_after_empty"] = torch.cuda.memory_reserved()
+        stats["mode"] = core["mode"]
+        stats["backend"] = torch.cuda.memory.get_allocator_backend() if hasattr(torch.cuda.memory, "get_allocator_backend") else None
+        print(json.dumps(stats))
+    """)
+    assert out["allocated"][0] == out["allocated"][1] > 28 * MIB
+    assert out["reserved"][0] == out["reserved"][1] == out["device_plus_host"] == out["snapshot_total"]
+    assert out["count"] == 4
+    assert out["after_free"] == 0 and out["peak_kept"] and out["peak_reset"] == 0
+    assert out["reserved_after_empty"] == 0
+    assert out["mode"] in ("remap", "pinned_fallback")
+
+
+def test_enable_after_a_cuda_allocation_says_how_to_fix_it():
+    out = run_script("""
+        import cotenant
+        x = torch.ones(1024, device="cuda")
+        try:
+            cotenant.enable()
+            print(json.dumps({"error": None}))
+        except RuntimeError as error:
+            print(json.dumps({"error": str(error)}))
+    """, use_cotenant=False)
+    assert "must run before the first CUDA allocation" in out["error"]
+    assert "cotenant run" in out["error"]
+
+
+# ---- training loops -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["cnn", "transformer"])
+def test_training_losses_are_bitwise_identical_with_and_without_cotenant(kind):
+    body = f"print(json.dumps(train('{kind}', 30)))"
+    native = run_script(body, use_cotenant=False)
+    ours = run_script(body)
+    assert ours == native
+
+
+@pytest.mark.parametrize("kind", ["cnn", "transformer"])
+def test_cap_cut_below_the_working_set_and_raised_again_keeps_losses_identical(kind):
+    native = run_script(f"print(json.dumps(train('{kind}', 30)))", use_cotenant=False)
+    out = run_script(f"""
+        checks = []
+        def on_step(step):
+            if step == 9:   # cut to half of what the job holds: live parameters must spill
+                held = cotenant.memory_stats()["device_bytes"]
+                free_before, total = torch.cuda.mem_get_info()
+                cotenant.set_memory_cap(max(held // 2, 4 << 20))
+                free_after, _ = torch.cuda.mem_get_info()
+                checks.append({{"step": step, "held": held, "returned": free_after - free_before}})
+            if step == 19:
+                cotenant.set_memory_cap(None)
+                cotenant.restore_all()
+            s = cotenant.memory_stats()
+            cap = s["memory_cap"]
+            checks.append({{"step": step, "device": s["device_bytes"], "host": s["host_bytes"], "cap": cap,
+                           "within": cap is None or s["device_bytes"] <= cap}})
+        losses = train('{kind}', 30, on_step)
+        print(json.dumps({{"losses": losses, "checks": checks}}))
+    """)
+    assert out["losses"] == native
+    per_step = [c for c in out["checks"] if "within" in c]
+    assert all(c["within"] for c in per_step), per_step
+    capped = [c for c in per_step if 9 <= c["step"] < 19]
+    assert all(c["host"] > 0 for c in capped), "nothing spilled while the cap was below the working set"
+    cut = next(c for c in out["checks"] if "returned" in c)
+    # cudaMemGetInfo sees the device memory come back (minus what the cap keeps).
+    assert cut["returned"] >= (cut["held"] - cut["held"] // 2) * 0.9
+    assert per_step[-1]["host"] == 0, "restore_all left pages on the host with no cap"
+
+
+def test_spill_all_and_restore_all_keep_addresses_and_values():
+    out = run_script("""
+        from cotenant import _C
+        x = torch.arange(4 << 20, dtype=torch.float32, device="cuda")
+        ptr, total = x.data_ptr(), x.sum().item()
+        moved_out = cotenant.spill_all()
+        spilled = {"resident": _C.is_device_resident(ptr, 0), "sum": (x * 1).sum().item(),
+                   "host": cotenant.memory_stats()["host_bytes"]}
+        moved_in = cotenant.restore_all()
+        print(json.dumps({"ptr_same": x.data_ptr() == ptr, "total": total, "spilled": spilled,
+                          "moved_out": moved_out, "moved_in": moved_in,
+                          "resident_after": _C.is_device_resident(ptr, 0),
+                          "sum_after": x.sum().item(), "mode": cotenant.memory_stats()["mode"]}))
+    """)
+    if out["mode"] != "remap":
+        pytest.skip("this GPU has no host virtual memory management: live pages cannot move")
+    assert out["ptr_same"]
+    assert out["spilled"]["resident"] is False and out["spilled"]["host"] >= 16 * MIB
+    assert out["spilled"]["sum"] == out["total"] == out["sum_after"]
+    assert out["moved_out"] >= 16 * MIB and out["moved_in"] >= 16 * MIB
+    assert out["resident_after"] is True
+
+
+# ---- streams, graphs, compile, cuDNN, IPC ------------------------------------------------------
+
+
+def test_record_stream_holds_a_block_until_the_other_stream_is_done():
+    out = run_script("""
+        side = torch.cuda.Stream()
+        x = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        ptr = x.data_ptr()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)  # keeps the side stream busy for a while
+            x.add_(1)
+        x.record_stream(side)
+        del x
+        y = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        reused_while_busy = y.data_ptr() == ptr
+        side.synchronize()
+        del y
+        z = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        z2 = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        print(json.dumps({"reused_while_busy": reused_while_busy,
+                          "reused_after": ptr in (z.data_ptr(), z2.data_ptr())}))
+    """)
+    assert out["reused_while_busy"] is False
+    assert out["reused_after"] is True
+
+
+def test_cuda_graph_capture_and_replay_match_eager():
+    out = run_script("""
+        deterministic()
+        model = SmallCNN().cuda().eval()
+        static_in = torch.randn(8, 3, 32, 32, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.no_grad():
+            for _ in range(3):
+                model(static_in)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            static_out = model(static_in)
+        results = []
+        for i in range(3):
+            static_in.copy_(torch.randn(8, 3, 32, 32, device="cuda"))
+            graph.replay()
+            with torch.no_grad():
+                results.append(torch.equal(static_out, model(static_in)))
+        pools = {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot()
+                 if "segment_pool_id" in s}
+        del graph, static_out
+        torch.cuda.empty_cache()
+        print(json.dumps({"equal": results, "pools": len(pools)}))
+    """)
+    assert out["equal"] == [True, True, True]
+
+
+def test_torch_compile_smoke():
+    out = run_script("""
+        def f(x, y):
+            return torch.sin(x) * torch.cos(y) + x @ y
+        x = torch.randn(64, 64, device="cuda")
+        y = torch.randn(64, 64, device="cuda")
+        compiled = torch.compile(f)
+        print(json.dumps({"close": torch.allclose(compiled(x, y), f(x, y), atol=1e-4)}))
+    """)
+    assert out["close"] is True
+
+
+def test_cudnn_benchmark_mode_works():
+    out = run_script("""
+        torch.backends.cudnn.benchmark = True
+        conv = torch.nn.Conv2d(3, 64, 3).cuda()
+        y = conv(torch.randn(16, 3, 64, 64, device="cuda"))
+        y.sum().backward()
+        print(json.dumps({"shape": list(y.shape)}))
+    """)
+    assert out["shape"] == [16, 64, 62, 62]
+
+
+def test_sharing_a_cuda_tensor_between_processes_raises_a_clear_error():
+    out = run_script("""
+        x = torch.ones(16, device="cuda")
+        try:
+            x.untyped_storage()._share_cuda_()
+            print(json.dumps({"error": None}))
+        except RuntimeError as error:
+            print(json.dumps({"error": str(error)}))
+    """)
+    assert "not supported while cotenant manages CUDA memory" in out["error"]
+
+
+def test_each_gpu_gets_its_own_allocator_state():
+    out = run_script("""
+        if torch.cuda.device_count() < 2:
+            print(json.dumps({"skip": True})); raise SystemExit
+        a = torch.empty(4 << 20, dtype=torch.uint8, device="cuda:0")
+        b = torch.empty(12 << 20, dtype=torch.uint8, device="cuda:1")
+        cotenant.set_memory_cap("64MiB", device=1)
+        print(json.dumps({"skip": False, "a": torch.cuda.memory_allocated(0), "b": torch.cuda.memory_allocated(1),
+                          "cap0": cotenant.memory_cap(0), "cap1": cotenant.memory_cap(1)}))
+    """)
+    if out["skip"]:
+        pytest.skip("needs two GPUs")
+    assert out["a"] == 4 * MIB and out["b"] == 12 * MIB
+    assert out["cap0"] is None and out["cap1"] == 64 * MIB
+
+
+def test_autoenable_enables_cotenant_from_the_environment():
+    out = run_script("""
+        import cotenant
+        x = torch.ones(1, device="cuda")
+        print(json.dumps({"enabled": cotenant.is_enabled(), "cap": cotenant.memory_cap(),
+                          "allocated": torch.cuda.memory_allocated() == cotenant.memory_stats()["allocated_bytes"]}))
+    """, use_cotenant=False, pythonpath_prefix=[AUTOENABLE_DIR],
+        env_extra={"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "1GiB"})
+    assert out == {"enabled": True, "cap": 1 << 30, "allocated": True}
