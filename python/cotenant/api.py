@@ -389,17 +389,31 @@ def _join_coordinator(_C, role, device, name, socket) -> None:
         from cotenant.coordinator import client
     except ImportError:
         return  # this installation has no coordinator: the job runs on its own
+    refused = getattr(client, "AdmissionRefused", None)
+    # Probe first: without a coordinator, enable() creates no CUDA context
+    # (the device's size below needs one).
     try:
-        registration = client.register(role or "guaranteed", device, name, socket)
-    except Exception as error:  # a broken coordinator must not stop training
+        client.CoordinatorClient(socket, 1.0).close()
+    except Exception:
+        return  # no coordinator running (or none this user may reach): the job runs on its own
+    try:
+        registration = client.register(role or "guaranteed", device, name=name, socket=socket,
+                                       device_total_bytes=_C.device_total_bytes(device))
+    except Exception as error:
+        if refused is not None and isinstance(error, refused):
+            raise  # the coordinator says this job can never fit: the user must know
+        # A broken coordinator must not stop training: the job runs on its own.
         warnings.warn(f"cotenant: could not register with the coordinator ({error}); "
                       f"running without it", RuntimeWarning, stacklevel=3)
         return
     if registration is None:
         return  # no coordinator running
     _state.registration = registration
-    block_name = getattr(registration, "block_name", None) or getattr(registration, "block", None)
-    if not getattr(_C, "HAS_JOB_CHANNEL", False) or block_name is None:
+    if not registration.admitted:
+        warnings.warn(f"cotenant: the coordinator queued this job ({registration.queue_reason}); "
+                      f"it runs when the coordinator lets it", RuntimeWarning, stacklevel=3)
+    block_name = registration.block_name
+    if not getattr(_C, "HAS_JOB_CHANNEL", False):
         warnings.warn("cotenant: registered with the coordinator, but this build has no job "
                       "channel; caps set by the coordinator will not apply", RuntimeWarning,
                       stacklevel=3)
