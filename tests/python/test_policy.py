@@ -1,0 +1,178 @@
+"""The coordinator's pure policies, driven by tables of cases."""
+
+import pytest
+
+from cotenant.coordinator import policy
+from cotenant.coordinator.policy import (
+    ADMIT, QUEUE, REFUSE, Baseline, BaselineConfig, JobObservation as Job, MemoryPolicyConfig, SharePolicyConfig,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+G, O = policy.GUARANTEED, policy.OPPORTUNISTIC
+CONFIG = MemoryPolicyConfig(headroom_bytes=1 * GiB, burst_margin_bytes=512 * MiB, min_cap_bytes=2 * MiB)
+
+
+# (case, device total, jobs, expected caps by job id)
+MEMORY_CASES = [
+    ("guaranteed_alone_gets_everything_but_the_headroom", 16 * GiB,
+     [Job(1, G, device_bytes=4 * GiB, allocated_bytes=4 * GiB, cap=15 * GiB)],
+     {1: 15 * GiB}),
+    ("opportunistic_alone_gets_everything_it_wants_and_the_rest_stays_unlent", 16 * GiB,
+     [Job(2, O, device_bytes=2 * GiB, cap=None)],
+     {2: 2 * GiB + 512 * MiB}),
+    ("spare_beyond_guaranteed_need_goes_to_opportunistic_up_to_its_want", 16 * GiB,
+     [Job(1, G, device_bytes=4 * GiB, allocated_bytes=4 * GiB, cap=8 * GiB),
+      Job(2, O, device_bytes=3 * GiB, cap=4 * GiB)],
+     {1: 15 * GiB - (3 * GiB + 512 * MiB), 2: 3 * GiB + 512 * MiB}),
+    ("opportunistic_jobs_split_a_short_spare_evenly", 10 * GiB,
+     [Job(1, G, device_bytes=5 * GiB, allocated_bytes=5 * GiB - 512 * MiB, cap=5 * GiB),
+      Job(2, O, device_bytes=4 * GiB, cap=4 * GiB), Job(3, O, device_bytes=4 * GiB, cap=4 * GiB)],
+     {1: 5 * GiB, 2: 2 * GiB, 3: 2 * GiB}),
+    ("water_filling_gives_a_small_job_its_want_and_the_rest_to_the_big_one", 10 * GiB,
+     [Job(1, G, device_bytes=4 * GiB + 512 * MiB, allocated_bytes=4 * GiB, cap=4 * GiB + 512 * MiB),
+      Job(2, O, device_bytes=512 * MiB, cap=GiB), Job(3, O, device_bytes=4 * GiB, cap=4 * GiB)],
+     {1: 4 * GiB + 512 * MiB, 2: GiB, 3: 3 * GiB + 512 * MiB}),
+    ("guaranteed_burst_shrinks_opportunistic_at_once_but_grows_guaranteed_only_into_free_memory", 16 * GiB,
+     # g bursts from 4 to 10 GiB (6 GiB spilled to host); o holds 8 GiB on the device.
+     [Job(1, G, device_bytes=4 * GiB, host_bytes=6 * GiB, allocated_bytes=10 * GiB, cap=4 * GiB),
+      Job(2, O, device_bytes=8 * GiB, cap=8 * GiB)],
+     # o shrinks to the spare (15 - 10.5); g grows only by the 3 GiB free now (15 - 12 used).
+     {1: 7 * GiB, 2: 4 * GiB + 512 * MiB}),
+    ("after_opportunistic_shrank_guaranteed_cap_reaches_its_need", 16 * GiB,
+     [Job(1, G, device_bytes=7 * GiB, host_bytes=3 * GiB, allocated_bytes=10 * GiB, cap=7 * GiB),
+      Job(2, O, device_bytes=4 * GiB + 512 * MiB, host_bytes=3 * GiB + 512 * MiB, cap=4 * GiB + 512 * MiB)],
+     {1: 10 * GiB + 512 * MiB, 2: 4 * GiB + 512 * MiB}),
+    ("opportunistic_cap_does_not_grow_while_guaranteed_has_spilled_bytes", 16 * GiB,
+     [Job(1, G, device_bytes=6 * GiB, host_bytes=1 * GiB, allocated_bytes=5 * GiB, cap=6 * GiB),
+      Job(2, O, device_bytes=2 * GiB, host_bytes=4 * GiB, cap=2 * GiB)],
+     {1: 15 * GiB - 2 * GiB, 2: 2 * GiB}),
+    ("opportunistic_grows_again_once_guaranteed_memory_is_back", 16 * GiB,
+     [Job(1, G, device_bytes=7 * GiB, allocated_bytes=5 * GiB, cap=13 * GiB),
+      Job(2, O, device_bytes=2 * GiB, host_bytes=4 * GiB, cap=2 * GiB)],
+     {1: 15 * GiB - (6 * GiB + 512 * MiB), 2: 6 * GiB + 512 * MiB}),
+    ("guaranteed_cache_above_live_bytes_is_lent_to_opportunistic", 16 * GiB,
+     [Job(1, G, device_bytes=10 * GiB, allocated_bytes=2 * GiB, cap=10 * GiB),
+      Job(2, O, device_bytes=6 * GiB, host_bytes=6 * GiB, cap=5 * GiB)],
+     {1: 2 * GiB + 512 * MiB, 2: 12 * GiB + 512 * MiB}),
+    ("administrator_cap_bounds_a_job", 16 * GiB,
+     [Job(1, G, device_bytes=GiB, allocated_bytes=GiB, cap=GiB),
+      Job(2, O, device_bytes=6 * GiB, cap=6 * GiB, user_cap=3 * GiB)],
+     # g would get 12 GiB, but grows only into the 8 GiB free until o has shrunk.
+     {1: 9 * GiB, 2: 3 * GiB}),
+    ("two_guaranteed_jobs_over_the_gpu_are_scaled_to_fit_and_opportunistic_gets_the_minimum", 8 * GiB,
+     [Job(1, G, device_bytes=5 * GiB, allocated_bytes=5 * GiB - 512 * MiB, cap=5 * GiB),
+      Job(2, G, device_bytes=5 * GiB, allocated_bytes=5 * GiB - 512 * MiB, cap=5 * GiB),
+      Job(3, O, device_bytes=GiB, cap=GiB)],
+     {1: 3 * GiB + 512 * MiB, 2: 3 * GiB + 512 * MiB, 3: 2 * MiB}),
+    ("queued_opportunistic_job_gets_the_minimum_cap", 16 * GiB,
+     [Job(1, G, device_bytes=GiB, allocated_bytes=GiB, cap=15 * GiB),
+      Job(2, O, device_bytes=GiB, cap=GiB, admitted=False)],
+     {1: 15 * GiB - 2 * MiB, 2: 2 * MiB}),
+]
+
+
+@pytest.mark.parametrize("case,total,jobs,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
+def test_memory_caps(case, total, jobs, expected):
+    caps = policy.plan_memory_caps(total, jobs, CONFIG)
+    assert caps == expected
+
+
+@pytest.mark.parametrize("case,total,jobs,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
+def test_memory_caps_never_lend_the_headroom_or_go_below_one_page(case, total, jobs, expected):
+    caps = policy.plan_memory_caps(total, jobs, CONFIG)
+    assert all(cap >= CONFIG.min_cap_bytes for cap in caps.values())
+    opportunistic = sum(caps[j.job_id] for j in jobs if j.role == O)
+    guaranteed_need = sum(min(j.live_bytes + CONFIG.burst_margin_bytes, total) for j in jobs if j.role == G)
+    assert opportunistic <= max(len([j for j in jobs if j.role == O]) * CONFIG.min_cap_bytes,
+                                total - CONFIG.headroom_bytes - guaranteed_need)
+
+
+# (case, current share, slowdown, expected)
+SHARE_STEPS = [
+    ("no_measurement_holds", 0.5, None, 0.5),
+    ("under_target_adds", 0.5, 1.0, 0.55),
+    ("just_under_the_band_adds", 0.5, 1.029, 0.55),
+    ("inside_the_band_holds", 0.5, 1.04, 0.5),
+    ("at_target_holds", 0.5, 1.05, 0.5),
+    ("over_target_halves", 0.5, 1.2, 0.25),
+    ("never_above_one", 0.98, 1.0, 1.0),
+    ("paused_starts_climbing", 0.0, 1.0, 0.05),
+    ("halving_from_small_reaches_zero_quickly", 0.01, 2.0, 0.005),
+]
+
+
+@pytest.mark.parametrize("case,current,slowdown,expected", SHARE_STEPS, ids=[c[0] for c in SHARE_STEPS])
+def test_aimd_share_step(case, current, slowdown, expected):
+    assert policy.next_share(current, slowdown, SharePolicyConfig()) == pytest.approx(expected)
+
+
+# (case, current shares, slowdowns, warming up, has guaranteed, pinned, admitted, expected)
+SHARE_PLANS = [
+    ("no_guaranteed_job_everyone_runs_unthrottled", {2: 0.3}, [], False, False, {}, {}, {2: 1.0}),
+    ("guaranteed_warming_up_pauses_opportunistic", {2: 0.7, 3: 1.0}, [None], True, True, {}, {}, {2: 0.0, 3: 0.0}),
+    ("worst_guaranteed_slowdown_decides", {2: 0.8}, [1.0, 1.3], False, True, {}, {}, {2: 0.4}),
+    ("pinned_share_is_kept", {2: 0.8}, [2.0], False, True, {2: 0.9}, {}, {2: 0.9}),
+    ("queued_job_stays_paused", {2: 0.0}, [1.0], False, True, {}, {2: False}, {2: 0.0}),
+]
+
+
+@pytest.mark.parametrize("case,current,slowdowns,warming,has_g,pinned,admitted,expected", SHARE_PLANS,
+                         ids=[c[0] for c in SHARE_PLANS])
+def test_share_plan(case, current, slowdowns, warming, has_g, pinned, admitted, expected):
+    shares = policy.plan_shares(current, slowdowns, warming, has_g, pinned=pinned, admitted=admitted)
+    assert shares == pytest.approx(expected)
+
+
+def test_aimd_converges_below_target_under_a_share_dependent_slowdown():
+    # A guaranteed job slowed by 20% at full opportunistic share, linearly: the
+    # share settles where the slowdown sits at or under the target.
+    share, history = 0.0, []
+    for _ in range(200):
+        slowdown = 1.0 + 0.2 * share
+        share = policy.next_share(share, slowdown)
+        history.append(slowdown)
+    tail = history[-50:]
+    assert max(tail) <= 1.05 + 0.2 * 0.05  # at most one additive step over the target
+    assert sum(tail) / len(tail) >= 1.01   # and it does use the room it has
+
+
+# (case, state, iteration count, ewma, expected)
+BASELINE_CASES = [
+    ("skips_the_first_iterations", Baseline(), 2, 900.0, Baseline()),
+    ("opens_the_window_after_the_skipped_iterations", Baseline(), 3, 900.0, Baseline(start_count=3)),
+    ("waits_for_a_full_window", Baseline(start_count=3), 12, 100.0, Baseline(start_count=3)),
+    ("takes_the_ewma_when_the_window_is_full", Baseline(start_count=3), 13, 100.0, Baseline(3, 100.0)),
+    ("a_measured_baseline_never_changes", Baseline(3, 100.0), 500, 300.0, Baseline(3, 100.0)),
+]
+
+
+@pytest.mark.parametrize("case,state,count,ewma,expected", BASELINE_CASES, ids=[c[0] for c in BASELINE_CASES])
+def test_baseline_warm_up(case, state, count, ewma, expected):
+    assert policy.update_baseline(state, count, ewma, BaselineConfig(skip_iterations=3, window_iterations=10)) == expected
+
+
+def test_slowdown_is_iteration_time_over_baseline_and_none_while_warming_up():
+    assert policy.slowdown_of(150.0, Baseline(0, 100.0)) == pytest.approx(1.5)
+    assert policy.slowdown_of(150.0, Baseline()) is None
+    assert policy.slowdown_of(0.0, Baseline(0, 100.0)) is None
+
+
+# (case, persistent, total, guaranteed live, admitted opportunistic persistent, decision, words in the reason)
+ADMISSION_CASES = [
+    ("fits_next_to_everyone", 2 * GiB, 16 * GiB, 8 * GiB, 2 * GiB, ADMIT, ""),
+    ("exactly_fits", 5 * GiB, 16 * GiB, 8 * GiB, 2 * GiB, ADMIT, ""),
+    ("does_not_fit_now_is_queued", 6 * GiB, 16 * GiB, 8 * GiB, 2 * GiB, QUEUE, "does not fit"),
+    ("larger_than_the_gpu_less_headroom_is_refused", 15 * GiB + 1, 16 * GiB, 0, 0, REFUSE, "can ever give"),
+    ("zero_persistent_always_fits", 0, 16 * GiB, 15 * GiB, 0, ADMIT, ""),
+]
+
+
+@pytest.mark.parametrize("case,persistent,total,g_live,o_persistent,decision,reason", ADMISSION_CASES,
+                         ids=[c[0] for c in ADMISSION_CASES])
+def test_salus_admission(case, persistent, total, g_live, o_persistent, decision, reason):
+    admission = policy.admit_opportunistic(persistent, total, g_live, o_persistent, CONFIG)
+    assert admission.decision == decision
+    assert reason in admission.reason
+    if decision != ADMIT:
+        assert admission.reason.endswith(("grow", "frees up", "batch"))  # says what happens or what to do
