@@ -355,6 +355,7 @@ COTENANT_CORE_BINDINGS(launch_gate) {
            }),
            py::arg("segment"), py::arg("clock") = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def("boundary", [](IterationTrackerHandle& h) { h.tracker->boundary(); })
+      .def("begin", [](IterationTrackerHandle& h) { h.tracker->begin(); })
       .def("stats", [](IterationTrackerHandle& h) { return iterations_dict(h.tracker->stats()); });
 }
 

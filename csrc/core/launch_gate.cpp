@@ -323,6 +323,12 @@ void IterationTracker::boundary() {
   last_boundary_ns_ = now;
 }
 
+void IterationTracker::begin() {
+  const Nanoseconds now = clock_.now_ns();
+  std::lock_guard<std::mutex> lock(mutex_);
+  last_boundary_ns_ = now;
+}
+
 IterationStats IterationTracker::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return stats_;

@@ -289,6 +289,10 @@ class IterationTracker {
   // Marks the end of one iteration and the start of the next. The first call
   // only starts timing.
   void boundary();
+  // Starts timing an iteration without ending one: for loops with gaps
+  // between iterations (`with cotenant.iteration():` around each request),
+  // so a gap is not counted as iteration time.
+  void begin();
   IterationStats stats() const;
 
  private:

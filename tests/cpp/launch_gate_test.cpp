@@ -429,3 +429,19 @@ TEST_CASE("iteration_tracker_publishes_last_ewma_and_p99", "[gate][guaranteed]")
   CHECK(tracker.stats().p99_ns == 50 * kMs);  // nearest rank 100 of 101 is slow
   CHECK(sink.iterations.iterations == 101);
 }
+
+TEST_CASE("iteration_begin_excludes_the_gap_before_an_iteration", "[gate][guaranteed]") {
+  FakeClock clock;
+  FakeSink sink;
+  IterationTracker tracker(clock, sink);
+  tracker.begin();
+  clock.advance(4 * kMs);
+  tracker.boundary();
+  clock.advance(100 * kMs);  // idle between requests
+  tracker.begin();
+  clock.advance(6 * kMs);
+  tracker.boundary();
+  CHECK(tracker.stats().iterations == 2);
+  CHECK(tracker.stats().last_ns == 6 * kMs);
+  CHECK(sink.iterations.p99_ns == 6 * kMs);
+}
