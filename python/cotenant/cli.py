@@ -122,6 +122,14 @@ def cmd_set_share(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_command(args: argparse.Namespace) -> int:
+    from cotenant.coordinator import client
+
+    reply = client.send_command(args.job, args.command_name, args.socket)
+    print(f"{reply['job']}: {reply['command']} sent (sequence {reply['sequence']})")
+    return 0
+
+
 # --- run -----------------------------------------------------------------------
 
 
@@ -240,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", help="job name or id")
     p.add_argument("share", help="0 (paused) to 1, or 'auto' to hand it back to the policy")
     p.set_defaults(func=cmd_set_share)
+
+    for command, text in (("suspend", "pause a job and move all its memory to the host"),
+                          ("resume", "bring a suspended job's memory back and let it run")):
+        p = with_socket(sub.add_parser(command, help=text))
+        p.add_argument("job", help="job name or id")
+        p.set_defaults(func=cmd_command, command_name=command)
 
     p = with_socket(sub.add_parser("run", help="run a command as a cotenant job, with no change to its code"))
     role = p.add_mutually_exclusive_group(required=True)

@@ -92,15 +92,15 @@ def test_killed_coordinator_leaves_jobs_running_with_last_cap_and_share_and_rest
 
     started = time.monotonic()
     node.start_coordinator(wait=False)
-    view = wait_until(lambda: (s := node.answers()) and len(s["jobs"]) == 2 and s, timeout=5)
+    view = wait_until(lambda: (s := node.answers()) and len(s["jobs"]) == 2 and s, timeout=5, interval=0.005)
     readopted_after = time.monotonic() - started
     assert view, node.read_log()
     assert {j["name"] for j in view["jobs"]} == {"g", "o"}
     assert all(j["adopted"] for j in view["jobs"])
     o_view = node.job("o")
     assert (o_view["user_cap"], o_view["share"], o_view["share_pinned"]) == (64 * MiB, 0.3, True)
-    # Within 1 s of the new coordinator running (interpreter start-up excluded, measured here).
-    assert readopted_after < 3.0
+    # Within 1 s of launching the new coordinator, interpreter start-up included.
+    assert readopted_after < 1.0
     assert '"job re-adopted"' in node.read_log()
 
 
@@ -264,3 +264,21 @@ def test_cotenant_run_refuses_a_bad_cap_before_starting_the_child():
                          env=child_env(), capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
     assert "lots" in out.stderr
+
+
+def test_suspend_moves_all_memory_to_the_host_and_resume_brings_it_back(node):
+    node.start_coordinator()
+    node.start_job("opportunistic", "o", hold_mib=96)
+    assert wait_until(lambda: node.job("o")["device_bytes"] == 96 * MiB)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "cotenant.cli", *args, "--socket", node.socket],
+                              env=child_env(), capture_output=True, text=True, timeout=30)
+
+    assert cli("suspend", "o").returncode == 0
+    assert wait_until(lambda: node.job("o")["state"] == "suspended"), node.status()
+    o = node.job("o")
+    assert o["device_bytes"] == 0 and o["host_bytes"] == 96 * MiB
+    assert cli("resume", "o").returncode == 0
+    assert wait_until(lambda: node.job("o")["state"] == "running" and node.job("o")["device_bytes"] == 96 * MiB)
+    assert node.job("o")["host_bytes"] == 0

@@ -158,6 +158,14 @@ class Job:
     registered_at: float = field(default_factory=time.monotonic)
     adopted: bool = False
 
+    def warming_up(self, now: float, timeout_s: float) -> bool:
+        """True while the solo baseline is being measured. A guaranteed job that
+        reports no iterations at all within timeout_s (no optimizer hook) gets
+        no baseline, and opportunistic jobs are not held paused for it."""
+        if not self.baseline.warming_up:
+            return False
+        return self.report.get("iteration_count", 0) > 0 or now - self.registered_at < timeout_s
+
     def slowdown(self) -> Optional[float]:
         return policy.slowdown_of(self.report.get("iteration_ewma_us", 0.0), self.baseline)
 
@@ -247,6 +255,8 @@ class CoordinatorConfig:
     share_interval_s: float = 0.5
     history_interval_s: float = 0.25
     stale_heartbeat_s: float = 3.0
+    baseline_timeout_s: float = 30.0   # give up waiting for a guaranteed job's first iteration
+    history_max_bytes: int = 64 << 20  # the history file rotates to <name>.1 beyond this
     detect_gpus: bool = True
 
 
@@ -505,13 +515,12 @@ class Coordinator:
                 self._apply(job, cap=job.user_cap)
 
         # Compute shares, at a slower pace (a decision needs fresh iterations).
-        if now - self._last_share_decision >= self.config.share_interval_s or any(
-            j.baseline.warming_up for j in guaranteed
-        ):
+        warming_up = any(j.warming_up(now, self.config.baseline_timeout_s) for j in guaranteed)
+        if now - self._last_share_decision >= self.config.share_interval_s or warming_up:
             shares = policy.plan_shares(
                 {j.job_id: j.share for j in opportunistic},
                 [j.slowdown() for j in guaranteed],
-                any(j.baseline.warming_up for j in guaranteed),
+                warming_up,
                 bool(guaranteed),
                 pinned={j.job_id: j.pinned_share for j in opportunistic if j.pinned_share is not None},
                 admitted={j.job_id: j.admitted for j in opportunistic},
@@ -555,8 +564,14 @@ class Coordinator:
 
     def _write_history(self, record: Dict[str, Any]) -> None:
         self.history.append(record)
-        if self._history_file is not None:
-            self._history_file.write(json.dumps(record) + "\n")
+        if self._history_file is None:
+            return
+        self._history_file.write(json.dumps(record) + "\n")
+        if self._history_file.tell() > self.config.history_max_bytes:
+            path = paths.history_path(self.socket_path)
+            self._history_file.close()
+            os.replace(path, path + ".1")
+            self._history_file = open(path, "a", buffering=1)
 
     # --- the control plane -----------------------------------------------------
 
