@@ -1,0 +1,399 @@
+#include "gate_hooks.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/record_function.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#include <pybind11/pybind11.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "cotenant/errors.h"
+#include "cotenant/shm/gpu_block.h"
+#include "op_interceptor.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace cotenant::torch_ext {
+namespace {
+
+// Completion markers as CUDA events (timing disabled: the cheapest kind),
+// recorded on the gated device's current stream of the calling thread.
+// Events are pooled: creating one per op would cost more than the op's gate.
+// Callers serialize (the gate and the tracker call under their locks).
+class CudaEventWork final : public InFlightWork {
+ public:
+  explicit CudaEventWork(int device) : device_(device) {}
+  ~CudaEventWork() override {
+    // Process exit: the driver may already be gone; destroying is best effort.
+    for (cudaEvent_t event : free_) (void)cudaEventDestroy(event);
+    for (cudaEvent_t event : pending_) (void)cudaEventDestroy(event);
+  }
+
+  void record_marker() override {
+    const auto stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+    cudaEvent_t event = take_event();
+    if (event == nullptr) return;
+    if (cudaEventRecord(event, stream.stream()) != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky; keep the error out of torch's next check
+      free_.push_back(event);
+      return;
+    }
+    pending_.push_back(event);
+  }
+
+  // Retires the completed prefix. Markers of one thread's stream complete in
+  // order; across streams a completed marker behind a pending one is counted
+  // until that one completes (errs towards "busy").
+  std::size_t poll_in_flight() override {
+    while (!pending_.empty()) {
+      const cudaError_t state = cudaEventQuery(pending_.front());
+      if (state == cudaErrorNotReady) break;
+      if (state != cudaSuccess) (void)cudaGetLastError();  // a broken event counts as done
+      free_.push_back(pending_.front());
+      pending_.pop_front();
+    }
+    return pending_.size();
+  }
+
+ private:
+  cudaEvent_t take_event() {
+    if (!free_.empty()) {
+      cudaEvent_t event = free_.back();
+      free_.pop_back();
+      return event;
+    }
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return event;
+  }
+
+  int device_;
+  std::deque<cudaEvent_t> pending_;
+  std::vector<cudaEvent_t> free_;
+};
+
+// True while the gated device's current stream captures a CUDA graph:
+// capture launches nothing, and events recorded during it become graph nodes.
+bool capturing(int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const auto stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  if (cudaStreamIsCapturing(stream.stream(), &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Everything the gate holds in this process. Allocated once and never freed:
+// hooks on other threads may run until the process exits.
+struct ProcessGate {
+  GateActivation activation;
+  std::optional<shm::GpuPeerSegment> segment;
+  std::size_t opportunistic_slot = 0;
+  std::unique_ptr<shm::SegmentPeerState> peer;
+  std::unique_ptr<shm::SegmentGuaranteedSink> sink;
+  std::unique_ptr<CudaEventWork> work;
+  std::unique_ptr<LaunchGate> gate;                 // opportunistic
+  std::unique_ptr<BusyTracker> busy_tracker;        // guaranteed
+  std::unique_ptr<IterationTracker> iteration_tracker;  // guaranteed
+  int entry_hook_id = -1;
+  std::optional<at::CallbackHandle> exit_callback;
+  std::thread pulse;
+  std::atomic<bool> stopping{false};
+};
+
+std::mutex activation_mutex;
+ProcessGate* active = nullptr;                      // guarded by activation_mutex for writes
+std::atomic<ProcessGate*> active_for_hooks{nullptr};  // read lock-free by hooks
+std::atomic<double> requested_share{1.0};
+
+// Per thread: this thread's outermost op was admitted and awaits launched();
+// depth of ops seen by the exit callback; depth of explicit gate_enter().
+thread_local bool admitted_op = false;
+thread_local int exit_depth = 0;
+thread_local int explicit_depth = 0;
+
+void opportunistic_entry(const OpEntry& /*op*/, void* context) {
+  auto* state = static_cast<ProcessGate*>(context);
+  if (explicit_depth > 0 || admitted_op) return;  // inside admitted work
+  if (capturing(state->activation.device)) return;
+  state->gate->admit();
+  admitted_op = true;
+}
+
+void guaranteed_entry(const OpEntry& /*op*/, void* context) {
+  static_cast<ProcessGate*>(context)->busy_tracker->on_op_launched();
+}
+
+// The exit half for the opportunistic role: when a thread's outermost op
+// returns, its work is enqueued: record the marker. Installed before the
+// entry hook, so every admitted op is seen leaving.
+std::unique_ptr<at::ObserverContext> count_op_entry(const at::RecordFunction& /*fn*/) {
+  ++exit_depth;
+  return nullptr;
+}
+
+void launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+  if (exit_depth == 0) return;  // installed while this op ran
+  if (--exit_depth > 0 || !admitted_op) return;
+  admitted_op = false;
+  if (ProcessGate* state = active_for_hooks.load(std::memory_order_acquire)) state->gate->launched();
+}
+
+void pulse_loop(ProcessGate* state) {
+  using namespace std::chrono;
+  const bool guaranteed = state->activation.role == GateRole::kGuaranteed;
+  // The guaranteed job's busy flag is what opportunistic jobs wait on: fresh
+  // every 100 us. The opportunistic side only needs its idle time noticed.
+  const auto period = guaranteed ? microseconds(100) : microseconds(500);
+  auto last_beat = steady_clock::now() - seconds(1);
+  auto last_reclaim = steady_clock::now();
+  const std::uint64_t pid = static_cast<std::uint64_t>(::getpid());
+  while (!state->stopping.load(std::memory_order_acquire)) {
+    try {
+      if (guaranteed) {
+        state->busy_tracker->refresh();
+      } else {
+        state->gate->refresh();
+      }
+      const auto now = steady_clock::now();
+      if (now - last_beat >= milliseconds(100)) {
+        state->segment->heartbeat(pid);
+        if (!guaranteed) state->segment->report_gate(state->opportunistic_slot, state->gate->stats());
+        last_beat = now;
+      }
+      if (now - last_reclaim >= milliseconds(500)) {
+        state->segment->reclaim_crashed();  // a crashed guaranteed job must not stall us
+        if (!guaranteed) state->gate->notify();
+        last_reclaim = now;
+      }
+    } catch (const std::exception&) {
+      // A pulse must never take the process down; the next one retries.
+    }
+    std::this_thread::sleep_for(period);
+  }
+}
+
+}  // namespace
+
+GateRole parse_gate_role(const std::string& role) {
+  if (role.empty() || role == "none") return GateRole::kNone;
+  if (role == "guaranteed") return GateRole::kGuaranteed;
+  if (role == "opportunistic") return GateRole::kOpportunistic;
+  throw Error("unknown role '" + role + "'; use \"guaranteed\", \"opportunistic\" or none");
+}
+
+void activate_gate(const GateActivation& activation) {
+  std::lock_guard<std::mutex> lock(activation_mutex);
+  if (active != nullptr) {
+    if (active->activation.role == activation.role && active->activation.device == activation.device) return;
+    throw Error("the launch gate is already active in this process with another role or device; a process has "
+                "one role on one GPU");
+  }
+  if (activation.role == GateRole::kNone) return;
+
+  auto state = std::make_unique<ProcessGate>();
+  state->activation = activation;
+  const std::string name = activation.segment_name.empty()
+                               ? shm::GpuPeerSegment::default_name(static_cast<std::uint32_t>(activation.device),
+                                                                   ::getuid())
+                               : activation.segment_name;
+  shm::GpuPeerSegmentOptions options;
+  options.default_share = activation.default_share;
+  state->segment.emplace(shm::GpuPeerSegment::open(name, static_cast<std::uint32_t>(activation.device), options));
+  state->work = std::make_unique<CudaEventWork>(activation.device);
+  const auto pid = static_cast<std::uint64_t>(::getpid());
+
+  if (activation.role == GateRole::kOpportunistic) {
+    state->opportunistic_slot = state->segment->claim_opportunistic(pid);
+    state->peer = std::make_unique<shm::SegmentPeerState>(*state->segment, state->opportunistic_slot);
+    LaunchGateOptions gate_options;
+    gate_options.max_in_flight = activation.max_in_flight;
+    gate_options.share_window_ns = activation.share_window_ns;
+    gate_options.initial_share = requested_share.load();
+    state->gate = std::make_unique<LaunchGate>(MonotonicClock::instance(), *state->work, *state->peer, gate_options);
+  } else {
+    state->segment->claim_guaranteed(pid);
+    state->sink = std::make_unique<shm::SegmentGuaranteedSink>(*state->segment);
+    state->busy_tracker = std::make_unique<BusyTracker>(MonotonicClock::instance(), *state->work, *state->sink);
+    state->iteration_tracker = std::make_unique<IterationTracker>(MonotonicClock::instance(), *state->sink);
+  }
+
+  ProcessGate* raw = state.release();  // never freed: see ProcessGate
+  active = raw;
+  active_for_hooks.store(raw, std::memory_order_release);
+  if (activation.role == GateRole::kOpportunistic) {
+    raw->exit_callback = at::addGlobalCallback(at::RecordFunctionCallback(&count_op_entry, &launched_at_op_exit)
+                                                   .needsInputs(false)
+                                                   .needsOutputs(false)
+                                                   .needsIds(false)
+                                                   .scopes({at::RecordScope::FUNCTION}));
+    raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw);
+  } else {
+    raw->entry_hook_id = add_op_entry_hook(&guaranteed_entry, raw);
+  }
+  raw->pulse = std::thread(pulse_loop, raw);
+}
+
+void deactivate_gate() {
+  std::lock_guard<std::mutex> lock(activation_mutex);
+  if (active == nullptr) return;
+  ProcessGate* state = active;
+  if (state->entry_hook_id >= 0) remove_op_entry_hook(state->entry_hook_id);
+  state->stopping.store(true, std::memory_order_release);
+  if (state->pulse.joinable()) state->pulse.join();
+  const auto pid = static_cast<std::uint64_t>(::getpid());
+  if (state->activation.role == GateRole::kOpportunistic) {
+    // Ops admitted before the hook was removed still leave through the exit
+    // callback; keep it (and the state) for them.
+    state->gate->set_share(1.0);
+    state->segment->release_opportunistic(state->opportunistic_slot, pid);
+  } else {
+    state->segment->release_guaranteed(pid);
+  }
+  active = nullptr;
+  // active_for_hooks stays: a late launched() must find its gate.
+}
+
+GateRole active_gate_role() {
+  std::lock_guard<std::mutex> lock(activation_mutex);
+  return active == nullptr ? GateRole::kNone : active->activation.role;
+}
+
+LaunchGate* process_launch_gate() {
+  ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
+  return state == nullptr ? nullptr : state->gate.get();
+}
+
+void set_process_share(double share) {
+  requested_share.store(share);
+  if (LaunchGate* gate = process_launch_gate()) gate->set_share(share);
+}
+
+double process_share() {
+  if (LaunchGate* gate = process_launch_gate()) return gate->share();
+  return requested_share.load();
+}
+
+void gate_enter() {
+  if (explicit_depth++ > 0 || admitted_op) return;  // inside admitted work already
+  ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
+  if (state == nullptr || !state->gate || state->stopping.load(std::memory_order_acquire)) return;
+  state->gate->admit();
+}
+
+void gate_exit() {
+  if (explicit_depth == 0) return;
+  if (--explicit_depth > 0 || admitted_op) return;
+  ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
+  if (state == nullptr || !state->gate) return;
+  state->gate->launched();
+}
+
+void iteration_boundary() {
+  ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
+  if (state == nullptr || !state->iteration_tracker) return;
+  state->iteration_tracker->boundary();
+  state->busy_tracker->mark();  // the iteration's tail gets a marker at once
+}
+
+void iteration_begin() {
+  ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
+  if (state == nullptr || !state->iteration_tracker) return;
+  state->iteration_tracker->begin();
+}
+
+namespace {
+
+py::dict gate_stats_dict() {
+  py::dict d;
+  ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
+  GateRole role = active_gate_role();
+  d["role"] = role == GateRole::kGuaranteed ? "guaranteed" : role == GateRole::kOpportunistic ? "opportunistic" : "none";
+  d["share"] = process_share();
+  if (state == nullptr) return d;
+  d["segment"] = state->segment->name();
+  if (state->gate) {
+    const LaunchGateStats s = state->gate->stats();
+    d["admitted_ops"] = s.admitted_ops;
+    d["waits_closed"] = s.waits_closed;
+    d["waits_in_flight_bound"] = s.waits_in_flight_bound;
+    d["waits_paused"] = s.waits_paused;
+    d["waits_guaranteed_busy"] = s.waits_guaranteed_busy;
+    d["waits_share_spent"] = s.waits_share_spent;
+    d["waited_ns"] = s.waited_ns;
+    d["busy_ns_in_window"] = s.busy_ns_in_window;
+    d["in_flight"] = s.in_flight;
+    d["waiting"] = s.waiting;
+    d["effective_share"] = s.share;
+    d["closed"] = s.closed;
+    d["max_in_flight"] = state->gate->max_in_flight();
+  }
+  if (state->iteration_tracker) {
+    const IterationStats it = state->iteration_tracker->stats();
+    d["iterations"] = it.iterations;
+    d["iteration_last_ns"] = it.last_ns;
+    d["iteration_ewma_ns"] = it.ewma_ns;
+    d["iteration_p99_ns"] = it.p99_ns;
+    d["busy_markers_recorded"] = state->busy_tracker->markers_recorded();
+  }
+  return d;
+}
+
+}  // namespace
+
+COTENANT_TORCH_BINDINGS(launch_gate) {
+  m.def("gate_activate",
+        [](const std::string& role, int device, const std::string& segment_name, std::size_t max_in_flight,
+           double share_window_s, double default_share) {
+          GateActivation activation;
+          activation.role = parse_gate_role(role);
+          activation.device = device;
+          activation.segment_name = segment_name;
+          activation.max_in_flight = max_in_flight;
+          activation.share_window_ns = static_cast<Nanoseconds>(share_window_s * 1e9);
+          activation.default_share = default_share;
+          activate_gate(activation);
+        },
+        py::arg("role"), py::arg("device"), py::arg("segment_name") = "", py::arg("max_in_flight") = 2,
+        py::arg("share_window_s") = 0.05, py::arg("default_share") = 1.0,
+        "Activates the launch gate for this process in the given role on the given GPU.");
+  m.def("gate_deactivate", [] {
+    py::gil_scoped_release release;
+    deactivate_gate();
+  });
+  m.def("gate_set_share", [](double share) { set_process_share(share); }, py::arg("share"));
+  m.def("gate_share", [] { return process_share(); });
+  m.def("gate_set_max_in_flight", [](std::size_t k) {
+    if (LaunchGate* gate = process_launch_gate()) gate->set_max_in_flight(k);
+  }, py::arg("k"));
+  m.def("gate_enter", [] { gate_enter(); }, py::call_guard<py::gil_scoped_release>(),
+        "Admits hand-launched work as one op (blocks without the GIL).");
+  m.def("gate_exit", [] { gate_exit(); }, "The admitted work is enqueued: records its completion marker.");
+  m.def("gate_close", [] {
+    if (LaunchGate* gate = process_launch_gate()) gate->close();
+  }, py::call_guard<py::gil_scoped_release>(),
+     "Stops every thread at its next op and waits until in-flight work drained (suspend).");
+  m.def("gate_reopen", [] {
+    if (LaunchGate* gate = process_launch_gate()) gate->reopen();
+  });
+  m.def("gate_stats", &gate_stats_dict);
+  m.def("iteration_boundary", [] { iteration_boundary(); });
+  m.def("iteration_begin", [] { iteration_begin(); });
+}
+
+}  // namespace cotenant::torch_ext
