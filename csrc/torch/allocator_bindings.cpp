@@ -35,7 +35,7 @@ void safe_point_at_op_entry(const OpEntry& /*op*/, void* context) {
   auto* allocator = static_cast<CotenantCudaAllocator*>(context);
   if (!allocator->has_pending_migrations()) return;
   try {
-    allocator->run_safe_point();
+    allocator->run_safe_point_at_op_entry();
   } catch (const std::exception&) {
     // A failed move leaves the page where it was and stays pending; the
     // next safe point retries. Hooks must not throw into ATen.

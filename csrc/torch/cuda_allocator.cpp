@@ -22,9 +22,16 @@ namespace {
 
 constexpr c10::MempoolId_t kDefaultPool{0, 0};
 
-// How long a safe point waits for other threads' ops to finish before it
-// gives up until the next one (microseconds).
-constexpr std::chrono::microseconds kSafePointDrainTimeout{100'000};
+// At op entry: how long a safe point waits for other threads' ops to finish,
+// and how long it then leaves the job alone after it gave up.
+constexpr std::chrono::microseconds kOpEntryDrainTimeout{5'000};
+constexpr std::chrono::nanoseconds kOpEntryRetryBackoff{std::chrono::milliseconds(20)};
+
+std::int64_t steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 void delete_with_cotenant(void* ptr) { CotenantCudaAllocator::instance().raw_delete(ptr); }
 
@@ -190,7 +197,16 @@ bool CotenantCudaAllocator::has_pending_migrations() const {
   return false;
 }
 
-std::size_t CotenantCudaAllocator::run_safe_point() {
+void CotenantCudaAllocator::run_safe_point_at_op_entry() {
+  const std::int64_t now = steady_now_ns();
+  if (now < next_op_entry_attempt_ns_.load(std::memory_order_relaxed)) return;
+  run_safe_point(kOpEntryDrainTimeout);
+  if (has_pending_migrations()) {
+    next_op_entry_attempt_ns_.store(now + kOpEntryRetryBackoff.count(), std::memory_order_relaxed);
+  }
+}
+
+std::size_t CotenantCudaAllocator::run_safe_point(std::chrono::microseconds drain_timeout) {
   std::unique_lock<std::mutex> one_at_a_time(safe_point_mutex_, std::try_to_lock);
   if (!one_at_a_time.owns_lock()) return 0;  // another thread is moving pages right now
   if (!has_pending_migrations()) return 0;
@@ -201,7 +217,7 @@ std::size_t CotenantCudaAllocator::run_safe_point() {
     DeviceAllocators* state = existing(static_cast<c10::DeviceIndex>(d));
     if (state != nullptr && state->capturing.load(std::memory_order_acquire)) return 0;
   }
-  LaunchPause pause(kSafePointDrainTimeout);
+  LaunchPause pause(drain_timeout);
   if (!pause) return 0;
   std::size_t moved = 0;
   for (int d = 0; d < count; ++d) {

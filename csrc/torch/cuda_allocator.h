@@ -23,6 +23,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -86,8 +87,15 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // Pauses launches, synchronizes and applies pending page moves on every
   // device. Skips (returns 0) during CUDA graph capture, when another thread
   // is already doing it, or when other threads' ops did not drain in time.
-  // Returns the bytes moved.
-  std::size_t run_safe_point();
+  // Returns the bytes moved. `drain_timeout` bounds the wait for other
+  // threads' running ops.
+  std::size_t run_safe_point(std::chrono::microseconds drain_timeout = std::chrono::milliseconds(100));
+
+  // The safe point as the op-entry hook runs it: the same, with a short
+  // drain timeout, and after a failed attempt no retry for a while, so ops
+  // do not each pay a timeout when another thread cannot finish its op
+  // (e.g. it waits for the GIL this thread holds).
+  void run_safe_point_at_op_entry();
 
   // ---- c10::Allocator ------------------------------------------------------
   c10::DataPtr allocate(size_t nbytes) override;
@@ -176,6 +184,8 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   std::vector<c10_alloc::AllocatorTraceTracker> trace_trackers_;
 
   std::mutex safe_point_mutex_;
+  // steady_clock nanoseconds before which the op-entry safe point does not retry.
+  std::atomic<std::int64_t> next_op_entry_attempt_ns_{0};
 };
 
 }  // namespace cotenant::torch_ext
