@@ -1,0 +1,318 @@
+"""The launch gate: an opportunistic job computes only in the guaranteed job's idle slots.
+
+    import cotenant
+    cotenant.enable(role="opportunistic")   # or "guaranteed"; None: no gate
+
+    with cotenant.gate():                    # hand-launched kernels (Triton, raw CUDA)
+        my_triton_kernel[grid](...)
+
+    with cotenant.iteration():               # guaranteed side, loops without optimizer.step()
+        model(batch)
+
+    cotenant.gate.set_share(0.5)             # this process's duty-cycle share; 0 pauses
+
+Roles (set by enable(role=...) or `cotenant run --guaranteed/--opportunistic`):
+
+- opportunistic: every ATen op, on every thread, waits at op entry until
+  fewer than k of its ops are in flight, the guaranteed job on the same GPU
+  is idle, and its share allows it. Its current stream is a lowest-priority
+  CUDA stream. CUDA graph replays are gated as one op.
+- guaranteed: a cheap tracker publishes whether its GPU work is busy and its
+  iteration times (from optimizer.step(), or `with cotenant.iteration():`).
+
+The two find each other through a per-GPU shared-memory segment, so
+enable(role=...) in both is enough; a coordinator, when one runs, sets the
+share. This module is itself callable: `cotenant.gate()` is the explicit gate.
+
+Environment (read at activation): COTENANT_GATE_MAX_IN_FLIGHT (k, default 2),
+COTENANT_GATE_WINDOW_MS (the share's window, default 50), COTENANT_SHARE (the
+share a newly registered opportunistic job gets when no coordinator sets one,
+default 1), COTENANT_GPU_SEGMENT (the segment's name, default
+/cotenant-gpu<index>-<uid>).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import types
+from typing import Any, Dict, Optional
+
+__all__ = ["gate", "iteration", "set_share", "share", "role", "stats", "suspend", "resume",
+           "parse_share"]
+
+ROLES = ("guaranteed", "opportunistic")
+DEFAULT_MAX_IN_FLIGHT = 2
+DEFAULT_WINDOW_MS = 50.0
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.role: Optional[str] = None
+        self.device: Optional[int] = None
+        self.share = 1.0  # what set_share() asked for, applied at activation too
+        self.optimizer_hook: Any = None
+        self.original_replay: Any = None
+        self.stream: Any = None
+
+
+_state = _State()
+
+
+# ---- parsing (no torch) -------------------------------------------------------------
+
+
+def parse_share(value: Any) -> float:
+    """A share is a number in [0, 1]: the fraction of GPU-busy time the job may use."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"a share must be a number between 0 and 1, not {value!r}")
+    try:
+        share = float(value)
+    except ValueError:
+        raise ValueError(f"a share must be a number between 0 and 1, not {value!r}") from None
+    if not 0.0 <= share <= 1.0:  # also refuses NaN
+        raise ValueError(f"a share must be between 0 (paused) and 1 (no limit), got {share}; "
+                         f"use 0.5 for half of the GPU time")
+    return share
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a whole number") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def _env_float(name: str, default: float, minimum: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value >= minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def activation_settings(environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The gate's settings from the environment (see the module docstring)."""
+    saved = None
+    if environ is not None:
+        saved, os.environ = os.environ, environ  # type: ignore[assignment]
+    try:
+        default_share = os.environ.get("COTENANT_SHARE", "").strip()
+        return {
+            "max_in_flight": _env_int("COTENANT_GATE_MAX_IN_FLIGHT", DEFAULT_MAX_IN_FLIGHT, 1),
+            "share_window_s": _env_float("COTENANT_GATE_WINDOW_MS", DEFAULT_WINDOW_MS, 1.0) / 1000.0,
+            "default_share": parse_share(default_share) if default_share else 1.0,
+            "segment_name": os.environ.get("COTENANT_GPU_SEGMENT", "").strip(),
+        }
+    finally:
+        if saved is not None:
+            os.environ = saved  # type: ignore[assignment]
+
+
+def _extension():
+    from cotenant import _C  # noqa: PLC0415 (torch is imported only when a role is active)
+
+    return _C
+
+
+# ---- activation (called by cotenant.enable) ------------------------------------------
+
+
+def _activate(role: Optional[str], device: int) -> None:
+    """Turns the gate on for this process: `enable(role=...)` calls this after
+    installing the allocator. role: "guaranteed", "opportunistic" or None."""
+    if role is None:
+        return
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; use \"guaranteed\" or \"opportunistic\"")
+    settings = activation_settings()
+    import torch
+
+    _C = _extension()
+    with _state.lock:
+        if _state.role is not None:
+            if (_state.role, _state.device) != (role, device):
+                raise RuntimeError(f"the launch gate is already active as {_state.role} on "
+                                   f"cuda:{_state.device}; a process has one role on one GPU")
+            return
+        _C.gate_set_share(_state.share)
+        _C.gate_activate(role, device, settings["segment_name"], settings["max_in_flight"],
+                         settings["share_window_s"], settings["default_share"])
+        _state.role, _state.device = role, device
+        if role == "opportunistic":
+            _use_lowest_priority_stream(torch, device)
+            _gate_graph_replays(torch)
+        else:
+            _state.optimizer_hook = torch.optim.Optimizer.register_optimizer_step_post_hook(
+                lambda optimizer, args, kwargs: _C.iteration_boundary())
+
+
+def _deactivate() -> None:
+    """Turns the gate off (the process leaves the per-GPU segment)."""
+    with _state.lock:
+        if _state.role is None:
+            return
+        _C = _extension()
+        if _state.optimizer_hook is not None:
+            _state.optimizer_hook.remove()
+            _state.optimizer_hook = None
+        if _state.original_replay is not None:
+            import torch
+
+            torch.cuda.CUDAGraph.replay = _state.original_replay
+            _state.original_replay = None
+        _C.gate_deactivate()
+        _state.role = _state.device = None
+
+
+def _use_lowest_priority_stream(torch, device: int) -> None:
+    # CUDA priorities: lower numbers are higher priority; the least priority
+    # is the top of the range. Current streams are per thread: this sets the
+    # activating thread's (autograd's backward threads follow the forward's
+    # streams); other threads that launch work can call use_low_priority_stream().
+    with torch.cuda.device(device):
+        least, _greatest = torch.cuda.Stream.priority_range()  # (least, greatest), e.g. (0, -5)
+        _state.stream = torch.cuda.Stream(device=device, priority=int(least))
+    torch.cuda.set_stream(_state.stream)
+
+
+def use_low_priority_stream() -> None:
+    """Makes the opportunistic job's lowest-priority stream current on the calling thread."""
+    if _state.stream is not None:
+        import torch
+
+        torch.cuda.set_stream(_state.stream)
+
+
+def _gate_graph_replays(torch) -> None:
+    """A CUDA graph replay launches all its kernels at once, outside ATen: gate it as one op."""
+    original = torch.cuda.CUDAGraph.replay
+    _state.original_replay = original
+    _C = _extension()
+
+    def replay(self):
+        _C.gate_enter()
+        try:
+            return original(self)
+        finally:
+            _C.gate_exit()
+
+    replay.__doc__ = original.__doc__
+    torch.cuda.CUDAGraph.replay = replay
+
+
+# ---- the API --------------------------------------------------------------------------
+
+
+class _GateContext:
+    """`with cotenant.gate():` admits the work inside as one op of the opportunistic
+    job (kernels the op hook cannot see: Triton launches, raw CUDA, graph replays).
+    Outside an opportunistic process it does nothing. Usable as a decorator."""
+
+    def __enter__(self) -> "_GateContext":
+        if _state.role == "opportunistic":
+            _extension().gate_enter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if _state.role == "opportunistic":
+            _extension().gate_exit()
+
+    def __call__(self, function):
+        import functools
+
+        @functools.wraps(function)
+        def gated(*args, **kwargs):
+            with _GateContext():
+                return function(*args, **kwargs)
+
+        return gated
+
+
+class _IterationContext:
+    """`with cotenant.iteration():` marks one iteration of a guaranteed job whose loop
+    has no optimizer.step() (inference, custom loops); the time between
+    iterations is not counted. Outside a guaranteed process it does nothing."""
+
+    def __enter__(self) -> "_IterationContext":
+        if _state.role == "guaranteed":
+            _extension().iteration_begin()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if _state.role == "guaranteed":
+            _extension().iteration_boundary()
+
+
+def gate() -> _GateContext:
+    """The explicit gate: `with cotenant.gate(): launch_by_hand(...)`."""
+    return _GateContext()
+
+
+def iteration() -> _IterationContext:
+    return _IterationContext()
+
+
+def set_share(value: Any) -> float:
+    """Sets this process's compute share in [0, 1]: the fraction of GPU-busy time
+    it may use over a short window. 0 pauses it at its next op; raising it
+    resumes. A coordinator's share, when one runs, caps this one. Any thread."""
+    value = parse_share(value)
+    _state.share = value
+    if _state.role is not None:
+        _extension().gate_set_share(value)
+    return value
+
+
+def share() -> float:
+    """The share set for this process (before the coordinator's cap)."""
+    if _state.role is not None:
+        return float(_extension().gate_share())
+    return _state.share
+
+
+def role() -> Optional[str]:
+    return _state.role
+
+
+def stats() -> Dict[str, Any]:
+    """The gate's counters: admitted ops, waits by reason, busy time in the window
+    (opportunistic); iteration times (guaranteed)."""
+    if _state.role is None:
+        return {"role": None, "share": _state.share}
+    return dict(_extension().gate_stats())
+
+
+def suspend() -> None:
+    """Stops every thread of this opportunistic process at its next op and returns
+    once its in-flight GPU work has drained (the safe point for suspend)."""
+    if _state.role == "opportunistic":
+        _extension().gate_close()
+
+
+def resume() -> None:
+    if _state.role == "opportunistic":
+        _extension().gate_reopen()
+
+
+class _CallableModule(types.ModuleType):
+    """Lets `cotenant.gate()` be the explicit gate while `cotenant.gate` stays this module."""
+
+    def __call__(self) -> _GateContext:
+        return _GateContext()
+
+
+sys.modules[__name__].__class__ = _CallableModule

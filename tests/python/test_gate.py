@@ -1,0 +1,347 @@
+"""The launch gate on the CPU: its logic through cotenant._core with a manual
+clock and manual completion markers, the per-GPU segment across real
+processes (a crashed peer, a stale segment), and the Python API's parts that
+need no GPU."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+core = pytest.importorskip("cotenant._core", reason="cotenant._core is not built (cmake -DCOTENANT_BUILD_PYTHON=ON)")
+
+import cotenant.gate as gate_module  # noqa: E402
+
+MS = 1_000_000
+
+
+@pytest.fixture
+def segment_name(request):
+    name = f"/cotenant-test-gate-{os.getpid()}-{request.node.name[:60]}"
+    name = "".join(c if c.isalnum() or c in "/-_." else "-" for c in name)
+    core.GpuPeerSegment.remove(name)
+    yield name
+    core.GpuPeerSegment.remove(name)
+
+
+def eventually(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.002)
+    return condition()
+
+
+# ---- the gate's logic -------------------------------------------------------------------
+
+
+def make_gate(**options):
+    clock, work, peer = core.ManualClock(), core.ManualInFlightWork(), core.ManualPeerState()
+    gate = core.LaunchGate(clock=clock, work=work, peer=peer, **options)
+    return gate, clock, work, peer
+
+
+def test_admission_only_while_the_guaranteed_job_is_idle():
+    gate, clock, work, peer = make_gate()
+    peer.busy = True
+    assert not gate.try_admit()
+    entered = threading.Event()
+
+    def op():
+        gate.admit()  # releases the GIL while it waits
+        entered.set()
+        gate.launched()
+
+    thread = threading.Thread(target=op)
+    thread.start()
+    assert eventually(lambda: gate.stats()["waiting"] == 1)
+    assert not entered.wait(0.02)
+    peer.busy = False
+    thread.join(5)
+    assert entered.is_set()
+    assert gate.stats()["waits_guaranteed_busy"] == 1
+    assert work.recorded == 1
+
+
+def test_in_flight_bound_counts_launching_and_pending_ops():
+    gate, clock, work, peer = make_gate(max_in_flight=2)
+    assert gate.try_admit()
+    gate.launched()
+    assert gate.try_admit()
+    assert not gate.try_admit()
+    gate.launched()
+    assert not gate.try_admit()
+    assert work.complete(1) == 1
+    assert gate.try_admit()
+    gate.abandoned()
+    assert gate.stats()["in_flight"] == 1
+
+
+def test_share_is_a_duty_cycle_over_the_window():
+    gate, clock, work, peer = make_gate(share_window_ns=100 * MS, initial_share=0.25, max_in_flight=1)
+    admitted = 0
+    for _ in range(1000):  # 1 s of 1 ms ops offered back to back
+        if gate.try_admit():
+            gate.launched()
+            admitted += 1
+        clock.advance(MS)
+        work.complete()
+        gate.refresh()
+    assert admitted == pytest.approx(250, abs=30)
+
+
+def test_share_zero_pauses_at_the_next_op_and_raising_it_resumes():
+    gate, clock, work, peer = make_gate()
+    gate.set_share(0.0)
+    done = []
+    threads = [threading.Thread(target=lambda: (gate.admit(), done.append(1), gate.abandoned())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    assert eventually(lambda: gate.stats()["waiting"] == 4)
+    assert gate.stats()["waits_paused"] == 4
+    assert done == []
+    gate.set_share(0.5)
+    for t in threads:
+        t.join(5)
+    assert len(done) == 4
+
+
+def test_many_threads_share_the_bound():
+    gate, clock, work, peer = make_gate(max_in_flight=2)
+    stop = threading.Event()
+
+    def gpu():
+        while not stop.is_set():
+            work.complete(1)
+            time.sleep(0.0002)
+
+    completer = threading.Thread(target=gpu)
+    completer.start()
+    worst = []
+
+    def ops():
+        for _ in range(100):
+            gate.admit()
+            worst.append(gate.stats()["in_flight"])
+            gate.launched()
+
+    workers = [threading.Thread(target=ops) for _ in range(6)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(30)
+    stop.set()
+    completer.join()
+    assert gate.stats()["admitted_ops"] == 600
+    assert max(worst) <= 2
+
+
+def test_close_drains_in_flight_work_and_blocks_until_reopen():
+    gate, clock, work, peer = make_gate(max_in_flight=4)
+    assert gate.try_admit()
+    gate.launched()
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (gate.close(), closed.set()))
+    closer.start()
+    assert eventually(lambda: gate.closed)
+    assert not closed.wait(0.02)  # a marker is still pending
+    work.complete()
+    closer.join(5)
+    assert closed.is_set()
+    assert not gate.try_admit()
+    gate.reopen()
+    assert gate.try_admit()
+
+
+# ---- the segment across processes ----------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys
+    from cotenant import _core as core
+    name = sys.argv[1]
+    segment = core.GpuPeerSegment.open(name, 0)
+    segment.claim_guaranteed()
+    tracker = core.IterationTracker(segment)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "busy":
+            segment.publish_activity(True, 3)
+        elif command == "idle":
+            segment.publish_activity(False, 0)
+        elif command == "iterate":
+            tracker.begin(); tracker.boundary()
+        elif command == "exit":
+            segment.release_guaranteed()
+            print("bye", flush=True)
+            break
+        segment.heartbeat()
+        print("ok", flush=True)
+""")
+
+
+class GuaranteedChild:
+    def __init__(self, name):
+        self.process = subprocess.Popen([sys.executable, "-c", CHILD, name], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+        assert self.process.stdout.readline().strip() == "ready"
+
+    def send(self, command):
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def kill(self):
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(5)
+
+
+def test_opportunistic_gate_follows_a_guaranteed_job_in_another_process(segment_name):
+    child = GuaranteedChild(segment_name)
+    try:
+        segment = core.GpuPeerSegment.open(segment_name, 0)
+        slot = segment.claim_opportunistic()
+        gate = core.LaunchGate(peer=core.SegmentPeerState(segment, slot))
+        view = segment.view()
+        assert view["guaranteed"]["pid"] == child.process.pid
+        assert view["guaranteed"]["live"]
+
+        assert child.send("busy") == "ok"
+        assert segment.guaranteed_busy()
+        assert not gate.try_admit()
+        assert child.send("idle") == "ok"
+        assert gate.try_admit()
+        gate.launched()
+
+        assert child.send("iterate") == "ok"
+        assert segment.guaranteed_iterations()["iterations"] == 1
+
+        segment.set_share(slot, 0.0)  # as a coordinator would
+        work_done = core.ManualInFlightWork()
+        assert not core.LaunchGate(work=work_done, peer=core.SegmentPeerState(segment, slot)).try_admit()
+        assert child.send("exit") == "bye"
+        assert segment.view()["guaranteed"]["pid"] == 0
+    finally:
+        if child.process.poll() is None:
+            child.kill()
+
+
+def test_a_guaranteed_job_killed_with_sigkill_stops_blocking_the_gate(segment_name):
+    child = GuaranteedChild(segment_name)
+    segment = core.GpuPeerSegment.open(segment_name, 0)
+    gate = core.LaunchGate(peer=core.SegmentPeerState(segment, segment.claim_opportunistic()))
+    assert child.send("busy") == "ok"
+    assert not gate.try_admit()
+    child.kill()
+    assert not segment.view()["guaranteed"]["live"]
+    assert segment.reclaim_crashed() == 1
+    assert gate.try_admit()
+    segment.claim_guaranteed()  # the slot is free for a new guaranteed job
+    assert segment.view()["guaranteed"]["pid"] == os.getpid()
+
+
+def test_a_segment_left_with_foreign_bytes_is_reinitialised(segment_name):
+    path = "/dev/shm" + segment_name
+    with open(path, "wb") as f:
+        f.write(b"left over by something else" * 3)
+    segment = core.GpuPeerSegment.open(segment_name, 0)
+    assert segment.opening == "reinitialised"
+    assert segment.view()["guaranteed"]["pid"] == 0
+    assert os.path.getsize(path) >= core.GPU_BLOCK_BYTES
+    again = core.GpuPeerSegment.open(segment_name, 0)
+    assert again.opening == "attached"
+
+
+def test_a_segment_of_an_earlier_run_frees_the_slots_of_its_dead_jobs(segment_name):
+    child = GuaranteedChild(segment_name)
+    pid = child.process.pid
+    child.kill()
+    fresh = core.GpuPeerSegment.open(segment_name, 0)
+    assert fresh.opening == "attached"
+    assert fresh.view()["guaranteed"]["pid"] == 0, f"the slot of dead pid {pid} was not reclaimed"
+
+
+def test_concurrent_openers_all_attach_to_one_segment(segment_name):
+    script = textwrap.dedent("""
+        import sys
+        from cotenant import _core as core
+        s = core.GpuPeerSegment.open(sys.argv[1], 0)
+        print(s.opening, s.view()["generation"])
+    """)
+    processes = [subprocess.Popen([sys.executable, "-c", script, segment_name], stdout=subprocess.PIPE, text=True)
+                 for _ in range(6)]
+    results = [p.communicate(timeout=30)[0].split() for p in processes]
+    openings = sorted(r[0] for r in results)
+    assert openings.count("created") == 1
+    assert openings.count("attached") == 5
+    assert len({r[1] for r in results}) == 1  # nobody re-initialised under another
+
+
+def test_layout_comes_from_the_c_header():
+    layout = core.gpu_block_layout()
+    names = [name for name, _, _ in layout]
+    assert "guaranteed.busy" in names and "opportunistic[0].share_bits" in names
+    assert len({offset for _, offset, _ in layout}) == len(layout)
+    assert max(offset + size for _, offset, size in layout) == core.GPU_BLOCK_BYTES
+
+
+# ---- the Python API without a GPU -----------------------------------------------------------
+
+
+def test_shares_are_numbers_between_zero_and_one():
+    assert gate_module.parse_share("0.25") == 0.25
+    assert gate_module.parse_share(1) == 1.0
+    for bad in (-0.1, 1.5, float("nan"), "half"):
+        with pytest.raises(ValueError, match="between 0"):
+            gate_module.parse_share(bad)
+    with pytest.raises(TypeError):
+        gate_module.parse_share(True)
+
+
+def test_activation_settings_come_from_the_environment():
+    settings = gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "3",
+                                                "COTENANT_GATE_WINDOW_MS": "20",
+                                                "COTENANT_SHARE": "0.5"})
+    assert settings == {"max_in_flight": 3, "share_window_s": 0.02, "default_share": 0.5, "segment_name": ""}
+    with pytest.raises(ValueError, match="COTENANT_GATE_MAX_IN_FLIGHT"):
+        gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "0"})
+
+
+def test_gate_and_iteration_do_nothing_without_a_role():
+    import cotenant
+
+    assert gate_module.role() is None
+    with cotenant.gate.gate():
+        pass
+    with gate_module.iteration():
+        pass
+
+    @gate_module.gate()
+    def work(x):
+        return x + 1
+
+    assert work(1) == 2
+
+
+def test_the_gate_module_is_itself_the_explicit_gate():
+    import cotenant
+
+    assert cotenant.gate is gate_module
+    with cotenant.gate():
+        pass
+    assert callable(cotenant.gate._activate)
+
+
+def test_set_share_before_activation_is_kept_for_it():
+    try:
+        assert gate_module.set_share(0.3) == 0.3
+        assert gate_module.share() == 0.3
+        assert gate_module.stats() == {"role": None, "share": 0.3}
+    finally:
+        gate_module.set_share(1.0)
