@@ -14,7 +14,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
 source scripts/setup_env.sh
 
 step "pip install --no-build-isolation ."
-"$PYTHON" -m pip install --no-build-isolation --no-deps .
+"$PYTHON" -m pip install --no-build-isolation .
 
 TRACES=(benchmarks/traces/*.jsonl.gz)
 step "cotenant-replay, no cap"

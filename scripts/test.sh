@@ -60,7 +60,7 @@ RUN_PREFIX=()
 
 # ---- 4. the Python package ----------------------------------------------------------------
 step "pip install --no-build-isolation ."
-"$PYTHON" -m pip install --no-build-isolation --no-deps .
+"$PYTHON" -m pip install --no-build-isolation .
 
 # ---- 5. Python tests ----------------------------------------------------------------------
 step "pytest tests/python"
