@@ -88,11 +88,16 @@ class CudaEventWork final : public InFlightWork {
 
 // True while the gated device's current stream captures a CUDA graph:
 // capture launches nothing, and events recorded during it become graph nodes.
+// Without a usable device (CPU-only tests of the hooks) nothing captures.
 bool capturing(int device) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const auto stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
-  if (cudaStreamIsCapturing(stream.stream(), &status) != cudaSuccess) {
-    (void)cudaGetLastError();
+  try {
+    const auto stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+    if (cudaStreamIsCapturing(stream.stream(), &status) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+  } catch (const std::exception&) {
     return false;
   }
   return status != cudaStreamCaptureStatusNone;
@@ -127,16 +132,23 @@ thread_local bool admitted_op = false;
 thread_local int exit_depth = 0;
 thread_local int explicit_depth = 0;
 
+// Hooks must not throw into ATen: a failure to gate lets the op through.
 void opportunistic_entry(const OpEntry& /*op*/, void* context) {
   auto* state = static_cast<ProcessGate*>(context);
   if (explicit_depth > 0 || admitted_op) return;  // inside admitted work
-  if (capturing(state->activation.device)) return;
-  state->gate->admit();
-  admitted_op = true;
+  try {
+    if (capturing(state->activation.device)) return;
+    state->gate->admit();
+    admitted_op = true;
+  } catch (const std::exception&) {
+  }
 }
 
 void guaranteed_entry(const OpEntry& /*op*/, void* context) {
-  static_cast<ProcessGate*>(context)->busy_tracker->on_op_launched();
+  try {
+    static_cast<ProcessGate*>(context)->busy_tracker->on_op_launched();
+  } catch (const std::exception&) {
+  }
 }
 
 // The exit half for the opportunistic role: when a thread's outermost op
@@ -151,7 +163,10 @@ void launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* 
   if (exit_depth == 0) return;  // installed while this op ran
   if (--exit_depth > 0 || !admitted_op) return;
   admitted_op = false;
-  if (ProcessGate* state = active_for_hooks.load(std::memory_order_acquire)) state->gate->launched();
+  try {
+    if (ProcessGate* state = active_for_hooks.load(std::memory_order_acquire)) state->gate->launched();
+  } catch (const std::exception&) {
+  }
 }
 
 void pulse_loop(ProcessGate* state) {
@@ -308,7 +323,11 @@ void iteration_boundary() {
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   if (state == nullptr || !state->iteration_tracker) return;
   state->iteration_tracker->boundary();
-  state->busy_tracker->mark();  // the iteration's tail gets a marker at once
+  try {
+    state->busy_tracker->mark();  // the iteration's tail gets a marker at once
+  } catch (const std::exception&) {
+    // No marker (no usable device): the unmarked-tail grace covers the tail.
+  }
 }
 
 void iteration_begin() {

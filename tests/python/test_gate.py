@@ -345,3 +345,58 @@ def test_set_share_before_activation_is_kept_for_it():
         assert gate_module.stats() == {"role": None, "share": 0.3}
     finally:
         gate_module.set_share(1.0)
+
+
+def test_the_torch_extension_exposes_the_gate_without_a_gpu():
+    _C = pytest.importorskip("cotenant._C", reason="the torch extension cotenant._C is not built")
+    for name in ("gate_activate", "gate_deactivate", "gate_set_share", "gate_enter", "gate_exit",
+                 "gate_close", "gate_reopen", "gate_stats", "iteration_boundary", "iteration_begin"):
+        assert hasattr(_C, name), name
+    assert _C.gate_stats()["role"] == "none"
+    _C.gate_set_share(0.4)  # before activation: kept for it
+    assert _C.gate_share() == pytest.approx(0.4)
+    _C.gate_set_share(1.0)
+    _C.gate_enter()  # no gate active: does nothing, never blocks
+    _C.gate_exit()
+    with pytest.raises(Exception, match="unknown role"):
+        _C.gate_activate("bystander", 0)
+
+
+HOOKS_ON_CPU = textwrap.dedent("""
+    import sys, threading, time
+    import torch
+    from cotenant import _C
+    role, segment = sys.argv[1], sys.argv[2]
+    _C.gate_activate(role, 0, segment)
+    x = torch.ones(4)
+    for _ in range(20):
+        x = x + 1
+    stats = _C.gate_stats()
+    if role == "guaranteed":
+        for _ in range(3):
+            _C.iteration_boundary()
+        print(_C.gate_stats()["iterations"])
+        sys.exit(0)
+    assert stats["admitted_ops"] >= 20, stats
+    _C.gate_set_share(0.0)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (torch.ones(2) + 1, done.set()))
+    worker.start()
+    time.sleep(0.3)
+    assert not done.is_set(), "share 0 did not stop the op"
+    assert _C.gate_stats()["waiting"] == 1
+    _C.gate_set_share(1.0)
+    worker.join(10)
+    assert done.is_set(), "raising the share did not resume the op"
+    _C.gate_deactivate()
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("role", ["opportunistic", "guaranteed"])
+def test_op_hooks_gate_real_torch_ops_on_the_cpu(role, segment_name):
+    pytest.importorskip("cotenant._C", reason="the torch extension cotenant._C is not built")
+    out = subprocess.run([sys.executable, "-c", HOOKS_ON_CPU, role, segment_name], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == ("ok" if role == "opportunistic" else "2")
