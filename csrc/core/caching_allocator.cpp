@@ -175,19 +175,54 @@ struct CachingAllocator::State {
     return backend.create_page(Residency::kHost);
   }
 
+  // Before mapping `new_bytes` for a block of `block_bytes`: if reserved
+  // bytes would outgrow live bytes by more than the slack, release cached
+  // pages (host ones first, then the coldest device ones) to make up the
+  // difference. One scan per growing allocation; none in steady state.
+  void reclaim_cache_for_growth(std::size_t new_bytes, std::size_t block_bytes) {
+    if (options.growth_slack < 0 || cached_bytes[0] + cached_bytes[1] == 0) return;
+    const double allowed =
+        static_cast<double>(stats.allocated_bytes.all.current + static_cast<std::int64_t>(block_bytes)) *
+        (1.0 + options.growth_slack);
+    double excess = static_cast<double>(stats.reserved_bytes.all.current) + static_cast<double>(new_bytes) - allowed;
+    if (excess <= 0) return;
+    struct Cached { std::uint64_t order; Segment* segment; std::size_t index; };
+    std::vector<Cached> cached;
+    for (auto& [base, segment] : segments) {
+      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+        const Page& page = segment->pages[i];
+        if (!page.handle || page.live_blocks != 0) continue;
+        // Host pages sort before every device page; then coldest first.
+        const std::uint64_t order = page.handle.where == Residency::kHost ? 0 : page.last_use + 1;
+        cached.push_back({order, segment.get(), i});
+      }
+    }
+    std::sort(cached.begin(), cached.end(), [](const Cached& a, const Cached& b) { return a.order < b.order; });
+    for (const Cached& page : cached) {
+      if (excess <= 0) break;
+      unmap_page(*page.segment, page.index);
+      excess -= static_cast<double>(page_bytes);
+    }
+  }
+
   // Maps every unmapped page of `block` and marks its pages live. On failure
   // undoes the live marks (pages it mapped stay, as cache) and returns false.
   bool back_block(Block& block, bool* spilled, bool* released_cache) {
     Segment& segment = *block.segment;
     const auto [first, last] = page_range(block);
+    // Live before anything is released or mapped, so no cache release for
+    // this allocation can take back a page of this same block.
+    std::size_t unmapped = 0;
     for (std::size_t i = first; i <= last; ++i) {
-      // Live before it is mapped, so releasing cache for a later page of this
-      // same block can never take it back.
       page_gains_live(segment, i);
+      if (!segment.pages[i].handle) ++unmapped;
+    }
+    if (unmapped > 0) reclaim_cache_for_growth(unmapped * page_bytes, block.size);
+    for (std::size_t i = first; i <= last; ++i) {
       if (segment.pages[i].handle) continue;
       PageHandle handle = create_page_for_allocation(released_cache);
       if (!handle) {
-        for (std::size_t j = first; j <= i; ++j) page_loses_live(segment, j);
+        for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
         return false;
       }
       if (handle.where == Residency::kHost) *spilled = true;

@@ -217,3 +217,41 @@ TEST_CASE("destroying_the_allocator_returns_every_page_and_range", "[allocator]"
   CHECK(calls.reserve == calls.release);
   CHECK(calls.map == calls.unmap);
 }
+
+TEST_CASE("growing_past_live_bytes_plus_slack_reuses_cached_pages_instead_of_mapping_more", "[allocator]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);  // growth_slack 5%
+  const DevicePtr a = allocator.allocate(12 * kMiB, 0);   // own segment
+  allocator.free(a);                                       // 12 MiB cached
+  const DevicePtr b = allocator.allocate(14 * kMiB, 0);   // does not fit the cached block
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.allocated_bytes.all.current == 14 * kMiB);
+  // Without the reclaim this would be 26 MiB mapped for 14 MiB live.
+  CHECK(stats.reserved_bytes.all.current <= static_cast<std::int64_t>(14 * kMiB * 105 / 100 + 2 * kMiB));
+  CHECK(device.device_bytes_in_use() == static_cast<std::size_t>(stats.reserved_bytes.all.current));
+  fill(device, b, 3, 14 * kMiB);
+  CHECK(holds(device, b, 3, 14 * kMiB));
+  // The freed block's range is still reserved and maps again on reuse.
+  const DevicePtr c = allocator.allocate(12 * kMiB, 0);
+  CHECK(c == a);
+  fill(device, c, 4, 12 * kMiB);
+  CHECK(holds(device, c, 4, 12 * kMiB));
+  CHECK(holds(device, b, 3, 14 * kMiB));
+}
+
+TEST_CASE("steady_state_reuse_maps_no_new_pages", "[allocator]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  auto iteration = [&] {
+    std::vector<DevicePtr> live;
+    for (std::size_t size : {3 * kMiB, 700 * 1024ul, 12 * kMiB, 4096ul, 25 * kMiB, 9 * kMiB}) {
+      live.push_back(allocator.allocate(size, 0));
+    }
+    for (DevicePtr p : live) allocator.free(p);
+  };
+  iteration();
+  const auto maps_after_first = device.calls().map;
+  for (int i = 0; i < 5; ++i) iteration();
+  CHECK(device.calls().map == maps_after_first);
+  CHECK(device.calls().unmap == 0);
+}

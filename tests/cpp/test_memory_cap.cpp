@@ -28,7 +28,9 @@ TEST_CASE("allocation_over_the_cap_spills_to_host_instead_of_failing", "[cap]") 
 
 TEST_CASE("allocation_over_the_cap_releases_cache_before_spilling", "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
-  CachingAllocator allocator(device);
+  AllocatorOptions options;
+  options.growth_slack = -1;  // keep the cache until the cap needs it
+  CachingAllocator allocator(device, options);
   const DevicePtr cached = allocator.allocate(4 * kMiB, 7);  // another stream's pool
   allocator.free(cached);
   allocator.set_memory_cap(16 * kMiB);
