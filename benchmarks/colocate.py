@@ -1,0 +1,508 @@
+#!/usr/bin/env python3
+"""Two training jobs on one GPU: cotenant's launch gate against the other ways to share (needs a GPU).
+
+A pair is a guaranteed job that leaves the GPU partly idle and an
+opportunistic job that would take all of it:
+  resnet50+transformer          ResNet-50 training, small batch, with a data-loading gap
+                                as long as its compute (the GPU half idle), and a
+                                GPT-style transformer training job
+  inference-gaps+transformer    a transformer inference loop with gaps between
+                                requests, and the same transformer training job
+
+Each job runs alone first (solo), then both together under each mode:
+  naive            plain time-slicing between two CUDA contexts
+  mps              the CUDA Multi-Process Service, when it can be started here
+  priority         guaranteed on the highest-priority stream, opportunistic on the lowest
+  cotenant-0.25    cotenant's gate with the opportunistic share fixed at 0.25
+  cotenant-0.5     ... at 0.5
+  cotenant-auto    cotenant's gate with the share moved by AIMD from the guaranteed
+                   job's iteration time over its solo time
+
+Figures, per mode as "<mode>.<name>" and cotenant-auto also under the plain names:
+  guaranteed_throughput_ratio      iterations/s together over solo (target >= 0.97)
+  guaranteed_p50_ratio             median iteration time over solo
+  guaranteed_p99_ratio             99th-percentile iteration time over solo (target <= 1.05)
+  opportunistic_throughput_ratio   iterations/s together over solo (target >= 0.5)
+  aggregate_normalized_throughput  the sum of the two throughput ratios
+
+Writes benchmarks/results/colocate-<pair>-<device>-<time>.json (device, torch,
+driver, benchmark, figures) and a PNG plot next to it.
+
+Each job runs in its own process: `colocate.py --worker WORKLOAD --role ROLE --mode MODE ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(HERE, "results")
+
+PAIRS = {
+    "resnet50+transformer": ("resnet50-train", "transformer-train"),
+    "inference-gaps+transformer": ("transformer-infer-gaps", "transformer-train"),
+}
+MODES = ("naive", "mps", "priority", "cotenant-0.25", "cotenant-0.5", "cotenant-auto")
+WORKLOADS = ("resnet50-train", "transformer-train", "transformer-infer-gaps")
+FIGURE_NAMES = ("guaranteed_throughput_ratio", "guaranteed_p50_ratio", "guaranteed_p99_ratio",
+                "opportunistic_throughput_ratio", "aggregate_normalized_throughput")
+AUTO_MODE = "cotenant-auto"
+TARGETS = {"guaranteed_throughput_ratio": (">=", 0.97), "guaranteed_p99_ratio": ("<=", 1.05),
+           "opportunistic_throughput_ratio": (">=", 0.5)}
+
+
+# ---- pure parts (unit-tested without a GPU) ---------------------------------------------
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="resnet50+transformer")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated modes to run together (default: all)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per run")
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--gap-fraction", type=float, default=1.0,
+                        help="the guaranteed job sleeps this fraction of its solo compute time per "
+                             "iteration (1.0: the GPU is about half idle)")
+    parser.add_argument("--out", default=RESULTS_DIR)
+    parser.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
+    parser.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("guaranteed", "opportunistic"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="solo", help=argparse.SUPPRESS)
+    parser.add_argument("--gap-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if args.seconds <= 0:
+        parser.error("--seconds must be positive")
+    if args.gap_fraction < 0:
+        parser.error("--gap-fraction cannot be negative")
+    if args.quick:
+        args.seconds = min(args.seconds, 10.0)
+        args.warmup_steps = min(args.warmup_steps, 5)
+    return args
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, q in (0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def summarize_iterations(iteration_s: Sequence[float]) -> Dict[str, float]:
+    """Throughput (iterations/s over the measured time) and iteration-time quantiles."""
+    total = sum(iteration_s)
+    return {
+        "iterations": len(iteration_s),
+        "throughput": len(iteration_s) / total if total > 0 else 0.0,
+        "p50_s": percentile(iteration_s, 50),
+        "p99_s": percentile(iteration_s, 99),
+    }
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if not denominator or math.isnan(denominator) or math.isnan(numerator):
+        return math.nan
+    return numerator / denominator
+
+
+def mode_figures(solo: Dict[str, Dict[str, float]], together: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """The figures of one mode from the solo and co-located summaries of both roles."""
+    g_solo, o_solo = solo["guaranteed"], solo["opportunistic"]
+    g, o = together["guaranteed"], together["opportunistic"]
+    g_tp = _ratio(g["throughput"], g_solo["throughput"])
+    o_tp = _ratio(o["throughput"], o_solo["throughput"])
+    return {
+        "guaranteed_throughput_ratio": g_tp,
+        "guaranteed_p50_ratio": _ratio(g["p50_s"], g_solo["p50_s"]),
+        "guaranteed_p99_ratio": _ratio(g["p99_s"], g_solo["p99_s"]),
+        "opportunistic_throughput_ratio": o_tp,
+        "aggregate_normalized_throughput": g_tp + o_tp,
+    }
+
+
+def compute_figures(solo: Dict[str, Dict[str, float]], runs: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
+    """`<mode>.<name>` for every mode that ran, and the auto mode's under the plain names.
+    Modes that did not run (runs[mode] = {"skipped": reason}) have no figures."""
+    figures: Dict[str, float] = {}
+    for mode, run in runs.items():
+        if "skipped" in run:
+            continue
+        for name, value in mode_figures(solo, run).items():
+            figures[f"{mode}.{name}"] = value
+            if mode == AUTO_MODE:
+                figures[name] = value
+    return figures
+
+
+def targets_met(figures: Dict[str, float], mode: str = AUTO_MODE) -> Dict[str, bool]:
+    """Each target for one mode, plus whether the mode beats every other mode measured
+    on aggregate throughput while meeting the guaranteed job's targets."""
+    met = {}
+    for name, (op, bound) in TARGETS.items():
+        value = figures.get(f"{mode}.{name}", math.nan)
+        met[name] = (value >= bound) if op == ">=" else (value <= bound)
+    others = {key.split(".")[0] for key in figures if "." in key and not key.startswith(mode + ".")}
+    ours = figures.get(f"{mode}.aggregate_normalized_throughput", math.nan)
+    met["best_aggregate_of_modes_meeting_guaranteed_targets"] = all(
+        ours >= figures.get(f"{other}.aggregate_normalized_throughput", -math.inf)
+        or figures.get(f"{other}.guaranteed_throughput_ratio", 0.0) < TARGETS["guaranteed_throughput_ratio"][1]
+        for other in others)
+    return met
+
+
+def aimd_share(share: float, slowdown: float, target_slowdown: float = 1.03, increase: float = 0.05,
+               decrease: float = 0.5) -> float:
+    """One step of the share controller: additive increase while the guaranteed job's
+    iteration time stays within target_slowdown of its solo time, multiplicative
+    decrease when it does not (as TGS and AntMan do)."""
+    if math.isnan(slowdown):
+        return share
+    if slowdown > target_slowdown:
+        return max(0.0, share * decrease)
+    return min(1.0, share + increase)
+
+
+def controller_baseline_s(guaranteed_workload: str, solo_summary: Dict[str, float]) -> float:
+    """The solo iteration time the auto share controller compares the published one with.
+    Training jobs publish optimizer-step to optimizer-step (gap included); the inference
+    loop publishes `with cotenant.iteration():` spans (the request only, no gap)."""
+    if guaranteed_workload.endswith("infer-gaps"):
+        return solo_summary["compute_p50_s"]
+    return solo_summary["p50_s"]
+
+
+def worker_command(workload: str, role: str, mode: str, args: argparse.Namespace, gap_s: float,
+                   sync_dir: str) -> List[str]:
+    return [sys.executable, os.path.abspath(__file__), "--worker", workload, "--role", role, "--mode", mode,
+            "--seconds", str(args.seconds), "--warmup-steps", str(args.warmup_steps), "--gap-s", str(gap_s),
+            "--sync-dir", sync_dir]
+
+
+# ---- workloads (worker processes) ------------------------------------------------------------
+
+
+def _resnet50(torch):
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50()
+    except ImportError:
+        pass
+    nn = torch.nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, width, stride):
+            super().__init__()
+            cout = width * 4
+            self.body = nn.Sequential(
+                nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.skip(x))
+
+    layers, cin = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                   nn.MaxPool2d(3, 2, 1)], 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(blocks):
+            layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+            cin = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 1000)]
+    return nn.Sequential(*layers)
+
+
+def _make_step(torch, workload: str):
+    device = "cuda"
+    if workload == "resnet50-train":
+        model = _resnet50(torch).to(device).to(memory_format=torch.channels_last)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = torch.randn(16, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (16,), device=device)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        return step
+
+    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, norm_first=True)
+    model = torch.nn.TransformerEncoder(layer, 8).to(device)
+    if workload == "transformer-train":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randn(16, 512, 1024, device=device)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+        return step
+
+    model.eval()
+    x = torch.randn(4, 256, 1024, device=device)
+
+    def infer():
+        import cotenant
+
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), cotenant.gate.iteration():
+            model(x)
+            torch.cuda.synchronize()
+    return infer
+
+
+def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
+    import torch
+
+    mode, role = args.mode, args.role
+    if mode.startswith("cotenant"):
+        import cotenant
+
+        cotenant.enable(role=role, device=0)
+        if role == "opportunistic" and mode != AUTO_MODE:
+            cotenant.gate.set_share(float(mode.split("-")[1]))
+    if mode == "priority":
+        least, greatest = torch.cuda.Stream.priority_range()
+        torch.cuda.set_stream(torch.cuda.Stream(priority=greatest if role == "guaranteed" else least))
+
+    step = _make_step(torch, args.worker)
+    compute_s = []
+    for _ in range(args.warmup_steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        compute_s.append(time.perf_counter() - start)
+    ready = os.path.join(args.sync_dir, f"{role}.ready")
+    with open(ready, "w") as f:
+        json.dump({"compute_p50_s": percentile(compute_s, 50)}, f)
+    go = os.path.join(args.sync_dir, "go")
+    while not os.path.exists(go):
+        time.sleep(0.01)
+
+    iteration_s: List[float] = []
+    compute_s = []
+    deadline = time.perf_counter() + args.seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        compute_s.append(time.perf_counter() - start)
+        if args.gap_s > 0:
+            time.sleep(args.gap_s)  # the guaranteed job's data loading: the GPU idles
+        iteration_s.append(time.perf_counter() - start)
+    summary = summarize_iterations(iteration_s)
+    summary["compute_p50_s"] = percentile(compute_s, 50)
+    summary["mode"], summary["role"], summary["workload"] = mode, role, args.worker
+    if mode.startswith("cotenant"):
+        import cotenant
+
+        summary["gate"] = cotenant.gate.stats()
+    return summary
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+
+class Mps:
+    """Starts the MPS control daemon for the duration of a run, if this machine allows it."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="cotenant-mps-")
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log")}
+        self.reason: Optional[str] = None
+
+    def start(self) -> bool:
+        control = shutil.which("nvidia-cuda-mps-control")
+        if control is None:
+            self.reason = "nvidia-cuda-mps-control is not installed"
+            return False
+        for path in self.env.values():
+            os.makedirs(path, exist_ok=True)
+        result = subprocess.run([control, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True)
+        if result.returncode != 0:
+            self.reason = f"nvidia-cuda-mps-control -d failed: {result.stderr.strip() or result.returncode}"
+            return False
+        time.sleep(1.0)
+        return True
+
+    def stop(self) -> None:
+        control = shutil.which("nvidia-cuda-mps-control")
+        if control:
+            subprocess.run([control], input="quit\n", env={**os.environ, **self.env}, capture_output=True,
+                           text=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _run(args, mode: str, roles: Dict[str, str], gap_s: float, extra_env: Optional[Dict[str, str]] = None,
+         solo_guaranteed_p50_s: float = math.nan) -> Dict[str, Any]:
+    """Runs the given roles together (one role: solo) and returns each role's summary."""
+    sync_dir = tempfile.mkdtemp(prefix="cotenant-colocate-")
+    segment = f"/cotenant-colocate-{os.getpid()}-{mode}"
+    env = {**os.environ, **(extra_env or {}), "COTENANT_GPU_SEGMENT": segment}
+    processes = {}
+    for role, workload in roles.items():
+        out = open(os.path.join(sync_dir, f"{role}.json"), "w")
+        processes[role] = (subprocess.Popen(
+            worker_command(workload, role, mode, args, gap_s if role == "guaranteed" else 0.0, sync_dir),
+            env=env, stdout=out), out)
+    try:
+        while not all(os.path.exists(os.path.join(sync_dir, f"{r}.ready")) for r in roles):
+            for role, (p, _) in processes.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"the {role} worker of mode {mode} exited with {p.returncode} before starting")
+            time.sleep(0.05)
+        open(os.path.join(sync_dir, "go"), "w").close()
+        if mode == AUTO_MODE and "opportunistic" in roles:
+            _auto_share_controller(processes["guaranteed"][0], segment, solo_guaranteed_p50_s)
+        results = {}
+        for role, (p, out) in processes.items():
+            p.wait()
+            out.close()
+            with open(os.path.join(sync_dir, f"{role}.json")) as f:
+                lines = f.read().strip().splitlines()
+            if p.returncode != 0 or not lines:
+                raise RuntimeError(f"the {role} worker of mode {mode} failed (exit {p.returncode})")
+            results[role] = json.loads(lines[-1])
+        return results
+    finally:
+        for p, out in processes.values():
+            if p.poll() is None:
+                p.kill()
+            out.close()
+        shutil.rmtree(sync_dir, ignore_errors=True)
+        try:
+            from cotenant import _core
+
+            _core.GpuPeerSegment.remove(segment)
+        except Exception:  # noqa: BLE001 (cleanup only)
+            pass
+
+
+def _auto_share_controller(guaranteed, segment_name: str, solo_p50_s: float, period_s: float = 0.5) -> None:
+    """Moves the opportunistic share by AIMD from the guaranteed job's published iteration
+    times, through the per-GPU segment (what the coordinator does when one runs)."""
+    from cotenant import _core
+
+    segment = _core.GpuPeerSegment.open(segment_name, 0)
+    share = 0.5
+    while guaranteed.poll() is None:
+        time.sleep(period_s)
+        view = segment.view()
+        ewma_ns = view["guaranteed"]["iterations"]["ewma_ns"]
+        slowdown = (ewma_ns / 1e9) / solo_p50_s if ewma_ns and solo_p50_s > 0 else math.nan
+        share = aimd_share(share, slowdown)
+        for job in view["opportunistic"]:
+            segment.set_share(job["slot"], share)
+
+
+def _environment() -> Dict[str, str]:
+    import torch
+
+    driver = "unknown"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        pass
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "driver": driver,
+            "cuda": torch.version.cuda}
+
+
+def _plot(figures: Dict[str, float], modes: Sequence[str], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [m for m in modes if f"{m}.guaranteed_throughput_ratio" in figures]
+    names = ("guaranteed_throughput_ratio", "opportunistic_throughput_ratio", "aggregate_normalized_throughput")
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([x + i * width for x in range(len(shown))], [figures[f"{m}.{name}"] for m in shown], width,
+               label=name.replace("_", " "))
+    ax.axhline(0.97, color="k", linestyle="--", linewidth=0.8, label="guaranteed target 0.97")
+    ax.set_xticks([x + width for x in range(len(shown))])
+    ax.set_xticklabels(shown)
+    ax.set_ylabel("throughput over solo")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args)), flush=True)
+        return 0
+
+    guaranteed_workload, opportunistic_workload = PAIRS[args.pair]
+    # Solo runs: the guaranteed job's gap is its solo compute time times --gap-fraction.
+    probe = _run(args, "solo", {"guaranteed": guaranteed_workload}, 0.0)
+    gap_s = probe["guaranteed"]["p50_s"] * args.gap_fraction
+    solo = {"guaranteed": _run(args, "solo", {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"],
+            "opportunistic": _run(args, "solo", {"opportunistic": opportunistic_workload}, 0.0)["opportunistic"]}
+
+    pair = {"guaranteed": guaranteed_workload, "opportunistic": opportunistic_workload}
+    runs: Dict[str, Dict[str, Any]] = {}
+    for mode in args.modes:
+        print(f"colocate: {mode} ...", file=sys.stderr, flush=True)
+        mps = Mps() if mode == "mps" else None
+        try:
+            if mps is not None and not mps.start():
+                runs[mode] = {"skipped": mps.reason}
+                continue
+            runs[mode] = _run(args, mode, pair, gap_s, mps.env if mps else None,
+                              controller_baseline_s(guaranteed_workload, solo["guaranteed"]))
+        except RuntimeError as error:
+            runs[mode] = {"skipped": str(error)}
+        finally:
+            if mps is not None:
+                mps.stop()
+
+    figures = compute_figures(solo, runs)
+    env = _environment()
+    result = {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair,
+              "seconds_per_run": args.seconds, "guaranteed_gap_s": gap_s, "figures": figures,
+              "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},
+              "skipped": {m: r["skipped"] for m, r in runs.items() if "skipped" in r},
+              "solo": solo, "runs": {m: r for m, r in runs.items() if "skipped" not in r}}
+    os.makedirs(args.out, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    device = "".join(c if c.isalnum() else "-" for c in env["device"]).strip("-").lower()
+    base = os.path.join(args.out, f"colocate-{args.pair.replace('+', '-')}-{device}-{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True, default=str)
+    _plot(figures, args.modes, base + ".png", f"{args.pair} on {env['device']}")
+    print(json.dumps(figures, indent=2, sort_keys=True))
+    print(f"wrote {base}.json and {base}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

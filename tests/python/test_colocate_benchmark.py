@@ -1,0 +1,123 @@
+"""The co-location benchmark's parts that need no GPU: arguments, summaries of
+iteration times, the figures (names and arithmetic) and the auto share step."""
+
+import importlib.util
+import math
+import os
+import py_compile
+
+import pytest
+
+PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "colocate.py")
+
+
+@pytest.fixture(scope="module")
+def colocate():
+    spec = importlib.util.spec_from_file_location("colocate", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_compiles():
+    py_compile.compile(PATH, doraise=True)
+
+
+def test_defaults_run_every_mode_on_the_resnet_pair(colocate):
+    args = colocate.parse_args([])
+    assert args.modes == list(colocate.MODES)
+    assert args.pair == "resnet50+transformer"
+    assert args.worker is None
+
+
+def test_modes_are_validated(colocate):
+    assert colocate.parse_args(["--modes", "naive, cotenant-auto"]).modes == ["naive", "cotenant-auto"]
+    with pytest.raises(SystemExit):
+        colocate.parse_args(["--modes", "naive,timeslice"])
+    with pytest.raises(SystemExit):
+        colocate.parse_args(["--seconds", "0"])
+
+
+def test_quick_shortens_runs(colocate):
+    args = colocate.parse_args(["--quick", "--seconds", "100"])
+    assert args.seconds == 10.0
+    assert args.warmup_steps == 5
+
+
+def test_percentiles_are_nearest_rank(colocate):
+    values = list(range(1, 101))
+    assert colocate.percentile(values, 50) == 50
+    assert colocate.percentile(values, 99) == 99
+    assert colocate.percentile([5.0], 99) == 5.0
+    assert math.isnan(colocate.percentile([], 50))
+
+
+def test_summaries_give_throughput_over_measured_time(colocate):
+    summary = colocate.summarize_iterations([0.1] * 9 + [0.2])
+    assert summary["iterations"] == 10
+    assert summary["throughput"] == pytest.approx(10 / 1.1)
+    assert summary["p50_s"] == 0.1
+    assert summary["p99_s"] == 0.2
+
+
+def summary(throughput, p50, p99):
+    return {"throughput": throughput, "p50_s": p50, "p99_s": p99}
+
+
+def test_figures_are_ratios_over_solo_with_auto_also_under_plain_names(colocate):
+    solo = {"guaranteed": summary(10.0, 0.1, 0.12), "opportunistic": summary(4.0, 0.25, 0.3)}
+    runs = {
+        "naive": {"guaranteed": summary(6.0, 0.16, 0.3), "opportunistic": summary(2.0, 0.5, 0.6)},
+        "mps": {"skipped": "nvidia-cuda-mps-control is not installed"},
+        "cotenant-auto": {"guaranteed": summary(9.8, 0.102, 0.123), "opportunistic": summary(2.4, 0.4, 0.5)},
+    }
+    figures = colocate.compute_figures(solo, runs)
+    assert figures["naive.guaranteed_throughput_ratio"] == pytest.approx(0.6)
+    assert figures["naive.guaranteed_p99_ratio"] == pytest.approx(2.5)
+    assert figures["naive.opportunistic_throughput_ratio"] == pytest.approx(0.5)
+    assert figures["naive.aggregate_normalized_throughput"] == pytest.approx(1.1)
+    assert not any(key.startswith("mps.") for key in figures)
+    for name in colocate.FIGURE_NAMES:
+        assert figures[name] == figures[f"cotenant-auto.{name}"]
+    assert figures["guaranteed_p50_ratio"] == pytest.approx(1.02)
+
+    met = colocate.targets_met(figures)
+    assert met["guaranteed_throughput_ratio"]       # 0.98 >= 0.97
+    assert met["guaranteed_p99_ratio"]              # 1.025 <= 1.05
+    assert met["opportunistic_throughput_ratio"]    # 0.6 >= 0.5
+    assert met["best_aggregate_of_modes_meeting_guaranteed_targets"]
+
+
+def test_a_mode_that_hurts_the_guaranteed_job_does_not_count_as_better(colocate):
+    figures = {"cotenant-auto.aggregate_normalized_throughput": 1.5,
+               "cotenant-auto.guaranteed_throughput_ratio": 0.98,
+               "naive.aggregate_normalized_throughput": 1.7,
+               "naive.guaranteed_throughput_ratio": 0.6,
+               "priority.aggregate_normalized_throughput": 1.6,
+               "priority.guaranteed_throughput_ratio": 0.99}
+    assert not colocate.targets_met(figures)["best_aggregate_of_modes_meeting_guaranteed_targets"]
+    figures["priority.aggregate_normalized_throughput"] = 1.4
+    assert colocate.targets_met(figures)["best_aggregate_of_modes_meeting_guaranteed_targets"]
+
+
+def test_auto_share_rises_additively_and_falls_multiplicatively(colocate):
+    assert colocate.aimd_share(0.5, 1.01) == pytest.approx(0.55)
+    assert colocate.aimd_share(0.98, 1.0) == 1.0
+    assert colocate.aimd_share(0.5, 1.2) == pytest.approx(0.25)
+    assert colocate.aimd_share(0.4, math.nan) == 0.4
+
+
+def test_the_auto_controller_baseline_matches_what_the_job_publishes(colocate):
+    solo = {"p50_s": 0.2, "compute_p50_s": 0.1}
+    assert colocate.controller_baseline_s("resnet50-train", solo) == 0.2
+    assert colocate.controller_baseline_s("transformer-infer-gaps", solo) == 0.1
+
+
+def test_workers_are_started_with_their_role_mode_and_gap(colocate):
+    args = colocate.parse_args(["--seconds", "7"])
+    command = colocate.worker_command("resnet50-train", "guaranteed", "cotenant-0.5", args, 0.03, "/tmp/x")
+    assert command[1].endswith("colocate.py")
+    assert command[command.index("--worker") + 1] == "resnet50-train"
+    assert command[command.index("--mode") + 1] == "cotenant-0.5"
+    assert command[command.index("--gap-s") + 1] == "0.03"
+    assert command[command.index("--seconds") + 1] == "7.0"
