@@ -15,6 +15,7 @@
 #include "cotenant/errors.h"
 #include "cotenant/stats.h"
 #include "cuda_allocator.h"
+#include "gate_hooks.h"
 #include "op_interceptor.h"
 #include "registry.h"
 
@@ -156,7 +157,7 @@ COTENANT_TORCH_BINDINGS(allocator) {
   // ---- the coordinator's job channel ----
   m.attr("HAS_JOB_CHANNEL") = py::bool_(COTENANT_HAS_JOB_CHANNEL != 0);
 #if COTENANT_HAS_JOB_CHANNEL
-  m.def("start_job_channel", [](const std::string& block_name, int device, py::object set_share) {
+  m.def("start_job_channel", [](const std::string& block_name, int device) {
     auto& allocator = installed_allocator();
     auto& main = *allocator.on(static_cast<c10::DeviceIndex>(device)).main;
     JobChannelHooks hooks;
@@ -169,25 +170,23 @@ COTENANT_TORCH_BINDINGS(allocator) {
     hooks.spill_all = [&main, &allocator] { main.spill_all(); allocator.run_safe_point(); };
     hooks.restore_all = [&main, &allocator] { main.restore_all(); allocator.run_safe_point(); };
     hooks.stats = [&main] { return main.stats(); };
-    if (!set_share.is_none()) {
-      // The launch gate's share control lives in Python-visible code; call it
-      // with the GIL (the channel thread does not hold it otherwise).
-      // The last reference may be dropped on a thread without the GIL.
-      std::shared_ptr<py::object> callback(new py::object(set_share), [](py::object* o) {
-        py::gil_scoped_acquire gil;
-        delete o;
-      });
-      hooks.set_share = [callback](double share) {
-        py::gil_scoped_acquire gil;
-        (*callback)(share);
-      };
-    }
+    // The launch gate's share and suspension (gate_hooks.h): plain C++, no GIL.
+    hooks.set_share = [](double share) { set_process_share(share); };
+    hooks.set_suspended = [](bool suspended) {
+      if (LaunchGate* gate = process_launch_gate()) {
+        if (suspended) gate->close();
+        else gate->reopen();
+      } else {
+        set_process_share(suspended ? 0.0 : 1.0);
+      }
+    };
+    py::gil_scoped_release release;  // opening the block may wait on the file system
     std::lock_guard<std::mutex> lock(channel_mutex);
     job_channel.reset();
     job_channel = std::make_unique<JobChannel>(block_name, std::move(hooks));
     job_channel->start();
-  }, py::arg("block_name"), py::arg("device"), py::arg("set_share") = py::none(),
-     "Starts the C++ thread that applies the coordinator's cap and commands and publishes stats.");
+  }, py::arg("block_name"), py::arg("device"),
+     "Starts the C++ thread that applies the coordinator's cap, share and commands and publishes stats.");
   m.def("stop_job_channel", [] {
     py::gil_scoped_release release;  // the channel thread may be waiting for the GIL in set_share
     std::lock_guard<std::mutex> lock(channel_mutex);

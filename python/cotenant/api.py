@@ -418,16 +418,8 @@ def _join_coordinator(_C, role, device, name, socket) -> None:
                       "channel; caps set by the coordinator will not apply", RuntimeWarning,
                       stacklevel=3)
         return
-    _C.start_job_channel(block_name, device, _gate_share_setter())
+    _C.start_job_channel(block_name, device)
     _state.job_channel = True
-
-
-def _gate_share_setter():
-    try:
-        from cotenant import gate
-    except ImportError:
-        return None
-    return getattr(gate, "set_share", None)
 
 
 def _activate_gate(role, device) -> None:
