@@ -41,6 +41,11 @@ class CudaEventWork final : public InFlightWork {
 
   void record_marker() override {
     const auto stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+    // An event recorded while the stream captures a CUDA graph would become a
+    // graph node, and querying it would break the capture: no marker then.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream.stream(), &capture) != cudaSuccess) (void)cudaGetLastError();
+    if (capture != cudaStreamCaptureStatusNone) return;
     cudaEvent_t event = take_event();
     if (event == nullptr) return;
     if (cudaEventRecord(event, stream.stream()) != cudaSuccess) {
@@ -55,6 +60,12 @@ class CudaEventWork final : public InFlightWork {
   // order; across streams a completed marker behind a pending one is counted
   // until that one completes (errs towards "busy").
   std::size_t poll_in_flight() override {
+    if (pending_.empty()) return 0;
+    // cudaEventQuery is a "potentially unsafe" call while another thread
+    // captures a graph in global mode; relaxed mode lets this thread query
+    // without invalidating that capture.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
     while (!pending_.empty()) {
       const cudaError_t state = cudaEventQuery(pending_.front());
       if (state == cudaErrorNotReady) break;
@@ -62,6 +73,7 @@ class CudaEventWork final : public InFlightWork {
       free_.push_back(pending_.front());
       pending_.pop_front();
     }
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);  // restores the thread's mode
     return pending_.size();
   }
 
