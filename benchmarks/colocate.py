@@ -24,6 +24,11 @@ Figures, per mode as "<mode>.<name>" and cotenant-auto also under the plain name
   guaranteed_p99_ratio             99th-percentile iteration time over solo (target <= 1.05)
   opportunistic_throughput_ratio   iterations/s together over solo (target >= 0.5)
   aggregate_normalized_throughput  the sum of the two throughput ratios
+And the gate's own costs, each job alone:
+  guaranteed_tracker_step_time_ratio  the guaranteed job's compute time with the
+                                      busy/iteration tracker over without (target <= 1.005)
+  gate_overhead_us_per_op             extra microseconds per op an opportunistic job pays
+                                      at the gate with the GPU free (target <= 1)
 
 Writes benchmarks/results/colocate-<pair>-<device>-<time>.json (device, torch,
 driver, benchmark, figures) and a PNG plot next to it.
@@ -53,7 +58,8 @@ PAIRS = {
     "inference-gaps+transformer": ("transformer-infer-gaps", "transformer-train"),
 }
 MODES = ("naive", "mps", "priority", "cotenant-0.25", "cotenant-0.5", "cotenant-auto")
-WORKLOADS = ("resnet50-train", "transformer-train", "transformer-infer-gaps")
+WORKLOADS = ("resnet50-train", "transformer-train", "transformer-infer-gaps", "tiny-ops")
+TINY_OPS_PER_STEP = 1000  # the tiny-ops workload: this many 1-element adds per step
 FIGURE_NAMES = ("guaranteed_throughput_ratio", "guaranteed_p50_ratio", "guaranteed_p99_ratio",
                 "opportunistic_throughput_ratio", "aggregate_normalized_throughput")
 AUTO_MODE = "cotenant-auto"
@@ -188,6 +194,17 @@ def controller_baseline_s(guaranteed_workload: str, solo_summary: Dict[str, floa
     return solo_summary["p50_s"]
 
 
+def overhead_figures(plain_guaranteed: Dict[str, float], tracked_guaranteed: Dict[str, float],
+                     plain_tiny: Dict[str, float], gated_tiny: Dict[str, float]) -> Dict[str, float]:
+    """The tracker's and the gate's own costs from runs of each job alone."""
+    return {
+        "guaranteed_tracker_step_time_ratio": _ratio(tracked_guaranteed["compute_p50_s"],
+                                                     plain_guaranteed["compute_p50_s"]),
+        "gate_overhead_us_per_op": (gated_tiny["compute_p50_s"] - plain_tiny["compute_p50_s"])
+        / TINY_OPS_PER_STEP * 1e6,
+    }
+
+
 def worker_command(workload: str, role: str, mode: str, args: argparse.Namespace, gap_s: float,
                    sync_dir: str) -> List[str]:
     return [sys.executable, os.path.abspath(__file__), "--worker", workload, "--role", role, "--mode", mode,
@@ -233,6 +250,13 @@ def _resnet50(torch):
 
 def _make_step(torch, workload: str):
     device = "cuda"
+    if workload == "tiny-ops":
+        x = torch.zeros(1, device=device)
+
+        def step():
+            for _ in range(TINY_OPS_PER_STEP):
+                x.add_(1)
+        return step
     if workload == "resnet50-train":
         model = _resnet50(torch).to(device).to(memory_format=torch.channels_last)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -277,7 +301,7 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
     mode, role = args.mode, args.role
-    if mode.startswith("cotenant"):
+    if mode.startswith("cotenant") or mode == "gated-solo":
         import cotenant
 
         cotenant.enable(role=role, device=0)
@@ -486,6 +510,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 mps.stop()
 
     figures = compute_figures(solo, runs)
+    try:
+        tracked = _run(args, "gated-solo", {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"]
+        plain_tiny = _run(args, "solo", {"opportunistic": "tiny-ops"}, 0.0)["opportunistic"]
+        # k unbounded: this measures the gate's bookkeeping per op, not the
+        # in-flight bound's deliberate wait for the GPU.
+        gated_tiny = _run(args, "gated-solo", {"opportunistic": "tiny-ops"}, 0.0,
+                          {"COTENANT_GATE_MAX_IN_FLIGHT": "1000000"})["opportunistic"]
+        figures.update(overhead_figures(solo["guaranteed"], tracked, plain_tiny, gated_tiny))
+    except RuntimeError as error:
+        runs["overhead"] = {"skipped": str(error)}
     env = _environment()
     result = {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair,
               "seconds_per_run": args.seconds, "guaranteed_gap_s": gap_s, "figures": figures,

@@ -121,3 +121,11 @@ def test_workers_are_started_with_their_role_mode_and_gap(colocate):
     assert command[command.index("--mode") + 1] == "cotenant-0.5"
     assert command[command.index("--gap-s") + 1] == "0.03"
     assert command[command.index("--seconds") + 1] == "7.0"
+
+
+def test_overhead_figures_compare_each_job_with_and_without_the_gate(colocate):
+    figures = colocate.overhead_figures({"compute_p50_s": 0.100}, {"compute_p50_s": 0.1004},
+                                        {"compute_p50_s": 0.010}, {"compute_p50_s": 0.0105})
+    assert figures["guaranteed_tracker_step_time_ratio"] == pytest.approx(1.004)
+    # 0.5 ms more over 1000 ops: 0.5 us per op
+    assert figures["gate_overhead_us_per_op"] == pytest.approx(0.5)
