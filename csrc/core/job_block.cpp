@@ -3,6 +3,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -25,18 +26,27 @@ double double_of(std::uint64_t bits) {
   return value;
 }
 
-// Seqlock, single writer per section.
+// Seqlock, single writer per section. A writer killed mid-update leaves the
+// sequence odd: the next writer (a restarted coordinator) first rounds it up
+// to even, so the protocol recovers.
 template <typename WriteFields>
 void seqlock_write(JobBlock::Word& sequence, WriteFields write_fields) {
   std::uint64_t start = sequence.load(kRelaxed);
+  if (start & 1) ++start;
   sequence.store(start + 1, kRelaxed);
   std::atomic_thread_fence(std::memory_order_release);
   write_fields();
   sequence.store(start + 2, std::memory_order_release);
 }
 
+// How long a reader waits for a writer to finish before deciding it died
+// mid-update. A live writer holds the section for nanoseconds; only a
+// descheduled or killed one takes longer.
+constexpr auto kWriterPatience = std::chrono::milliseconds(250);
+
 template <typename ReadFields>
-void seqlock_read(const JobBlock::Word& sequence, ReadFields read_fields) {
+void seqlock_read(const JobBlock::Word& sequence, const char* section, ReadFields read_fields) {
+  std::chrono::steady_clock::time_point deadline{};
   for (unsigned attempt = 0;; ++attempt) {
     std::uint64_t before = sequence.load(std::memory_order_acquire);
     if ((before & 1) == 0) {
@@ -44,13 +54,17 @@ void seqlock_read(const JobBlock::Word& sequence, ReadFields read_fields) {
       std::atomic_thread_fence(std::memory_order_acquire);
       if (sequence.load(kRelaxed) == before) return;
     }
-    // A writer died mid-write (kill -9) would leave the sequence odd forever;
-    // after many attempts return what is there rather than hang the reader.
-    if (attempt > 100000) {
-      read_fields();
-      return;
+    if (attempt >= 64) std::this_thread::yield();
+    if ((attempt & 1023) == 1023) {
+      auto now = std::chrono::steady_clock::now();
+      if (deadline == std::chrono::steady_clock::time_point{}) {
+        deadline = now + kWriterPatience;
+      } else if (now > deadline) {
+        throw Error(std::string("the job block's ") + section +
+                    " section stayed mid-update for 250 ms: its writer stopped while writing; "
+                    "the next write repairs it");
+      }
     }
-    if (attempt > 64) std::this_thread::yield();
   }
 }
 
@@ -174,7 +188,7 @@ void write_control(JobBlock& block, const JobControl& control) {
 JobControl read_control(const JobBlock& block) {
   const auto& c = block.control;
   JobControl control;
-  seqlock_read(c.sequence, [&] {
+  seqlock_read(c.sequence, "control", [&] {
     control.memory_cap = c.memory_cap.load(kRelaxed);
     control.share = double_of(c.share_bits.load(kRelaxed));
     control.command = static_cast<JobCommand>(c.command.load(kRelaxed));
@@ -214,7 +228,7 @@ void write_report(JobBlock& block, const JobReport& r) {
 JobReport read_report(const JobBlock& block) {
   const auto& b = block.report;
   JobReport r;
-  seqlock_read(b.sequence, [&] {
+  seqlock_read(b.sequence, "report", [&] {
     r.pid = b.pid.load(kRelaxed);
     r.uid = b.uid.load(kRelaxed);
     r.role = static_cast<JobRole>(b.role.load(kRelaxed));

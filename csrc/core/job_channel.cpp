@@ -75,9 +75,14 @@ void JobChannel::run() {
 }
 
 bool JobChannel::poll_once() {
-  shm::JobControl control = shm::read_control(*block_);
   std::lock_guard<std::mutex> lock(mutex_);
-  bool applied = apply_locked(control);
+  bool applied = false;
+  try {
+    applied = apply_locked(shm::read_control(*block_));
+  } catch (const Error&) {
+    // The coordinator died mid-write: keep the last applied values until a
+    // restarted coordinator writes again; keep reporting meanwhile.
+  }
   publish_locked();
   return applied;
 }

@@ -245,7 +245,12 @@ TEST_CASE("concurrent_reader_never_sees_a_torn_control_or_report", "[job_channel
   CoordinatorBlock coordinator("seqlock");
   std::atomic<bool> done{false};
   // Writers keep every field of a section equal to one counter; a torn read
-  // would show two different values.
+  // would show two different values. Start from counter 0 in both.
+  shm::JobControl zero;
+  zero.memory_cap = 0;
+  zero.share = 0.0;
+  shm::write_control(coordinator.block(), zero);
+  shm::write_report(coordinator.block(), shm::JobReport{});
   std::thread control_writer([&] {
     for (std::uint64_t k = 1; !done.load(); ++k) {
       shm::JobControl control;
@@ -278,4 +283,23 @@ TEST_CASE("concurrent_reader_never_sees_a_torn_control_or_report", "[job_channel
   report_writer.join();
   CHECK(changes >= 2);  // the reader really raced the writers (few changes on a loaded machine)
   CHECK(torn == 0);
+}
+
+TEST_CASE("section_left_mid_update_by_a_killed_writer_is_refused_then_repaired_by_the_next_write",
+          "[job_channel]") {
+  CoordinatorBlock coordinator("killed-writer");
+  JobChannel channel(coordinator.region.name(), {});
+  // A coordinator killed inside write_control leaves the sequence odd.
+  coordinator.block().control.sequence.fetch_add(1);
+  CHECK_THROWS_WITH(shm::read_control(coordinator.block()), Catch::Contains("stopped while writing"));
+  auto beat = shm::read_heartbeat_ns(coordinator.block());
+  std::this_thread::sleep_for(1ms);
+  CHECK_FALSE(channel.poll_once());  // skips applying, keeps reporting
+  CHECK(shm::read_heartbeat_ns(coordinator.block()) > beat);
+  shm::JobControl fresh;  // the restarted coordinator's first write
+  fresh.memory_cap = 32 * MiB;
+  shm::write_control(coordinator.block(), fresh);
+  CHECK(shm::read_control(coordinator.block()).memory_cap == 32 * MiB);
+  CHECK(channel.poll_once());
+  CHECK(shm::read_report(coordinator.block()).applied_memory_cap == 32 * MiB);
 }

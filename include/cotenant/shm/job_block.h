@@ -19,6 +19,10 @@
 // std::atomic<uint64_t> (address-free, so valid across processes), which keeps
 // torn reads from being undefined behaviour; doubles travel as their bits.
 //
+// A reader never returns a torn section: if a writer stays mid-update for
+// 250 ms (it was killed while writing), read_control / read_report throw
+// cotenant::Error instead, and the next write repairs the sequence.
+//
 // Versioning: kJobBlockMagic identifies the block, kJobBlockVersion changes
 // whenever a field moves. A reader refuses a block of another version.
 #pragma once

@@ -433,9 +433,8 @@ class Coordinator:
         for job in list(self.jobs.values()):
             try:
                 job.report = job.block.report()
-            except Exception as error:  # noqa: BLE001
-                self._reclaim(job, f"its block could not be read: {error}")
-                continue
+            except _core().Error:
+                pass  # the job stopped mid-update (killed?): keep its last report; liveness decides below
             reason = self._death_reason(job, now_ns)
             if reason:
                 self._reclaim(job, reason)
