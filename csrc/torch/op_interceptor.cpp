@@ -61,6 +61,15 @@ void wait_while_paused() {
   pause_released.wait(lock, [] { return pause_depth.load(std::memory_order_acquire) == 0; });
 }
 
+// Wakes a pausing thread to re-check the op count. Only while a pause is in
+// effect (otherwise nobody waits); the lock orders the wake-up after the
+// waiter's check, so it cannot be lost.
+void notify_drain_waiter() {
+  if (pause_depth.load(std::memory_order_seq_cst) == 0) return;
+  std::lock_guard<std::mutex> lock(pause_mutex);
+  ops_drained.notify_all();
+}
+
 std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
   if (op_depth++ > 0 || running_hooks) return nullptr;
   run_hooks(fn);
@@ -72,10 +81,8 @@ std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
         pause_owner.load(std::memory_order_acquire) == std::this_thread::get_id()) {
       break;
     }
-    if (outermost_ops.fetch_sub(1, std::memory_order_seq_cst) == 1) {
-      std::lock_guard<std::mutex> lock(pause_mutex);
-      ops_drained.notify_all();
-    }
+    outermost_ops.fetch_sub(1, std::memory_order_seq_cst);
+    notify_drain_waiter();
     wait_while_paused();
   }
   return nullptr;
@@ -84,11 +91,8 @@ std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
 void on_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
   if (op_depth == 0) return;  // the callback was installed while this op ran
   if (--op_depth > 0 || running_hooks) return;
-  if (outermost_ops.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
-      pause_depth.load(std::memory_order_seq_cst) > 0) {
-    std::lock_guard<std::mutex> lock(pause_mutex);
-    ops_drained.notify_all();
-  }
+  outermost_ops.fetch_sub(1, std::memory_order_seq_cst);
+  notify_drain_waiter();
 }
 
 void install_callback() {
