@@ -197,19 +197,21 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     from cotenant import timeline
     from cotenant.coordinator import client, paths
 
-    records = None
-    if args.history:
-        records = timeline.load_history(args.history)
+    # The coordinator's history file holds everything recorded (its memory
+    # only the latest samples); ask the coordinator when the file is not readable.
+    path = args.history or paths.history_path(args.socket or paths.default_socket_path())
+    if os.access(path, os.R_OK):
+        records = timeline.load_history(path)
+    elif args.history:
+        print(f"cotenant timeline: cannot read {path}", file=sys.stderr)
+        return 1
     else:
         try:
             records = client.history(args.socket)
         except (client.CoordinatorUnavailable, OSError):
-            path = paths.history_path(args.socket or paths.default_socket_path())
-            if not os.path.exists(path):
-                print(f"cotenant timeline: no coordinator is running and there is no recorded history at {path}",
-                      file=sys.stderr)
-                return 1
-            records = timeline.load_history(path)
+            print(f"cotenant timeline: no coordinator is running and there is no recorded history at {path}",
+                  file=sys.stderr)
+            return 1
     n = timeline.plot(records, args.output)
     print(f"wrote {args.output} ({n} samples)")
     return 0
@@ -267,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_socket(sub.add_parser("timeline", help="plot each job's memory and share over time (PNG)"))
     p.add_argument("-o", "--output", default="cotenant-timeline.png")
-    p.add_argument("--history", help="a recorded history file (default: ask the coordinator, else its history file)")
+    p.add_argument("--history", help="a recorded history file (default: the coordinator's, <socket>.history.jsonl)")
     p.set_defaults(func=cmd_timeline)
     return parser
 

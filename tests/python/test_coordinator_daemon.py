@@ -282,3 +282,20 @@ def test_suspend_moves_all_memory_to_the_host_and_resume_brings_it_back(node):
     assert cli("resume", "o").returncode == 0
     assert wait_until(lambda: node.job("o")["state"] == "running" and node.job("o")["device_bytes"] == 96 * MiB)
     assert node.job("o")["host_bytes"] == 0
+
+
+def test_job_on_a_gpu_the_coordinator_does_not_manage_is_refused_with_the_managed_list(node):
+    node.args += ["--gpus", "0,1"]
+    node.start_coordinator()
+    with pytest.raises(client.CoordinatorError, match=r"manages GPUs \[0, 1\], not GPU 3"):
+        client.register("guaranteed", 3, socket=node.socket)
+    assert client.register("guaranteed", 1, name="on-one", socket=node.socket).name == "on-one"
+
+
+def test_status_and_history_larger_than_a_request_still_arrive(node):
+    node.start_coordinator()
+    for i in range(120):  # registrations from this process, one per GPU index
+        client.register("opportunistic", i, name=f"job-with-a-long-name-number-{i:03d}", socket=node.socket)
+    view = client.status(node.socket)
+    assert len(view["jobs"]) == 120
+    assert len(json.dumps(view)) > 64 * 1024

@@ -66,7 +66,7 @@ class CoordinatorClient:
         message = protocol.request(op, self._next_id, **fields)
         self._next_id += 1
         self._sock.sendall(protocol.encode(message))
-        line = self._file.readline(protocol.MAX_MESSAGE_BYTES + 1)
+        line = self._file.readline(protocol.MAX_REPLY_BYTES + 1)
         if not line:
             raise CoordinatorUnavailable(f"the coordinator at {self.socket_path} closed the connection")
         reply = json.loads(line)

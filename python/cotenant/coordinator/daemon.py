@@ -632,7 +632,7 @@ class Coordinator:
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, reply: Dict[str, Any]) -> None:
         try:
-            data = protocol.encode(reply)
+            data = protocol.encode(reply, protocol.MAX_REPLY_BYTES)
         except ProtocolError as error:
             data = protocol.encode(protocol.reply_error(reply.get("id"), error.code, error.message))
         writer.write(data)
@@ -654,7 +654,7 @@ class Coordinator:
             return protocol.reply_ok(req.id, **self.status())
         if op == "history":
             since = args.get("since", 0)
-            records = [r for r in self.history if r.get("t", 0) >= since][-args.get("limit", 100000):]
+            records = [r for r in self.history if r.get("t", 0) >= since][-args.get("limit", 50000):]
             return protocol.reply_ok(req.id, records=records)
         if op == "register":
             return self._register(req, pid, uid)

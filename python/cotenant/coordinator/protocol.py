@@ -1,7 +1,8 @@
 """The coordinator's control-plane protocol: versioned JSON messages over a Unix socket.
 
-Framing: one JSON object per line (UTF-8, ``\\n``-terminated), at most
-``MAX_MESSAGE_BYTES`` bytes including the newline. Every request carries the
+Framing: one JSON object per line (UTF-8, ``\\n``-terminated). A request
+is at most ``MAX_MESSAGE_BYTES`` bytes including the newline; a reply (a
+status of many jobs, a long history) at most ``MAX_REPLY_BYTES``. Every request carries the
 protocol version ``v``, a request ``id`` that strictly increases on its
 connection, and an ``op``. Every reply echoes ``v`` and ``id`` (``id`` is null
 when the request was too broken to have one) and has ``ok``; a failed
@@ -22,6 +23,7 @@ from typing import Any, Dict, Optional
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
+MAX_REPLY_BYTES = 32 * 1024 * 1024
 MAX_NAME_CHARS = 63  # the job block stores 63 bytes of name
 
 ROLES = ("guaranteed", "opportunistic")
@@ -111,7 +113,7 @@ SCHEMA: Dict[str, Dict[str, tuple]] = {
     },
     "unregister": {},
     "status": {},
-    "history": {"since": (_int(0), False), "limit": (_int(1, 100000), False)},
+    "history": {"since": (_int(0), False), "limit": (_int(1, 50000), False)},
     "set_cap": {"job": (_JOB_REF, True), "memory_cap": (_optional(_BYTES), True)},
     "set_share": {"job": (_JOB_REF, True), "share": (_share_or_auto, True)},
     "command": {"job": (_JOB_REF, True), "command": (_choice(COMMANDS), True)},
@@ -129,10 +131,10 @@ class Request:
     args: Dict[str, Any] = field(default_factory=dict)
 
 
-def encode(message: Dict[str, Any]) -> bytes:
+def encode(message: Dict[str, Any], limit: int = MAX_MESSAGE_BYTES) -> bytes:
     data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(TOO_LARGE, f"the message is {len(data)} bytes, more than the {MAX_MESSAGE_BYTES} allowed")
+    if len(data) > limit:
+        raise ProtocolError(TOO_LARGE, f"the message is {len(data)} bytes, more than the {limit} allowed")
     return data
 
 
