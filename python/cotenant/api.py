@@ -72,6 +72,13 @@ def disabled_by_environment() -> bool:
     return _env_true("COTENANT_DISABLE")
 
 
+def is_multiprocessing_helper(argv) -> bool:
+    """True for processes Python's multiprocessing starts (spawned DataLoader
+    workers, the resource tracker, the forkserver): they inherit COTENANT_*
+    from the job but are not jobs of their own."""
+    return any("--multiprocessing-fork" == arg or "from multiprocessing" in arg for arg in argv)
+
+
 def parse_memory_cap(size: SizeLike, device_total_bytes: Optional[int] = None) -> Optional[int]:
     """Reads a memory cap and returns it in bytes (None: no cap).
 
@@ -229,6 +236,8 @@ def enable_from_environment() -> bool:
     """
     if disabled_by_environment() or not _env_true("COTENANT_ENABLE"):
         return False
+    if is_multiprocessing_helper(getattr(sys, "orig_argv", sys.argv)):
+        return False  # a worker or helper the job started: the job itself is enabled
     role = os.environ.get("COTENANT_ROLE") or None
     cap_text = os.environ.get("COTENANT_MEMORY_CAP") or None
     cap: SizeLike = cap_text

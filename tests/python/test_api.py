@@ -402,3 +402,21 @@ def test_allocator_benchmark_uses_the_same_size_mix_for_both_allocators():
     bench = _load_benchmark_module()
     assert bench.size_sequence(500) == bench.size_sequence(500)
     assert set(bench.size_sequence(2000)) == {size for size, _ in bench.SIZE_MIX}
+
+
+def test_environment_enabling_skips_processes_that_multiprocessing_starts():
+    assert api.is_multiprocessing_helper(
+        ["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)",
+         "--multiprocessing-fork"])
+    assert api.is_multiprocessing_helper(
+        ["python", "-c", "from multiprocessing.resource_tracker import main;main(7)"])
+    assert not api.is_multiprocessing_helper(["python", "train.py", "--epochs", "3"])
+    result = _run_python("""
+        import cotenant
+        print(cotenant.enable_from_environment())
+    """, env_extra={"COTENANT_ENABLE": "1"})
+    # A plain program is not a helper: it enables (or, without a GPU, says why it cannot).
+    if _gpu_present():
+        assert result.stdout.strip() == "True", result.stderr
+    else:
+        assert "NoGpuError: cotenant found no usable NVIDIA GPU" in result.stderr
