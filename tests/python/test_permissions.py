@@ -49,7 +49,7 @@ def _other_uid_python():
 
 
 PYTHON, SKIP_REASON = _other_uid_python()
-pytestmark = pytest.mark.skipif(PYTHON is None, reason=SKIP_REASON or "")
+pytestmark = [pytest.mark.multiuser, pytest.mark.skipif(PYTHON is None, reason=SKIP_REASON or "")]
 
 
 def as_other_uid(socket_path, requests, groups=False):
