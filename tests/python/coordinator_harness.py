@@ -68,10 +68,11 @@ class Node:
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait()
 
-    def start_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, expect_registration=True):
+    def start_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, expect_registration=True,
+                  prefix=(), python=None):
         control = os.path.join(self.directory, name)
         process = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "simulated_job.py"), "--socket", self.socket, "--role", role,
+            [*prefix, python or sys.executable, os.path.join(HERE, "simulated_job.py"), "--socket", self.socket, "--role", role,
              "--name", name, "--hold-mib", str(hold_mib), "--iteration-us", str(iteration_us),
              "--persistent-mib", str(persistent_mib), "--control", control],
             env=child_env(), stdout=subprocess.PIPE, stderr=self.log, text=True,

@@ -96,16 +96,30 @@ def test_other_uid_cannot_change_caps_or_shares_even_through_a_world_writable_so
     assert after["cap"] == before["cap"] or after["cap"] >= 2 * MiB
 
 
-def test_member_of_the_admin_group_may_change_caps(node):
+def _admin_group_name():
     import grp
 
     try:
-        grp.getgrgid(OTHER_GID)
+        return grp.getgrgid(OTHER_GID).gr_name
     except KeyError:
         pytest.skip(f"gid {OTHER_GID} has no group name to pass as --group")
-    node.args += ["--group", grp.getgrgid(OTHER_GID).gr_name]
+
+
+def test_member_of_the_admin_group_may_change_caps(node):
+    node.args += ["--group", _admin_group_name()]
     node.start_coordinator()
     node.start_job("opportunistic", "o", hold_mib=32)
     replies = as_other_uid(node.socket, CHANGES[:2], groups=True)["replies"]
     assert all(r["ok"] for r in replies), replies
     assert wait_until(lambda: node.job("o")["applied_cap"] == 8 * MiB)
+
+
+def test_job_of_another_uid_gets_its_own_block_and_runs_under_the_coordinator(node):
+    node.args += ["--group", _admin_group_name()]
+    node.start_coordinator()
+    job = node.start_job("opportunistic", "theirs", hold_mib=48, python=PYTHON,
+                         prefix=["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_GID}", f"--groups={OTHER_GID}"])
+    assert job.registration["name"] == "theirs"
+    assert os.stat("/dev/shm" + job.registration["block_name"]).st_uid == OTHER_UID
+    assert wait_until(lambda: node.job("theirs")["device_bytes"] == 48 * MiB), node.read_log()
+    assert node.job("theirs")["uid"] == OTHER_UID

@@ -734,6 +734,7 @@ class Coordinator:
         self._unlink_quietly(block_name)  # a leftover of a coordinator that died mid-registration
         block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=device,
                                         pid=pid, uid=uid, memory_cap=user_cap, share=share)
+        self._give_block_to(block_name, uid)
         job = Job(job_id=job_id, name=name, role=role, device=device, pid=pid, uid=uid, block=block,
                   user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
                   cap=user_cap, share=share)
@@ -746,6 +747,28 @@ class Coordinator:
                cap=job.cap, share=job.share, queued=not admitted)
         return protocol.reply_ok(req.id, job_id=job_id, name=name, block=block_name, memory_cap=job.cap,
                                  share=job.share, admitted=admitted, queue_reason=reason)
+
+    def _give_block_to(self, block_name: str, uid: int) -> None:
+        """A job of another uid must be able to open its block (mode 0660): it
+        becomes the block's owner when the coordinator runs as root, else the
+        admin group gets it (the coordinator's user must be a member)."""
+        if uid == os.getuid():
+            return
+        path = "/dev/shm" + block_name
+        try:
+            os.chown(path, uid, -1)
+            return
+        except PermissionError:
+            pass
+        if self.admin_gid is not None:
+            try:
+                os.chown(path, -1, self.admin_gid)
+                return
+            except PermissionError:
+                pass
+        _event("job block not shared", logging.WARNING, block=block_name, uid=uid,
+               reason="the coordinator may not give the block to the job's uid or the admin group; run it as "
+                      "root or in the --group shared with the jobs")
 
     def status(self) -> Dict[str, Any]:
         now_ns = _core().monotonic_ns()
