@@ -194,7 +194,7 @@ void CudaBackend::map(DevicePtr address, PageHandle page) {
 }
 
 void CudaBackend::unmap(DevicePtr address) {
-  if (!graph_capture_.load(std::memory_order_acquire)) {
+  if (!graph_capture_.load(std::memory_order_acquire) && !quiescent_.load(std::memory_order_acquire)) {
     CurrentDevice current(device_);
     check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize before unmapping a page");
   }

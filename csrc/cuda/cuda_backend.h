@@ -48,6 +48,11 @@ class CudaBackend final : public Backend {
   // synchronize (that would invalidate the capture). The adapter sets this
   // between beginAllocateToPool and endAllocateToPool.
   void set_graph_capture(bool capturing) { graph_capture_.store(capturing, std::memory_order_release); }
+
+  // At a safe point the caller has synchronized the device and no launch can
+  // start, so unmap() need not synchronize again for every page it moves.
+  // Set only by the thread holding the launch pause, around the page moves.
+  void set_quiescent(bool quiescent) { quiescent_.store(quiescent, std::memory_order_release); }
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
   const char* host_page_kind() const;
 
@@ -85,6 +90,7 @@ class CudaBackend final : public Backend {
   int host_numa_id_ = 0;
   std::size_t granularity_ = 0;
   std::atomic<bool> graph_capture_{false};
+  std::atomic<bool> quiescent_{false};
 
   // Two pages of address space for copy_page: source at base, destination at
   // base + granularity. Guarded by staging_mutex_, which also serialises the

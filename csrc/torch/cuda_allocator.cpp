@@ -224,7 +224,14 @@ std::size_t CotenantCudaAllocator::run_safe_point(std::chrono::microseconds drai
     DeviceAllocators* state = existing(static_cast<c10::DeviceIndex>(d));
     if (state == nullptr || !state->main->has_pending_migrations()) continue;
     state->backend->synchronize_device();
-    moved += state->main->apply_pending_migrations();
+    state->backend->set_quiescent(true);
+    try {
+      moved += state->main->apply_pending_migrations();
+    } catch (...) {
+      state->backend->set_quiescent(false);
+      throw;
+    }
+    state->backend->set_quiescent(false);
   }
   return moved;
 }
