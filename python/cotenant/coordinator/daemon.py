@@ -272,7 +272,7 @@ class Coordinator:
         self.admin_gid = grp.getgrnam(config.group).gr_gid if config.group else None
         self._server: Optional[asyncio.AbstractServer] = None
         self._stopping = asyncio.Event()
-        self._last_share_decision = 0.0
+        self._last_share_decision: Dict[int, float] = {}  # per GPU, time.monotonic()
         self._last_history = 0.0
         self._history_file = None
         self._state_dirty = False
@@ -431,17 +431,16 @@ class Coordinator:
         now = time.monotonic() if now is None else now
         now_ns = _core().monotonic_ns()
         for job in list(self.jobs.values()):
-            try:
-                job.report = job.block.report()
-            except _core().Error:
-                pass  # the job stopped mid-update (killed?): keep its last report; liveness decides below
+            if process_alive(job.pid):  # a dead job's block is not read: it may be stuck mid-update
+                try:
+                    job.report = job.block.report()
+                except _core().Error:
+                    pass  # stuck mid-update for 250 ms: keep the last report; liveness decides below
             reason = self._death_reason(job, now_ns)
             if reason:
                 self._reclaim(job, reason)
         for device in sorted({j.device for j in self.jobs.values()}):
             self._plan_device(device, now)
-        if now - self._last_share_decision >= self.config.share_interval_s:
-            self._last_share_decision = now
         if now - self._last_history >= self.config.history_interval_s:
             self._last_history = now
             self._record_history()
@@ -515,7 +514,8 @@ class Coordinator:
 
         # Compute shares, at a slower pace (a decision needs fresh iterations).
         warming_up = any(j.warming_up(now, self.config.baseline_timeout_s) for j in guaranteed)
-        if now - self._last_share_decision >= self.config.share_interval_s or warming_up:
+        if now - self._last_share_decision.get(device, float("-inf")) >= self.config.share_interval_s or warming_up:
+            self._last_share_decision[device] = now
             shares = policy.plan_shares(
                 {j.job_id: j.share for j in opportunistic},
                 [j.slowdown() for j in guaranteed],
