@@ -35,6 +35,7 @@ void DutyCycleWindow::end_busy(Nanoseconds at) {
   if (!open_) return;
   open_ = false;
   if (at > open_since_) closed_.emplace_back(open_since_, at);
+  prune(at);  // bounded memory even when nobody asks for busy_ns()
 }
 
 void DutyCycleWindow::prune(Nanoseconds now) {

@@ -33,6 +33,7 @@ default 1), COTENANT_GPU_SEGMENT (the segment's name, default
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -152,6 +153,9 @@ def _activate(role: Optional[str], device: int) -> None:
         _C.gate_activate(role, device, settings["segment_name"], settings["max_in_flight"],
                          settings["share_window_s"], settings["default_share"])
         _state.role, _state.device = role, device
+        # Leave the segment while the interpreter (and CUDA) still run: a
+        # guaranteed job that exits must not leave its busy flag behind.
+        atexit.register(_deactivate)
         if role == "opportunistic":
             _use_lowest_priority_stream(torch, device)
             _gate_graph_replays(torch)

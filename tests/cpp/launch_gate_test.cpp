@@ -445,3 +445,13 @@ TEST_CASE("iteration_begin_excludes_the_gap_before_an_iteration", "[gate][guaran
   CHECK(tracker.stats().last_ns == 6 * kMs);
   CHECK(sink.iterations.p99_ns == 6 * kMs);
 }
+
+TEST_CASE("duty_cycle_window_counts_only_the_last_window_after_many_intervals", "[gate]") {
+  DutyCycleWindow window(10 * kMs);
+  for (int i = 0; i < 10'000; ++i) {
+    window.begin_busy(i * kMs);
+    window.end_busy(i * kMs + kMs / 2);
+  }
+  // Only the last ten intervals (half busy each) are inside the window.
+  CHECK(window.busy_ns(10'000 * kMs) == 5 * kMs);
+}

@@ -130,7 +130,13 @@ def test_explicit_gate_and_graph_replay_are_admitted_as_one_op():
         assert cotenant.gate.stats()["admitted_ops"] == before + 1, cotenant.gate.stats()
         print("ok")
     """)
-    env = dict(os.environ, COTENANT_GPU_SEGMENT=f"/cotenant-test-gpu-explicit-{os.getpid()}")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    from cotenant import _core as core
+
+    segment = f"/cotenant-test-gpu-explicit-{os.getpid()}"
+    env = dict(os.environ, COTENANT_GPU_SEGMENT=segment)
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        core.GpuPeerSegment.remove(segment)
     assert out.returncode == 0, out.stderr
     assert "ok" in out.stdout
