@@ -70,19 +70,23 @@ class Node:
 
     def start_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, expect_registration=True,
                   prefix=(), python=None):
+        job = self.spawn_job(role, name, hold_mib, iteration_us, persistent_mib, prefix, python)
+        job.wait_started()
+        if expect_registration:
+            assert job.registration, f"job {name} did not register: {job.info} {self.read_log()}"
+        return job
+
+    def spawn_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, prefix=(), python=None):
+        """Starts a job without waiting for its registration."""
         control = os.path.join(self.directory, name)
         process = subprocess.Popen(
-            [*prefix, python or sys.executable, os.path.join(HERE, "simulated_job.py"), "--socket", self.socket, "--role", role,
-             "--name", name, "--hold-mib", str(hold_mib), "--iteration-us", str(iteration_us),
+            [*prefix, python or sys.executable, os.path.join(HERE, "simulated_job.py"), "--socket", self.socket,
+             "--role", role, "--name", name, "--hold-mib", str(hold_mib), "--iteration-us", str(iteration_us),
              "--persistent-mib", str(persistent_mib), "--control", control],
             env=child_env(), stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
-        line = process.stdout.readline()
-        info = json.loads(line) if line else {"registration": None, "exit": process.wait()}
-        job = SimulatedJob(process, control, info)
+        job = SimulatedJob(process, control, {})
         self.jobs.append(job)
-        if expect_registration:
-            assert info.get("registration"), f"job {name} did not register: {info} {self.read_log()}"
         return job
 
     def status(self):
@@ -123,6 +127,12 @@ class SimulatedJob:
         self.process = process
         self.control = control
         self.info = info
+
+    def wait_started(self):
+        """Reads the job's first line: its registration, or none (it then exits, running on its own)."""
+        line = self.process.stdout.readline()
+        self.info = json.loads(line) if line else {"registration": None, "exit": self.process.wait()}
+        return self.info
 
     @property
     def pid(self):

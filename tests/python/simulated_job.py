@@ -42,10 +42,17 @@ def main():
     parser.add_argument("--control", default="")
     args = parser.parse_args()
 
-    registration = client.register(
-        args.role, args.device, name=args.name, socket=args.socket,
-        persistent_bytes=args.persistent_mib * MiB or None,
-    )
+    try:
+        registration = client.register(
+            args.role, args.device, name=args.name, socket=args.socket,
+            persistent_bytes=args.persistent_mib * MiB or None,
+        )
+    except client.AdmissionRefused:
+        raise
+    except (client.CoordinatorError, OSError):
+        # As cotenant.enable() does: a coordinator that fails mid-registration
+        # (killed) leaves the job to run on its own.
+        registration = None
     if registration is None:
         print(json.dumps({"registration": None}), flush=True)
         return 0

@@ -159,9 +159,18 @@ def test_random_kill_points_never_crash_a_job_and_state_recovers(node):
     rng = random.Random(20260522)
     node.start_coordinator()
     live = [node.start_job("guaranteed", "g", hold_mib=128)]
-    for step in range(8):
-        action = rng.choice(["kill_coordinator", "kill_job", "start_job", "burst"])
-        if action == "kill_coordinator" and node.coordinator.poll() is None:
+    for step in range(14):
+        action = rng.choice(["kill_coordinator", "kill_job", "start_job", "burst", "kill_during_registration"])
+        if action == "kill_during_registration":
+            job = node.spawn_job("opportunistic", f"r{step}", hold_mib=32)
+            time.sleep(rng.uniform(0, 0.4))
+            node.kill_coordinator()
+            node.start_coordinator()
+            if job.wait_started().get("registration"):
+                live.append(job)  # registered before the kill: must be re-adopted
+            else:
+                assert job.process.wait(timeout=10) == 0  # ran on its own and finished: no crash
+        elif action == "kill_coordinator" and node.coordinator.poll() is None:
             time.sleep(rng.uniform(0, 0.2))
             node.kill_coordinator()
         elif action == "kill_job" and len(live) > 1:

@@ -255,6 +255,7 @@ class CoordinatorConfig:
     share_interval_s: float = 0.5
     history_interval_s: float = 0.25
     stale_heartbeat_s: float = 3.0
+    attach_timeout_s: float = 10.0     # a registered job's channel must start within this
     baseline_timeout_s: float = 30.0   # give up waiting for a guaranteed job's first iteration
     history_max_bytes: int = 64 << 20  # the history file rotates to <name>.1 beyond this
     detect_gpus: bool = True
@@ -456,6 +457,10 @@ class Coordinator:
         heartbeat = job.report.get("heartbeat_ns", 0)
         if heartbeat and (now_ns - heartbeat) / 1e9 > self.config.stale_heartbeat_s:
             return f"its heartbeat stopped {(now_ns - heartbeat) / 1e9:.1f} s ago"
+        if not heartbeat and time.monotonic() - job.registered_at > self.config.attach_timeout_s:
+            # E.g. the coordinator died between creating the block and replying:
+            # the job never learnt its block and runs on its own.
+            return f"it never attached to its block in {self.config.attach_timeout_s:.0f} s"
         return ""
 
     def _reclaim(self, job: Job, reason: str) -> None:
