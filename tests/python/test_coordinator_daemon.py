@@ -301,7 +301,7 @@ def test_job_on_a_gpu_the_coordinator_does_not_manage_is_refused_with_the_manage
     assert client.register("guaranteed", 1, name="on-one", socket=node.socket).name == "on-one"
 
 
-def test_status_and_history_larger_than_a_request_still_arrive(node):
+def test_status_larger_than_the_request_limit_still_arrives(node):
     node.start_coordinator()
     for i in range(120):  # registrations from this process, one per GPU index
         client.register("opportunistic", i, name=f"job-with-a-long-name-number-{i:03d}", socket=node.socket)
