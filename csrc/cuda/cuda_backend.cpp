@@ -100,8 +100,15 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   }
   granularity_ = gran;
 
-  staging_base_ = reserve(2 * granularity_);
+  staging_base_ = reserve(kStagingSlots * 2 * granularity_);
   if (staging_base_ == 0) throw Error("cotenant could not reserve address space for page copies.");
+  staging_slots_.resize(kStagingSlots);
+  for (std::size_t i = 0; i < kStagingSlots; ++i) {
+    staging_slots_[i].base = staging_base_ + i * 2 * granularity_;
+    cudaEvent_t done = nullptr;
+    check_runtime(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    staging_slots_[i].done = done;
+  }
   cudaStream_t stream = nullptr;
   check_runtime(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   copy_stream_ = stream;
@@ -110,7 +117,15 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 CudaBackend::~CudaBackend() {
   // Best effort: at process exit the driver may already be shutting down.
   if (copy_stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
-  if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, 2 * granularity_);
+  for (StagingSlot& slot : staging_slots_) {
+    if (slot.busy) {
+      cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
+      driver().cuMemUnmap(slot.base, granularity_);
+      driver().cuMemUnmap(slot.base + granularity_, granularity_);
+    }
+    cudaEventDestroy(static_cast<cudaEvent_t>(slot.done));
+  }
+  if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, kStagingSlots * 2 * granularity_);
   std::lock_guard<std::mutex> lock(pinned_mutex_);
   for (auto& [address, host] : pinned_host_) driver().cuMemFreeHost(host);
 }
@@ -205,13 +220,27 @@ void CudaBackend::unmap_now(DevicePtr address) {
   check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
 }
 
+void CudaBackend::retire(StagingSlot& slot) {
+  if (!slot.busy) return;
+  slot.busy = false;
+  cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
+  unmap_now(slot.base + granularity_);
+  unmap_now(slot.base);
+  check_runtime(err, "copying a page between device and host");
+}
+
 void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
   // A physical page may be mapped at several addresses at once, so the
-  // pages stay mapped where the allocator has them while we copy.
+  // pages stay mapped where the allocator has them while we copy; and a
+  // page released while a staging mapping still holds it lives until the
+  // staging slot is retired.
   std::lock_guard<std::mutex> lock(staging_mutex_);
   CurrentDevice current(device_);
-  const DevicePtr src_va = staging_base_;
-  const DevicePtr dst_va = staging_base_ + granularity_;
+  StagingSlot& slot = staging_slots_[next_slot_];
+  next_slot_ = (next_slot_ + 1) % staging_slots_.size();
+  retire(slot);
+  const DevicePtr src_va = slot.base;
+  const DevicePtr dst_va = slot.base + granularity_;
   map(src_va, src);
   try {
     map(dst_va, dst);
@@ -222,15 +251,31 @@ void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   cudaError_t err = cudaMemcpyAsync(reinterpret_cast<void*>(dst_va), reinterpret_cast<void*>(src_va),
                                     granularity_, cudaMemcpyDefault, stream);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-  if (err == cudaSuccess) {  // the copy finished: the staging mappings are idle
-    unmap_now(dst_va);
-    unmap_now(src_va);
-  } else {
-    unmap(dst_va);
-    unmap(src_va);
+  if (err == cudaSuccess && quiescent_.load(std::memory_order_acquire)) {
+    err = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream);
+    if (err == cudaSuccess) {
+      slot.busy = true;  // finish_copies() or the slot's next use waits for it
+      return;
+    }
   }
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  unmap_now(dst_va);  // the copy finished or failed: nothing uses the staging mappings
+  unmap_now(src_va);
   check_runtime(err, "copying a page between device and host");
+}
+
+void CudaBackend::finish_copies() {
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  CurrentDevice current(device_);
+  std::string first_error;
+  for (StagingSlot& slot : staging_slots_) {
+    try {
+      retire(slot);
+    } catch (const Error& e) {
+      if (first_error.empty()) first_error = e.what();
+    }
+  }
+  if (!first_error.empty()) throw Error(first_error);
 }
 
 DevicePtr CudaBackend::allocate_pinned_host(std::size_t bytes) {

@@ -11,7 +11,8 @@
 //    returns an empty handle and over-cap memory comes from mapped pinned
 //    host memory (cuMemHostAlloc with DEVICEMAP): AntMan's scheme.
 //  - Page copies map both pages into a private staging range and copy with
-//    cudaMemcpyAsync on a private stream, then synchronize that stream.
+//    cudaMemcpyAsync on a private stream, then synchronize that stream (at a
+//    safe point, set_quiescent(): pipelined over several staging slots).
 //  - unmap() synchronizes the device first: kernels launched before a block
 //    was freed may still touch its page, and cuMemUnmap does not wait for
 //    them (PyTorch's expandable segments synchronize for the same reason).
@@ -28,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "cotenant/backend.h"
 
@@ -52,7 +54,12 @@ class CudaBackend final : public Backend {
   // At a safe point the caller has synchronized the device and no launch can
   // start, so unmap() need not synchronize again for every page it moves.
   // Set only by the thread holding the launch pause, around the page moves.
+  // While quiescent, copy_page() also returns before its copy finished:
+  // copies run back to back on the copy stream while the next page is being
+  // mapped. finish_copies() must run before launches resume (and before
+  // set_quiescent(false)); it waits for them and unmaps the staging slots.
   void set_quiescent(bool quiescent) { quiescent_.store(quiescent, std::memory_order_release); }
+  void finish_copies();
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
   const char* host_page_kind() const;
 
@@ -92,11 +99,22 @@ class CudaBackend final : public Backend {
   std::atomic<bool> graph_capture_{false};
   std::atomic<bool> quiescent_{false};
 
-  // Two pages of address space for copy_page: source at base, destination at
-  // base + granularity. Guarded by staging_mutex_, which also serialises the
-  // copies on copy_stream_.
+  // Staging slots for copy_page: each is two pages of address space (source
+  // at base, destination at base + granularity) and the event of the last
+  // copy through it. A busy slot still has both pages mapped; it is retired
+  // (event waited for, pages unmapped) before reuse and in finish_copies().
+  // Guarded by staging_mutex_, which also serialises copies on copy_stream_.
+  struct StagingSlot {
+    DevicePtr base = 0;
+    void* done = nullptr;  // cudaEvent_t
+    bool busy = false;
+  };
+  static constexpr std::size_t kStagingSlots = 8;
+  void retire(StagingSlot& slot);  // staging_mutex_ held
   std::mutex staging_mutex_;
   DevicePtr staging_base_ = 0;
+  std::vector<StagingSlot> staging_slots_;
+  std::size_t next_slot_ = 0;
   void* copy_stream_ = nullptr;  // cudaStream_t
 
   // Pinned-fallback allocations: device address -> host pointer for cuMemFreeHost.

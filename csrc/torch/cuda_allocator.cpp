@@ -227,7 +227,12 @@ std::size_t CotenantCudaAllocator::run_safe_point(std::chrono::microseconds drai
     state->backend->set_quiescent(true);
     try {
       moved += state->main->apply_pending_migrations();
+      state->backend->finish_copies();  // before any launch may touch the moved pages
     } catch (...) {
+      try {
+        state->backend->finish_copies();
+      } catch (...) {
+      }
       state->backend->set_quiescent(false);
       throw;
     }
