@@ -4,6 +4,7 @@
 #include <ATen/record_function.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <pybind11/pybind11.h>
 #include <unistd.h>
 
@@ -138,6 +139,12 @@ ProcessGate* active = nullptr;                      // guarded by activation_mut
 std::atomic<ProcessGate*> active_for_hooks{nullptr};  // read lock-free by hooks
 std::atomic<double> requested_share{1.0};
 
+// Set in a child forked after activation (DataLoader workers): the child
+// has no pulse thread and must not touch CUDA, and its CPU ops must never
+// wait for the guaranteed job. The gate is off there.
+std::atomic<bool> in_forked_child{false};
+std::once_flag atfork_registered;
+
 // Per thread: this thread's outermost op was admitted and awaits launched();
 // depth of ops seen by the exit callback; depth of explicit gate_enter().
 thread_local bool admitted_op = false;
@@ -148,6 +155,7 @@ thread_local int explicit_depth = 0;
 void opportunistic_entry(const OpEntry& /*op*/, void* context) {
   auto* state = static_cast<ProcessGate*>(context);
   if (explicit_depth > 0 || admitted_op) return;  // inside admitted work
+  if (in_forked_child.load(std::memory_order_relaxed)) return;
   try {
     if (capturing(state->activation.device)) return;
     state->gate->admit();
@@ -157,6 +165,7 @@ void opportunistic_entry(const OpEntry& /*op*/, void* context) {
 }
 
 void guaranteed_entry(const OpEntry& /*op*/, void* context) {
+  if (in_forked_child.load(std::memory_order_relaxed)) return;
   try {
     static_cast<ProcessGate*>(context)->busy_tracker->on_op_launched();
   } catch (const std::exception&) {
@@ -232,6 +241,9 @@ void activate_gate(const GateActivation& activation) {
                 "one role on one GPU");
   }
   if (activation.role == GateRole::kNone) return;
+  std::call_once(atfork_registered, [] {
+    ::pthread_atfork(nullptr, nullptr, [] { in_forked_child.store(true, std::memory_order_relaxed); });
+  });
 
   auto state = std::make_unique<ProcessGate>();
   state->activation = activation;
@@ -318,6 +330,7 @@ double process_share() {
 
 void gate_enter() {
   if (explicit_depth++ > 0 || admitted_op) return;  // inside admitted work already
+  if (in_forked_child.load(std::memory_order_relaxed)) return;
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   if (state == nullptr || !state->gate || state->stopping.load(std::memory_order_acquire)) return;
   state->gate->admit();
@@ -326,6 +339,7 @@ void gate_enter() {
 void gate_exit() {
   if (explicit_depth == 0) return;
   if (--explicit_depth > 0 || admitted_op) return;
+  if (in_forked_child.load(std::memory_order_relaxed)) return;
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   if (state == nullptr || !state->gate) return;
   state->gate->launched();

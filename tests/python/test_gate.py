@@ -363,7 +363,7 @@ def test_the_torch_extension_exposes_the_gate_without_a_gpu():
 
 
 HOOKS_ON_CPU = textwrap.dedent("""
-    import sys, threading, time
+    import os, sys, threading, time
     import torch
     from cotenant import _C
     role, segment = sys.argv[1], sys.argv[2]
@@ -388,6 +388,15 @@ HOOKS_ON_CPU = textwrap.dedent("""
     _C.gate_set_share(1.0)
     worker.join(10)
     assert done.is_set(), "raising the share did not resume the op"
+    # A forked child (a DataLoader worker) runs its CPU ops ungated, even paused.
+    _C.gate_set_share(0.0)
+    child = os.fork()
+    if child == 0:
+        torch.ones(2) + 1
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    _C.gate_set_share(1.0)
     _C.gate_deactivate()
     print("ok")
 """)
