@@ -176,14 +176,16 @@ struct CachingAllocator::State {
   }
 
   // Before mapping `new_bytes` for a block of `block_bytes`: if reserved
-  // bytes would outgrow live bytes by more than the slack, release cached
+  // bytes would outgrow the peak of live bytes by more than the slack, release cached
   // pages (host ones first, then the coldest device ones) to make up the
   // difference. One scan per growing allocation; none in steady state.
   void reclaim_cache_for_growth(std::size_t new_bytes, std::size_t block_bytes) {
     if (options.growth_slack < 0 || cached_bytes[0] + cached_bytes[1] == 0) return;
+    // The envelope follows the peak of live bytes, not their current value:
+    // memory cached below an earlier peak is what the next iteration reuses.
+    const std::int64_t live_after = stats.allocated_bytes.all.current + static_cast<std::int64_t>(block_bytes);
     const double allowed =
-        static_cast<double>(stats.allocated_bytes.all.current + static_cast<std::int64_t>(block_bytes)) *
-        (1.0 + options.growth_slack);
+        static_cast<double>(std::max(stats.allocated_bytes.all.peak, live_after)) * (1.0 + options.growth_slack);
     double excess = static_cast<double>(stats.reserved_bytes.all.current) + static_cast<double>(new_bytes) - allowed;
     if (excess <= 0) return;
     struct Cached { std::uint64_t order; Segment* segment; std::size_t index; };

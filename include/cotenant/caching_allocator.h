@@ -45,7 +45,8 @@ struct AllocatorOptions {
   std::size_t large_segment_bytes = 20u << 20;   // segment for mid-sized large requests
   std::size_t large_segment_threshold = 10u << 20;  // requests from here get their own segment
   // When an allocation needs new pages and reserved bytes would exceed
-  // (allocated bytes + the new block) * (1 + growth_slack), cached pages
+  // max(peak allocated bytes, allocated bytes + the new block) *
+  // (1 + growth_slack), cached pages
   // (mapped, touched by no live block) are released first, coldest first, so
   // that memory is reused instead of hoarded. Steady-state loops reuse their
   // cached blocks and never reach this path. Negative disables it.
