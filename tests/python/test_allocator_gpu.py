@@ -326,3 +326,87 @@ def test_autoenable_enables_cotenant_from_the_environment():
     """, use_cotenant=False, pythonpath_prefix=[AUTOENABLE_DIR],
         env_extra={"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "1GiB"})
     assert out == {"enabled": True, "cap": 1 << 30, "allocated": True}
+
+
+# ---- with the coordinator -------------------------------------------------------------------
+
+CAPPED_JOB = r'''
+import json, time, torch, cotenant
+assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+x = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+deadline = time.time() + 60
+while time.time() < deadline:
+    s = cotenant.memory_stats()
+    if s["memory_cap"] is not None and s["memory_cap"] <= 128 << 20 and s["device_bytes"] <= s["memory_cap"]:
+        break
+    time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
+print(json.dumps({"cap": s["memory_cap"], "device": s["device_bytes"], "host": s["host_bytes"],
+                  "mode": s["mode"], "sum": int(x.sum().item())}))
+'''
+
+
+def test_a_cap_set_through_the_coordinator_reaches_a_running_job():
+    import tempfile
+    import time
+
+    from cotenant.coordinator import client
+
+    directory = tempfile.mkdtemp(prefix="ctg-", dir="/tmp")  # Unix socket paths are short
+    sock = os.path.join(directory, "c.sock")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
+    coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
+                                    "--gpus", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    job = None
+    try:
+        deadline = time.time() + 30
+        while not os.path.exists(sock) and time.time() < deadline:
+            time.sleep(0.05)
+        job = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--name", "capjob",
+                                "--socket", sock, "--", sys.executable, "-c", CAPPED_JOB],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if any(j.get("name") == "capjob" for j in client.status(sock).get("jobs", [])):
+                break
+            time.sleep(0.1)
+        client.set_cap("capjob", "128MiB", socket=sock)
+        out, err = job.communicate(timeout=180)
+        assert job.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for process in (job, coordinator):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+    assert result["cap"] == 128 * MIB
+    assert result["device"] <= result["cap"]
+    assert result["sum"] == 256 * MIB  # the bytes survived the move
+    if result["mode"] == "remap":
+        assert result["host"] >= 128 * MIB
+
+
+def test_cap_changes_from_another_thread_during_training_keep_losses_identical():
+    native = run_script("print(json.dumps(train('transformer', 40)))", use_cotenant=False)
+    out = run_script("""
+        import threading, time
+        stop = threading.Event()
+        def move_the_cap():
+            held = None
+            while not stop.is_set():
+                s = cotenant.memory_stats()
+                held = held or s["device_bytes"]
+                cotenant.set_memory_cap(max(held // 3, 8 << 20))
+                time.sleep(0.02)
+                cotenant.set_memory_cap(None)
+                cotenant.restore_all()
+                time.sleep(0.02)
+        mover = threading.Thread(target=move_the_cap)
+        mover.start()
+        try:
+            losses = train('transformer', 40)
+        finally:
+            stop.set()
+            mover.join()
+        print(json.dumps({"losses": losses, "spilled": cotenant.memory_stats()["spilled_bytes"]}))
+    """)
+    assert out["losses"] == native
