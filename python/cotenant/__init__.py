@@ -22,3 +22,8 @@ from cotenant.api import (  # noqa: E402
     set_memory_cap,
     spill_all,
 )
+
+# The launch gate: `cotenant.gate()` admits hand-launched work (the module is
+# callable), `cotenant.iteration()` marks iterations. No torch at import either.
+from cotenant import gate  # noqa: E402
+from cotenant.gate import iteration  # noqa: E402
