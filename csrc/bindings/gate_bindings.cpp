@@ -322,6 +322,29 @@ COTENANT_CORE_BINDINGS(launch_gate) {
   }, py::arg("segment"), py::arg("slot"), py::arg("gate"),
   "Writes the gate's numbers into the segment's opportunistic slot, for tools.");
 
+  m.def("measure_gate_ns_per_op", [](std::size_t ops, std::size_t max_in_flight, double share) {
+    // The gate's own cost per admitted op (admit + launched + a poll), with
+    // markers that complete at once and an idle peer: what an op pays when
+    // it does not have to wait. Timed in C++ (steady_clock around the loop).
+    ManualInFlightWork work;
+    NoPeer peer;
+    LaunchGateOptions options;
+    options.max_in_flight = max_in_flight;
+    options.initial_share = share;
+    LaunchGate gate(MonotonicClock::instance(), work, peer, options);
+    py::gil_scoped_release release;
+    const auto start = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < ops; ++i) {
+      gate.admit();
+      gate.launched();
+      work.complete(1);
+    }
+    const auto took = std::chrono::steady_clock::now() - start;
+    return static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count()) /
+           static_cast<double>(ops ? ops : 1);
+  }, py::arg("ops") = 1'000'000, py::arg("max_in_flight") = 2, py::arg("share") = 1.0,
+  "Nanoseconds the gate's logic costs per admitted op when nothing makes it wait.");
+
   py::class_<BusyTrackerHandle>(m, "BusyTracker", "The guaranteed job's busy tracker, publishing to a segment.")
       .def(py::init([](GpuPeerSegment& segment, ManualInFlightWork& work, py::object clock,
                        Nanoseconds min_marker_interval_ns, Nanoseconds unmarked_grace_ns) {

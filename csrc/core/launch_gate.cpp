@@ -34,20 +34,28 @@ void DutyCycleWindow::begin_busy(Nanoseconds at) {
 void DutyCycleWindow::end_busy(Nanoseconds at) {
   if (!open_) return;
   open_ = false;
-  if (at > open_since_) closed_.emplace_back(open_since_, at);
+  if (at > open_since_) {
+    closed_.emplace_back(open_since_, at);
+    closed_sum_ += at - open_since_;
+  }
   prune(at);  // bounded memory even when nobody asks for busy_ns()
 }
 
 void DutyCycleWindow::prune(Nanoseconds now) {
   const Nanoseconds start = now - window_ns_;
-  while (!closed_.empty() && closed_.front().second <= start) closed_.pop_front();
+  while (!closed_.empty() && closed_.front().second <= start) {
+    closed_sum_ -= closed_.front().second - closed_.front().first;
+    closed_.pop_front();
+  }
 }
 
+// O(1): the intervals are disjoint and ordered, so only the oldest one can
+// straddle the window's start.
 Nanoseconds DutyCycleWindow::busy_ns(Nanoseconds now) {
   prune(now);
   const Nanoseconds start = now - window_ns_;
-  Nanoseconds busy = 0;
-  for (const auto& [begin, end] : closed_) busy += std::min(end, now) - std::max(begin, start);
+  Nanoseconds busy = closed_sum_;
+  if (!closed_.empty() && closed_.front().first < start) busy -= start - closed_.front().first;
   if (open_ && now > open_since_) busy += now - std::max(open_since_, start);
   return busy;
 }

@@ -89,7 +89,8 @@ class NoPeer final : public PeerState {
 };
 
 // Busy time within a sliding window, from busy intervals [begin, end).
-// Invariant: intervals are disjoint and ordered; at most one is open.
+// Invariant: intervals are disjoint and ordered; at most one is open;
+// closed_sum_ is the total length of the closed ones kept.
 class DutyCycleWindow {
  public:
   explicit DutyCycleWindow(Nanoseconds window_ns);
@@ -105,6 +106,7 @@ class DutyCycleWindow {
   void prune(Nanoseconds now);
   Nanoseconds window_ns_;
   std::deque<std::pair<Nanoseconds, Nanoseconds>> closed_;
+  Nanoseconds closed_sum_ = 0;  // the sum of closed_'s interval lengths
   bool open_ = false;
   Nanoseconds open_since_ = 0;
 };
