@@ -190,18 +190,22 @@ def _resolve_device(device: Any) -> int:
 
 
 def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str] = None,
-           socket: Optional[str] = None) -> bool:
+           socket: Optional[str] = None, memory_cap: SizeLike = None) -> bool:
     """Makes cotenant the process's CUDA allocator. Call it before the first CUDA tensor.
 
     role: None (no launch gate), "guaranteed" or "opportunistic".
     device: the CUDA device the job uses (default: COTENANT_DEVICE, else 0).
     name, socket: the job's name and the coordinator's socket when one runs.
+    memory_cap: an initial cap (as set_memory_cap takes it), also told to the
+    coordinator at registration.
 
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
     Raises NoGpuError without a usable GPU, and RuntimeError when PyTorch's own
     allocator already holds CUDA memory (the message says how to fix it).
     """
     role = parse_role(role)
+    if not isinstance(memory_cap, float):
+        parse_memory_cap(memory_cap)  # a bad cap fails before CUDA is touched
     index = parse_device(device)
     if index is None:
         index = parse_device(os.environ.get("COTENANT_DEVICE") or 0)
@@ -221,7 +225,10 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         _C.install()  # raises _C.Error (a RuntimeError) if CUDA memory already exists
         _state.enabled, _state.device, _state.role = True, index, role
         _install_optimizer_safe_point()
-        _join_coordinator(_C, role, index, name, socket)
+        cap_bytes = None
+        if memory_cap is not None:
+            cap_bytes = set_memory_cap(memory_cap, index)
+        _join_coordinator(_C, role, index, name, socket, cap_bytes)
         _activate_gate(role, index)
         atexit.register(_shutdown)
     return True
@@ -251,12 +258,9 @@ def enable_from_environment() -> bool:
             pass
         if not isinstance(cap, float):
             parse_memory_cap(cap)  # a bad COTENANT_MEMORY_CAP fails before CUDA is touched
-    enabled = enable(role=role, device=os.environ.get("COTENANT_DEVICE") or None,
-                     name=os.environ.get("COTENANT_JOB_NAME") or None,
-                     socket=os.environ.get("COTENANT_SOCKET") or None)
-    if enabled and cap is not None:
-        set_memory_cap(cap)
-    return enabled
+    return enable(role=role, device=os.environ.get("COTENANT_DEVICE") or None,
+                  name=os.environ.get("COTENANT_JOB_NAME") or None,
+                  socket=os.environ.get("COTENANT_SOCKET") or None, memory_cap=cap)
 
 
 def is_enabled() -> bool:
@@ -391,7 +395,7 @@ def _install_optimizer_safe_point() -> None:
     _state.optimizer_hook = torch.optim.Optimizer.register_optimizer_step_post_hook(after_step)
 
 
-def _join_coordinator(_C, role, device, name, socket) -> None:
+def _join_coordinator(_C, role, device, name, socket, cap_bytes) -> None:
     """Registers with the node's coordinator when one runs, and starts the
     C++ job channel that applies its caps and commands."""
     try:
@@ -407,7 +411,7 @@ def _join_coordinator(_C, role, device, name, socket) -> None:
         return  # no coordinator running (or none this user may reach): the job runs on its own
     try:
         registration = client.register(role or "guaranteed", device, name=name, socket=socket,
-                                       device_total_bytes=_C.device_total_bytes(device))
+                                       memory_cap=cap_bytes, device_total_bytes=_C.device_total_bytes(device))
     except Exception as error:
         if refused is not None and isinstance(error, refused):
             raise  # the coordinator says this job can never fit: the user must know

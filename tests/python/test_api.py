@@ -420,3 +420,17 @@ def test_environment_enabling_skips_processes_that_multiprocessing_starts():
         assert result.stdout.strip() == "True", result.stderr
     else:
         assert "NoGpuError: cotenant found no usable NVIDIA GPU" in result.stderr
+
+
+def test_enable_rejects_a_bad_initial_cap_before_touching_cuda():
+    result = _run_python("""
+        import sys, cotenant
+        try:
+            cotenant.enable(memory_cap="6 apples")
+        except ValueError as error:
+            print("ValueError:", error)
+        print("torch imported:", 'torch' in sys.modules)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "ValueError: cannot use '6 apples' as a memory cap" in result.stdout
+    assert "torch imported: False" in result.stdout
