@@ -18,10 +18,11 @@ MiB = 1 << 20
 
 
 def child_env():
-    env = dict(os.environ)
+    # Simulated jobs and CLI children start with none of the test run's own
+    # cotenant settings: each test sets what it means to.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
     roots = [os.path.dirname(p) for p in cotenant.__path__]
     env["PYTHONPATH"] = os.pathsep.join(roots + [HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.pop("COTENANT_SOCKET", None)
     return env
 
 
