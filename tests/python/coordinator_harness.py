@@ -70,21 +70,28 @@ class Node:
         self.coordinator.wait()
 
     def start_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, expect_registration=True,
-                  prefix=(), python=None):
-        job = self.spawn_job(role, name, hold_mib, iteration_us, persistent_mib, prefix, python)
+                  prefix=(), python=None, code_dir=None):
+        job = self.spawn_job(role, name, hold_mib, iteration_us, persistent_mib, prefix, python, code_dir)
         job.wait_started()
         if expect_registration:
             assert job.registration, f"job {name} did not register: {job.info} {self.read_log()}"
         return job
 
-    def spawn_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, prefix=(), python=None):
-        """Starts a job without waiting for its registration."""
+    def spawn_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, prefix=(), python=None,
+                  code_dir=None):
+        """Starts a job without waiting for its registration. code_dir: a directory holding the
+        cotenant package and simulated_job.py to run from instead of this checkout (see
+        readable_code_copy())."""
         control = os.path.join(self.directory, name)
+        env = child_env()
+        if code_dir:
+            env["PYTHONPATH"] = code_dir
         process = subprocess.Popen(
-            [*prefix, python or sys.executable, os.path.join(HERE, "simulated_job.py"), "--socket", self.socket,
+            [*prefix, python or sys.executable, os.path.join(code_dir or HERE, "simulated_job.py"),
+             "--socket", self.socket,
              "--role", role, "--name", name, "--hold-mib", str(hold_mib), "--iteration-us", str(iteration_us),
              "--persistent-mib", str(persistent_mib), "--control", control],
-            env=child_env(), stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=env, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
         job = SimulatedJob(process, control, {})
         self.jobs.append(job)
@@ -170,3 +177,21 @@ def connect_raw(socket_path):
     sock.settimeout(5)
     sock.connect(socket_path)
     return sock
+
+
+def readable_code_copy():
+    """A world-readable copy of the cotenant package (sources and compiled modules,
+    wherever they are installed) and of simulated_job.py, for a job run as another
+    uid, which may not be able to read this checkout or the installed package
+    (e.g. under a home directory of mode 0700). The caller removes it."""
+    root = tempfile.mkdtemp(prefix="cotenant-code-")
+    package = os.path.join(root, "cotenant")
+    for part in cotenant.__path__:  # sources and a build tree's modules are merged
+        shutil.copytree(part, package, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(HERE, "simulated_job.py"), root)
+    for directory, subdirectories, files in os.walk(root):
+        os.chmod(directory, 0o755)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o644)
+    return root

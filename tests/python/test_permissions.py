@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from coordinator_harness import MiB, Node, wait_until
+from coordinator_harness import MiB, Node, readable_code_copy, wait_until
 
 OTHER_UID = 65534  # nobody
 OTHER_GID = 65534  # nogroup
@@ -117,9 +117,14 @@ def test_member_of_the_admin_group_may_change_caps(node):
 def test_job_of_another_uid_gets_its_own_block_and_runs_under_the_coordinator(node):
     node.args += ["--group", _admin_group_name()]
     node.start_coordinator()
-    job = node.start_job("opportunistic", "theirs", hold_mib=48, python=PYTHON,
-                         prefix=["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_GID}", f"--groups={OTHER_GID}"])
-    assert job.registration["name"] == "theirs"
-    assert os.stat("/dev/shm" + job.registration["block_name"]).st_uid == OTHER_UID
-    assert wait_until(lambda: node.job("theirs")["device_bytes"] == 48 * MiB), node.read_log()
-    assert node.job("theirs")["uid"] == OTHER_UID
+    code = readable_code_copy()
+    try:
+        job = node.start_job("opportunistic", "theirs", hold_mib=48, python=PYTHON, code_dir=code,
+                             prefix=["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_GID}",
+                                     f"--groups={OTHER_GID}"])
+        assert job.registration["name"] == "theirs"
+        assert os.stat("/dev/shm" + job.registration["block_name"]).st_uid == OTHER_UID
+        assert wait_until(lambda: node.job("theirs")["device_bytes"] == 48 * MiB), node.read_log()
+        assert node.job("theirs")["uid"] == OTHER_UID
+    finally:
+        shutil.rmtree(code)  # a running job has already loaded what it needs
