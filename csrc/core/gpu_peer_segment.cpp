@@ -10,22 +10,11 @@
 #include <string>
 
 #include "cotenant/errors.h"
+#include "cotenant/shm/double_bits.h"
 #include "cotenant/shm/gpu_block.h"
 
 namespace cotenant::shm {
 namespace {
-
-std::uint64_t double_bits(double value) {
-  std::uint64_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-
-double bits_double(std::uint64_t bits) {
-  double value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
 
 double clamp_share(double share) {
   if (!(share >= 0.0)) return 0.0;
@@ -110,7 +99,7 @@ void initialise(GpuBlock& block, std::uint32_t device, double default_share) {
   block.block_bytes.store(sizeof(GpuBlock));
   block.device.store(device);
   block.generation.store(generation);
-  block.default_share_bits.store(double_bits(clamp_share(default_share)));
+  block.default_share_bits.store(double_to_bits(clamp_share(default_share)));
   block.coordinator_pid.store(0);
   block.guaranteed.pid.store(0);
   clear_guaranteed(block.guaranteed);
@@ -302,17 +291,17 @@ void GpuPeerSegment::set_share(std::size_t slot, double share, bool from_coordin
     throw Error("opportunistic slot " + std::to_string(slot) + " does not exist; slots are 0 to " +
                 std::to_string(kMaxOpportunisticJobs - 1));
   }
-  block().opportunistic[slot].share_bits.store(double_bits(clamp_share(share)));
+  block().opportunistic[slot].share_bits.store(double_to_bits(clamp_share(share)));
   if (from_coordinator) block().opportunistic[slot].share_from_coordinator.store(1);
 }
 
 double GpuPeerSegment::share(std::size_t slot) const {
   if (slot >= kMaxOpportunisticJobs) return 0.0;
-  return bits_double(block().opportunistic[slot].share_bits.load(std::memory_order_relaxed));
+  return bits_to_double(block().opportunistic[slot].share_bits.load(std::memory_order_relaxed));
 }
 
 void GpuPeerSegment::set_default_share(double share) {
-  block().default_share_bits.store(double_bits(clamp_share(share)));
+  block().default_share_bits.store(double_to_bits(clamp_share(share)));
 }
 
 void GpuPeerSegment::set_coordinator_pid(std::uint64_t pid) { block().coordinator_pid.store(pid); }
@@ -374,7 +363,7 @@ GpuSegmentView GpuPeerSegment::view() const {
   GpuSegmentView out;
   out.device = static_cast<std::uint32_t>(b.device.load());
   out.generation = b.generation.load();
-  out.default_share = bits_double(b.default_share_bits.load());
+  out.default_share = bits_to_double(b.default_share_bits.load());
   out.coordinator_pid = b.coordinator_pid.load();
   const GuaranteedSlot& g = b.guaranteed;
   out.guaranteed.pid = g.pid.load();
@@ -392,7 +381,7 @@ GpuSegmentView GpuPeerSegment::view() const {
     if (v.pid == 0) continue;
     v.heartbeat_ns = static_cast<Nanoseconds>(o.heartbeat_ns.load());
     v.live = holder_alive(v.pid, v.heartbeat_ns);
-    v.share = bits_double(o.share_bits.load());
+    v.share = bits_to_double(o.share_bits.load());
     v.share_from_coordinator = o.share_from_coordinator.load() != 0;
     v.admitted_ops = o.admitted_ops.load();
     v.waiting_ops = o.waiting_ops.load();

@@ -8,23 +8,12 @@
 #include <thread>
 
 #include "cotenant/errors.h"
+#include "cotenant/shm/double_bits.h"
 
 namespace cotenant::shm {
 namespace {
 
 constexpr auto kRelaxed = std::memory_order_relaxed;
-
-std::uint64_t bits_of(double value) {
-  std::uint64_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-
-double double_of(std::uint64_t bits) {
-  double value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
 
 // Seqlock, single writer per section. A writer killed mid-update leaves the
 // sequence odd: the next writer (a restarted coordinator) first rounds it up
@@ -179,7 +168,7 @@ void write_control(JobBlock& block, const JobControl& control) {
   auto& c = block.control;
   seqlock_write(c.sequence, [&] {
     c.memory_cap.store(control.memory_cap, kRelaxed);
-    c.share_bits.store(bits_of(control.share), kRelaxed);
+    c.share_bits.store(double_to_bits(control.share), kRelaxed);
     c.command.store(static_cast<std::uint64_t>(control.command), kRelaxed);
     c.command_sequence.store(control.command_sequence, kRelaxed);
   });
@@ -190,7 +179,7 @@ JobControl read_control(const JobBlock& block) {
   JobControl control;
   seqlock_read(c.sequence, "control", [&] {
     control.memory_cap = c.memory_cap.load(kRelaxed);
-    control.share = double_of(c.share_bits.load(kRelaxed));
+    control.share = bits_to_double(c.share_bits.load(kRelaxed));
     control.command = static_cast<JobCommand>(c.command.load(kRelaxed));
     control.command_sequence = c.command_sequence.load(kRelaxed);
   });
@@ -214,11 +203,11 @@ void write_report(JobBlock& block, const JobReport& r) {
     b.spilled_bytes.store(r.spilled_bytes, kRelaxed);
     b.restored_bytes.store(r.restored_bytes, kRelaxed);
     b.pending_migration_bytes.store(r.pending_migration_bytes, kRelaxed);
-    b.iteration_last_us_bits.store(bits_of(r.iteration_last_us), kRelaxed);
-    b.iteration_ewma_us_bits.store(bits_of(r.iteration_ewma_us), kRelaxed);
+    b.iteration_last_us_bits.store(double_to_bits(r.iteration_last_us), kRelaxed);
+    b.iteration_ewma_us_bits.store(double_to_bits(r.iteration_ewma_us), kRelaxed);
     b.iteration_count.store(r.iteration_count, kRelaxed);
     b.applied_memory_cap.store(r.applied_memory_cap, kRelaxed);
-    b.applied_share_bits.store(bits_of(r.applied_share), kRelaxed);
+    b.applied_share_bits.store(double_to_bits(r.applied_share), kRelaxed);
     b.applied_command_sequence.store(r.applied_command_sequence, kRelaxed);
     b.apply_errors.store(r.apply_errors, kRelaxed);
   });
@@ -243,11 +232,11 @@ JobReport read_report(const JobBlock& block) {
     r.spilled_bytes = b.spilled_bytes.load(kRelaxed);
     r.restored_bytes = b.restored_bytes.load(kRelaxed);
     r.pending_migration_bytes = b.pending_migration_bytes.load(kRelaxed);
-    r.iteration_last_us = double_of(b.iteration_last_us_bits.load(kRelaxed));
-    r.iteration_ewma_us = double_of(b.iteration_ewma_us_bits.load(kRelaxed));
+    r.iteration_last_us = bits_to_double(b.iteration_last_us_bits.load(kRelaxed));
+    r.iteration_ewma_us = bits_to_double(b.iteration_ewma_us_bits.load(kRelaxed));
     r.iteration_count = b.iteration_count.load(kRelaxed);
     r.applied_memory_cap = b.applied_memory_cap.load(kRelaxed);
-    r.applied_share = double_of(b.applied_share_bits.load(kRelaxed));
+    r.applied_share = bits_to_double(b.applied_share_bits.load(kRelaxed));
     r.applied_command_sequence = b.applied_command_sequence.load(kRelaxed);
     r.apply_errors = b.apply_errors.load(kRelaxed);
   });
