@@ -64,6 +64,9 @@ step "pip install --no-build-isolation ."
 
 # ---- 5. Python tests ----------------------------------------------------------------------
 step "pytest tests/python"
+# This script's own settings are not the tests' business (some tests look at
+# the COTENANT_* variables a child process gets).
+unset COTENANT_BUILD_ROOT COTENANT_VENV COTENANT_SKIP_APT
 # From outside the source tree, so `import cotenant` is the installed package.
 set +e
 (cd / && "$PYTHON" -m pytest -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")
