@@ -17,7 +17,6 @@ its own worker process: `bench_allocator.py --worker NAME --allocator native|cot
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import statistics
@@ -25,6 +24,9 @@ import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from result_file import gpu_environment, result_base, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")
@@ -293,19 +295,6 @@ def _run_worker(name: str, allocator: str, extra: List[str]) -> Dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _environment() -> Dict[str, str]:
-    import torch
-
-    driver = "unknown"
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        pass
-    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "driver": driver,
-            "cuda": torch.version.cuda}
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -342,14 +331,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     measured["shrink"] = _run_worker("shrink", "cotenant", quick)
     measured["spilled"] = _run_worker("spilled", "cotenant", quick)
 
-    result = {**_environment(), "benchmark": "allocator", "figures": compute_figures(measured),
+    result = {**gpu_environment(), "benchmark": "allocator", "figures": compute_figures(measured),
               "measured": measured, "quick": args.quick}
-    os.makedirs(args.out, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = os.path.join(args.out, f"allocator-{slug}-{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True)
+    path = result_base(args.out, "allocator", result["device"]) + ".json"
+    write_json(result, path)
     print(json.dumps(result["figures"], indent=2))
     print(f"wrote {path}")
     return 0

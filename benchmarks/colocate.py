@@ -39,7 +39,6 @@ Each job runs in its own process: `colocate.py --worker WORKLOAD --role ROLE --m
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -49,6 +48,9 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from result_file import gpu_environment, result_base, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")
@@ -442,19 +444,6 @@ def _auto_share_controller(guaranteed, segment_name: str, solo_p50_s: float, per
             segment.set_share(job["slot"], share)
 
 
-def _environment() -> Dict[str, str]:
-    import torch
-
-    driver = "unknown"
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        pass
-    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "driver": driver,
-            "cuda": torch.version.cuda}
-
-
 def _plot(figures: Dict[str, float], modes: Sequence[str], path: str, title: str) -> None:
     import matplotlib
 
@@ -520,18 +509,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figures.update(overhead_figures(solo["guaranteed"], tracked, plain_tiny, gated_tiny))
     except RuntimeError as error:
         runs["overhead"] = {"skipped": str(error)}
-    env = _environment()
+    env = gpu_environment()
     result = {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair,
               "seconds_per_run": args.seconds, "guaranteed_gap_s": gap_s, "figures": figures,
               "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},
               "skipped": {m: r["skipped"] for m, r in runs.items() if "skipped" in r},
               "solo": solo, "runs": {m: r for m, r in runs.items() if "skipped" not in r}}
-    os.makedirs(args.out, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    device = "".join(c if c.isalnum() else "-" for c in env["device"]).strip("-").lower()
-    base = os.path.join(args.out, f"colocate-{args.pair.replace('+', '-')}-{device}-{stamp}")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=2, sort_keys=True, default=str)
+    base = result_base(args.out, f"colocate-{args.pair.replace('+', '-')}", env["device"])
+    write_json(result, base + ".json")
     _plot(figures, args.modes, base + ".png", f"{args.pair} on {env['device']}")
     print(json.dumps(figures, indent=2, sort_keys=True))
     print(f"wrote {base}.json and {base}.png")
