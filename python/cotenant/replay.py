@@ -420,6 +420,8 @@ def format_table(result: Dict[str, Any]) -> str:
         ("peak allocated", size(result["peak_allocated_bytes"])),
         ("peak reserved", size(result["peak_reserved_bytes"])),
         ("fragmentation", f'{result["fragmentation"]:.3f}  (peak reserved / peak allocated)'),
+        ("peak on device", size(result["peak_device_resident_bytes"])),
+        ("host allocations", f'{result["num_spilled_allocations"]}  (placed on the host: the cap was full)'),
         ("bytes spilled", size(result["spilled_bytes"])),
         ("bytes restored", size(result["restored_bytes"])),
         ("migrations", str(result["num_migrations"])),
