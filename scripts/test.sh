@@ -67,6 +67,11 @@ step "pytest tests/python"
 # This script's own settings are not the tests' business (some tests look at
 # the COTENANT_* variables a child process gets).
 unset COTENANT_BUILD_ROOT COTENANT_VENV COTENANT_SKIP_APT
+# Where the CUDA toolkit is installed the torch extension must have been built:
+# its tests then fail instead of skipping when cotenant._C is missing.
+if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export COTENANT_REQUIRE_TORCH_EXTENSION=1
+fi
 # From outside the source tree, so `import cotenant` is the installed package.
 set +e
 (cd / && "$PYTHON" -m pytest -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")
