@@ -125,6 +125,27 @@ def parse_memory_cap(size: SizeLike, device_total_bytes: Optional[int] = None) -
         f"such as 0.5; got {type(size).__name__}")
 
 
+def parse_persistent_memory(size: Union[int, str, None]) -> Optional[int]:
+    """Reads the memory a job holds for its whole life (parameters, optimizer
+    state): bytes (int) or a size string ("10GiB"). The coordinator admits an
+    opportunistic job only when this much fits next to the guaranteed jobs."""
+    if size is None:
+        return None
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 0:
+            raise ValueError(f"persistent memory cannot be {size} bytes; pass a size such as \"10GiB\"")
+        return size
+    if isinstance(size, str):
+        from cotenant import _core  # the one size parser
+
+        try:
+            return _core.parse_size(size)
+        except _core.Error as error:
+            raise ValueError(f"cannot use {size!r} as persistent memory: {error}") from None
+    raise TypeError(f"persistent memory must be bytes (int) or a size string such as \"10GiB\"; "
+                    f"got {type(size).__name__}")
+
+
 def parse_device(device: Any) -> Optional[int]:
     """Device index from None, an int, "cuda", "cuda:1" or a torch.device."""
     if device is None:
@@ -190,7 +211,8 @@ def _resolve_device(device: Any) -> int:
 
 
 def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str] = None,
-           socket: Optional[str] = None, memory_cap: SizeLike = None) -> bool:
+           socket: Optional[str] = None, memory_cap: SizeLike = None,
+           persistent_memory: Union[int, str, None] = None) -> bool:
     """Makes cotenant the process's CUDA allocator. Call it before the first CUDA tensor.
 
     role: None (no launch gate), "guaranteed" or "opportunistic".
@@ -198,6 +220,9 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     name, socket: the job's name and the coordinator's socket when one runs.
     memory_cap: an initial cap (as set_memory_cap takes it), also told to the
     coordinator at registration.
+    persistent_memory: the memory the job holds for its whole life (bytes or
+    "10GiB"); a coordinator admits an opportunistic job only when it fits, and
+    queues or refuses it otherwise (with the reason).
 
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
     Raises NoGpuError without a usable GPU, and RuntimeError when PyTorch's own
@@ -206,6 +231,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     role = parse_role(role)
     if not isinstance(memory_cap, float):
         parse_memory_cap(memory_cap)  # a bad cap fails before CUDA is touched
+    persistent_bytes = parse_persistent_memory(persistent_memory)
     index = parse_device(device)
     if index is None:
         index = parse_device(os.environ.get("COTENANT_DEVICE") or 0)
@@ -228,7 +254,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         cap_bytes = None
         if memory_cap is not None:
             cap_bytes = set_memory_cap(memory_cap, index)
-        _join_coordinator(_C, role, index, name, socket, cap_bytes)
+        _join_coordinator(_C, role, index, name, socket, cap_bytes, persistent_bytes)
         _activate_gate(role, index)
         atexit.register(_shutdown)
     return True
@@ -238,7 +264,8 @@ def enable_from_environment() -> bool:
     """Enables cotenant as `cotenant run` asks, through the environment:
 
     COTENANT_ENABLE=1, COTENANT_ROLE, COTENANT_MEMORY_CAP, COTENANT_DEVICE,
-    COTENANT_SOCKET, COTENANT_JOB_NAME. COTENANT_DISABLE=1 wins over all.
+    COTENANT_SOCKET, COTENANT_JOB_NAME, COTENANT_PERSISTENT_MEMORY.
+    COTENANT_DISABLE=1 wins over all.
     Returns True when cotenant was enabled.
     """
     if disabled_by_environment() or not _env_true("COTENANT_ENABLE"):
@@ -260,7 +287,8 @@ def enable_from_environment() -> bool:
             parse_memory_cap(cap)  # a bad COTENANT_MEMORY_CAP fails before CUDA is touched
     return enable(role=role, device=os.environ.get("COTENANT_DEVICE") or None,
                   name=os.environ.get("COTENANT_JOB_NAME") or None,
-                  socket=os.environ.get("COTENANT_SOCKET") or None, memory_cap=cap)
+                  socket=os.environ.get("COTENANT_SOCKET") or None, memory_cap=cap,
+                  persistent_memory=os.environ.get("COTENANT_PERSISTENT_MEMORY") or None)
 
 
 def is_enabled() -> bool:
@@ -395,7 +423,7 @@ def _install_optimizer_safe_point() -> None:
     _state.optimizer_hook = torch.optim.Optimizer.register_optimizer_step_post_hook(after_step)
 
 
-def _join_coordinator(_C, role, device, name, socket, cap_bytes) -> None:
+def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_bytes=None) -> None:
     """Registers with the node's coordinator when one runs, and starts the
     C++ job channel that applies its caps and commands."""
     try:
@@ -411,7 +439,8 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes) -> None:
         return  # no coordinator running (or none this user may reach): the job runs on its own
     try:
         registration = client.register(role or "guaranteed", device, name=name, socket=socket,
-                                       memory_cap=cap_bytes, device_total_bytes=_C.device_total_bytes(device))
+                                       memory_cap=cap_bytes, persistent_bytes=persistent_bytes,
+                                       device_total_bytes=_C.device_total_bytes(device))
     except Exception as error:
         if refused is not None and isinstance(error, refused):
             raise  # the coordinator says this job can never fit: the user must know

@@ -143,6 +143,9 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     if args.cap:
         _parse_size(args.cap)  # refuse a bad size here, not in the child
         env["COTENANT_MEMORY_CAP"] = args.cap
+    if args.persistent:
+        _parse_size(args.persistent)
+        env["COTENANT_PERSISTENT_MEMORY"] = args.persistent
     env["COTENANT_DEVICE"] = str(args.device)
     if args.socket:
         env["COTENANT_SOCKET"] = args.socket
@@ -262,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--guaranteed", action="store_true", help="the job whose speed is protected")
     role.add_argument("--opportunistic", action="store_true", help="a job that uses what is left")
     p.add_argument("--cap", help="device-memory cap, e.g. 6GiB")
+    p.add_argument("--persistent", help="memory the job holds for its whole life, e.g. 10GiB: the coordinator "
+                                        "admits an opportunistic job only when it fits")
     p.add_argument("--name", help="job name shown by `cotenant status`")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")

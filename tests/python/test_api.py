@@ -434,3 +434,29 @@ def test_enable_rejects_a_bad_initial_cap_before_touching_cuda():
     assert result.returncode == 0, result.stderr
     assert "ValueError: cannot use '6 apples' as a memory cap" in result.stdout
     assert "torch imported: False" in result.stdout
+
+
+def test_persistent_memory_is_read_by_the_one_size_parser():
+    assert api.parse_persistent_memory(None) is None
+    assert api.parse_persistent_memory("10GiB") == 10 << 30
+    assert api.parse_persistent_memory(4096) == 4096
+    with pytest.raises(ValueError, match="cannot use '10 gigs' as persistent memory"):
+        api.parse_persistent_memory("10 gigs")
+    with pytest.raises(ValueError, match="cannot be -1 bytes"):
+        api.parse_persistent_memory(-1)
+    with pytest.raises(TypeError):
+        api.parse_persistent_memory(1.5)
+
+
+def test_environment_enabling_rejects_bad_persistent_memory_before_touching_cuda():
+    result = _run_python("""
+        import sys, cotenant
+        try:
+            cotenant.enable_from_environment()
+        except ValueError as error:
+            print("ValueError:", error)
+        print("torch imported:", 'torch' in sys.modules)
+    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_PERSISTENT_MEMORY": "lots"})
+    assert result.returncode == 0, result.stderr
+    assert "ValueError: cannot use 'lots' as persistent memory" in result.stdout
+    assert "torch imported: False" in result.stdout

@@ -334,3 +334,15 @@ def test_sigterm_stops_the_coordinator_but_leaves_jobs_and_their_blocks(node):
     assert not os.path.exists(node.socket)
     assert job.alive() and len(node.blocks()) == 1
     assert '"coordinator stopped"' in node.read_log()
+
+
+def test_cotenant_run_passes_persistent_memory_for_admission_and_refuses_a_bad_one():
+    script = "import os; print(os.environ.get('COTENANT_PERSISTENT_MEMORY'))"
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "10GiB",
+                          "--", sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "10GiB"
+    bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "heaps",
+                          "--", "true"], env=child_env(), capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "heaps" in bad.stderr
