@@ -703,28 +703,12 @@ AllocatorStats CachingAllocator::stats() const {
 
 void CachingAllocator::reset_peak_stats() {
   std::lock_guard lock(state_->mutex);
-  AllocatorStats& st = state_->stats;
-  for (PooledStat* stat : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
-                           &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes}) {
-    stat->reset_peak();
-  }
-  st.device_resident_bytes.reset_peak();
-  st.host_resident_bytes.reset_peak();
-  st.pinned_fallback_bytes.reset_peak();
+  state_->stats.reset_peaks();
 }
 
 void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard lock(state_->mutex);
-  AllocatorStats& st = state_->stats;
-  for (PooledStat* stat : {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes,
-                           &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes}) {
-    stat->reset_accumulated();
-  }
-  st.device_resident_bytes.reset_accumulated();
-  st.host_resident_bytes.reset_accumulated();
-  st.pinned_fallback_bytes.reset_accumulated();
-  st.num_alloc_retries = st.num_ooms = st.num_device_alloc = st.num_device_free = 0;
-  st.spilled_bytes = st.restored_bytes = st.num_migrations = st.num_spilled_allocations = 0;
+  state_->stats.reset_accumulated();
 }
 
 std::vector<SegmentInfo> CachingAllocator::snapshot() const {

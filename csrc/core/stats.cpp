@@ -29,6 +29,24 @@ void put(std::map<std::string, std::int64_t>& out, const std::string& name, cons
 
 }  // namespace
 
+void AllocatorStats::reset_peaks() {
+  for (PooledStat* stat : {&allocation, &segment, &active, &inactive_split, &allocated_bytes, &reserved_bytes,
+                           &active_bytes, &inactive_split_bytes, &requested_bytes}) {
+    stat->reset_peak();
+  }
+  for (Stat* stat : {&device_resident_bytes, &host_resident_bytes, &pinned_fallback_bytes}) stat->reset_peak();
+}
+
+void AllocatorStats::reset_accumulated() {
+  for (PooledStat* stat : {&allocation, &segment, &active, &inactive_split, &allocated_bytes, &reserved_bytes,
+                           &active_bytes, &inactive_split_bytes, &requested_bytes}) {
+    stat->reset_accumulated();
+  }
+  for (Stat* stat : {&device_resident_bytes, &host_resident_bytes, &pinned_fallback_bytes}) stat->reset_accumulated();
+  num_alloc_retries = num_ooms = num_device_alloc = num_device_free = 0;
+  spilled_bytes = restored_bytes = num_migrations = num_spilled_allocations = 0;
+}
+
 std::map<std::string, std::int64_t> AllocatorStats::as_map() const {
   std::map<std::string, std::int64_t> out;
   put(out, "allocation", allocation);

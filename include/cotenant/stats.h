@@ -78,6 +78,11 @@ struct AllocatorStats {
   std::uint64_t memory_cap = 0;       // device-resident bound in bytes; kNoCap when unset
   SpillMode mode = SpillMode::kRemap;
 
+  // torch.cuda.reset_peak_memory_stats() and reset_accumulated_memory_stats():
+  // peaks come down to current values; cumulative counts go to zero.
+  void reset_peaks();
+  void reset_accumulated();
+
   // Flattens into torch's key names ("allocated_bytes.all.current", ...)
   // plus cotenant's ("device_resident_bytes.current", "memory_cap", ...).
   std::map<std::string, std::int64_t> as_map() const;

@@ -213,7 +213,11 @@ def test_environment_enabling_is_off_unless_cotenant_enable_is_set():
     assert result.stdout.split() == ["False", "False"]
 
 
-def test_environment_enabling_rejects_a_bad_cap_before_touching_cuda():
+@pytest.mark.parametrize("variable, value, message", [
+    ("COTENANT_MEMORY_CAP", "6 apples", "cannot use '6 apples' as a memory cap"),
+    ("COTENANT_PERSISTENT_MEMORY", "lots", "cannot use 'lots' as persistent memory"),
+])
+def test_environment_enabling_rejects_a_bad_size_before_touching_cuda(variable, value, message):
     result = _run_python("""
         import sys, cotenant
         try:
@@ -221,9 +225,9 @@ def test_environment_enabling_rejects_a_bad_cap_before_touching_cuda():
         except ValueError as error:
             print("ValueError:", error)
         print("torch imported:", 'torch' in sys.modules)
-    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "6 apples"})
+    """, env_extra={"COTENANT_ENABLE": "1", variable: value})
     assert result.returncode == 0, result.stderr
-    assert "ValueError: cannot use '6 apples' as a memory cap" in result.stdout
+    assert f"ValueError: {message}" in result.stdout
     assert "torch imported: False" in result.stdout
 
 
@@ -446,17 +450,3 @@ def test_persistent_memory_is_read_by_the_one_size_parser():
         api.parse_persistent_memory(-1)
     with pytest.raises(TypeError):
         api.parse_persistent_memory(1.5)
-
-
-def test_environment_enabling_rejects_bad_persistent_memory_before_touching_cuda():
-    result = _run_python("""
-        import sys, cotenant
-        try:
-            cotenant.enable_from_environment()
-        except ValueError as error:
-            print("ValueError:", error)
-        print("torch imported:", 'torch' in sys.modules)
-    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_PERSISTENT_MEMORY": "lots"})
-    assert result.returncode == 0, result.stderr
-    assert "ValueError: cannot use 'lots' as persistent memory" in result.stdout
-    assert "torch imported: False" in result.stdout
