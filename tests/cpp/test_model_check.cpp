@@ -15,6 +15,8 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <algorithm>
+#include <condition_variable>
 #include <map>
 #include <random>
 #include <shared_mutex>
@@ -115,12 +117,56 @@ struct Harness {
   std::shared_mutex safe_point;  // shared: kernels touching memory; exclusive: migrations
   std::mt19937_64 rng;
   std::atomic<std::uint64_t> cap{kNoCap};
-  // Lock-step: a worker waits for one controller round every kOpsPerRound
-  // operations, so cap changes land among the workers' operations however
-  // the threads are scheduled.
+  // Lock-step, both ways: a worker waits for controller round k before its
+  // operation k * kOpsPerRound, and the controller starts round k only when
+  // every worker has reached k * kOpsPerRound operations (it stops when all
+  // have finished). So cap changes land among the workers' operations however
+  // the threads are scheduled, and the controller (which takes the locks the
+  // workers need) can neither fall behind nor starve them. Waits block on a
+  // condition variable: spinning is slow under the sanitizers.
   static constexpr int kOpsPerRound = 20;
-  std::atomic<int> controller_rounds{0};
-  std::atomic<bool> controller_running{false};
+  static constexpr int kFinished = 1 << 30;
+  struct LockStep {
+    std::mutex mutex;
+    std::condition_variable changed;
+    int rounds = 0;
+    std::vector<int> progress;  // operations reached, per worker; kFinished when done
+    bool active = false;        // false: workers never wait (single-thread test)
+
+    void start(int workers) {
+      std::lock_guard lock(mutex);
+      progress.assign(static_cast<std::size_t>(workers), 0);
+      active = true;
+    }
+    // A worker about to run operation `op`.
+    void worker_reaches(int index, int op) {
+      if (op % kOpsPerRound != 0) return;
+      std::unique_lock lock(mutex);
+      if (!active) return;
+      progress[static_cast<std::size_t>(index)] = op;
+      changed.notify_all();
+      changed.wait(lock, [&] { return rounds >= op / kOpsPerRound; });
+    }
+    void worker_finished(int index) {
+      std::lock_guard lock(mutex);
+      if (!active) return;
+      progress[static_cast<std::size_t>(index)] = kFinished;
+      changed.notify_all();
+    }
+    // Waits until the next round may run; false once every worker finished.
+    bool controller_may_run() {
+      std::unique_lock lock(mutex);
+      changed.wait(lock, [&] {
+        return *std::min_element(progress.begin(), progress.end()) >= rounds * kOpsPerRound;
+      });
+      return *std::min_element(progress.begin(), progress.end()) != kFinished;
+    }
+    void controller_done_round() {
+      std::lock_guard lock(mutex);
+      ++rounds;
+      changed.notify_all();
+    }
+  } lock_step;
 
   std::size_t random_size(std::mt19937_64& r) {
     const int kind = static_cast<int>(r() % 10);
@@ -136,7 +182,7 @@ struct Harness {
     const StreamId side_stream = 100 + index;  // record_stream target
     std::map<DevicePtr, LiveBlock> mine;
     for (int op = 0; op < ops; ++op) {
-      while (controller_running.load() && controller_rounds.load() < op / kOpsPerRound) std::this_thread::yield();
+      lock_step.worker_reaches(index, op);
       const int action = static_cast<int>(r() % 100);
       if (action < 45 || mine.empty()) {
         LiveBlock block;
@@ -187,6 +233,7 @@ struct Harness {
         model.held.erase(side_stream);
       }
     }
+    lock_step.worker_finished(index);
     std::lock_guard lock(model.mutex);
     for (auto& [address, block] : mine) {
       model.live.erase(address);
@@ -196,10 +243,10 @@ struct Harness {
 
   // The coordinator's role: move the cap, spill/restore, empty the cache, and
   // run safe points; checks the cap after each.
-  void controller(std::uint64_t seed, const std::atomic<bool>& done) {
+  void controller(std::uint64_t seed) {
     std::mt19937_64 r(seed);
     const std::uint64_t caps[] = {2 * 1024 * kKiB, 3 * 1024 * kKiB, 5 * 1024 * kKiB, kNoCap};
-    for (; !done.load(); ++controller_rounds) {
+    for (; lock_step.controller_may_run(); lock_step.controller_done_round()) {
       const int action = static_cast<int>(r() % 10);
       if (action < 5) {
         const std::uint64_t next = caps[r() % 4];
@@ -266,16 +313,14 @@ TEST_CASE("model_check_random_operations_from_many_threads_and_streams", "[model
   Harness harness(seed);
   constexpr int kThreads = 4;
   constexpr int kOps = 1500;
-  std::atomic<bool> done{false};
-  harness.controller_running = true;
-  std::thread controller([&] { harness.controller(seed * 7919, done); });
+  harness.lock_step.start(kThreads);
+  std::thread controller([&] { harness.controller(seed * 7919); });
   std::vector<std::thread> workers;
   for (int t = 0; t < kThreads; ++t) {
     workers.emplace_back([&, t] { harness.worker(t, seed * 1000 + static_cast<std::uint64_t>(t), kOps); });
   }
   for (auto& w : workers) w.join();
-  done = true;
-  controller.join();
+  controller.join();  // returns once every worker has finished
 
   for (const std::string& violation : harness.model.violations) FAIL_CHECK(violation);
   CHECK(harness.model.violations.empty());
