@@ -242,17 +242,16 @@ struct CachingAllocator::State {
     return round_up(size, page_bytes);
   }
 
-  // A new segment with nothing mapped, as one free block (not in a pool).
-  Block* new_segment(std::size_t size, StreamId stream, PoolKind pool) {
-    const std::size_t bytes = segment_size_for(size, pool);
-    const DevicePtr base = backend.reserve(bytes);
-    if (base == 0) return nullptr;
+  // Records a segment at [base, base + bytes) covered by one block (not in
+  // a pool) and returns that block.
+  Block* add_segment(DevicePtr base, std::size_t bytes, StreamId stream, PoolKind pool, bool pinned_fallback) {
     auto segment = std::make_unique<Segment>();
     segment->base = base;
     segment->size = bytes;
     segment->stream = stream;
     segment->pool = pool;
-    segment->pages.resize(bytes / page_bytes);
+    segment->pinned_fallback = pinned_fallback;
+    if (!pinned_fallback) segment->pages.resize(bytes / page_bytes);
     auto* block = new Block;
     block->segment = segment.get();
     block->address = base;
@@ -261,6 +260,14 @@ struct CachingAllocator::State {
     segments.emplace(base, std::move(segment));
     stats.segment.increase(pool, 1);
     return block;
+  }
+
+  // A new segment with nothing mapped, as one free block (not in a pool).
+  Block* new_segment(std::size_t size, StreamId stream, PoolKind pool) {
+    const std::size_t bytes = segment_size_for(size, pool);
+    const DevicePtr base = backend.reserve(bytes);
+    if (base == 0) return nullptr;
+    return add_segment(base, bytes, stream, pool, /*pinned_fallback=*/false);
   }
 
   void delete_segment(Segment& segment) {
@@ -344,19 +351,7 @@ struct CachingAllocator::State {
   Block* allocate_pinned_fallback(std::size_t size, StreamId stream, PoolKind pool) {
     const DevicePtr base = backend.allocate_pinned_host(size);
     if (base == 0) return nullptr;
-    auto segment = std::make_unique<Segment>();
-    segment->base = base;
-    segment->size = size;
-    segment->stream = stream;
-    segment->pool = pool;
-    segment->pinned_fallback = true;
-    auto* block = new Block;
-    block->segment = segment.get();
-    block->address = base;
-    block->size = size;
-    segment->first = block;
-    segments.emplace(base, std::move(segment));
-    stats.segment.increase(pool, 1);
+    Block* block = add_segment(base, size, stream, pool, /*pinned_fallback=*/true);
     const auto bytes = static_cast<std::int64_t>(size);
     stats.host_resident_bytes.increase(bytes);
     stats.pinned_fallback_bytes.increase(bytes);
