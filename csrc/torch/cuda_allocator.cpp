@@ -105,9 +105,7 @@ c10::CachingDeviceAllocator::SegmentInfo to_torch_segment(const SegmentInfo& s,
   return out;
 }
 
-std::string format_pool(c10::MempoolId_t id) {
-  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
-}
+PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
 
 }  // namespace
 
@@ -116,7 +114,8 @@ std::string format_pool(c10::MempoolId_t id) {
 DeviceAllocators::DeviceAllocators(c10::DeviceIndex device_index)
     : device(device_index),
       backend(std::make_unique<cuda::CudaBackend>(device_index)),
-      main(std::make_unique<CachingAllocator>(*backend)) {}
+      main(std::make_unique<CachingAllocator>(*backend)),
+      pools(std::make_unique<PoolTable>(*backend)) {}
 
 DeviceAllocators::~DeviceAllocators() = default;
 
@@ -215,7 +214,7 @@ std::size_t CotenantCudaAllocator::run_safe_point(std::chrono::microseconds drai
   // graphs hold pool memory only, which is never moved.
   for (int d = 0; d < count; ++d) {
     DeviceAllocators* state = existing(static_cast<c10::DeviceIndex>(d));
-    if (state != nullptr && state->capturing.load(std::memory_order_acquire)) return 0;
+    if (state != nullptr && state->pools->routing()) return 0;
   }
   LaunchPause pause(drain_timeout);
   if (!pause) return 0;
@@ -248,17 +247,13 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
   CachingAllocator* target = d.main.get();
   bool graph_pool = false;
   std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
-  if (d.capturing.load(std::memory_order_acquire)) {
+  if (d.pools->routing()) {
     // Creating and mapping pages is not capturable; relaxed mode lets this
     // thread call the driver while another stream captures.
     relaxed.emplace(cudaStreamCaptureModeRelaxed);
-    std::lock_guard<std::mutex> lock(d.pools_mutex);
-    for (auto& [pool_id, filter] : d.capture_routes) {
-      if (filter(stream)) {
-        target = d.pools.at(pool_id).allocator.get();
-        graph_pool = true;
-        break;
-      }
+    if (CachingAllocator* pool = d.pools->route_for(static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)))) {
+      target = pool;
+      graph_pool = true;
     }
   }
   DevicePtr address = 0;
@@ -333,7 +328,7 @@ void CotenantCudaAllocator::raw_delete(void* ptr) {
   }
   DeviceAllocators* d = existing(owner.device);
   std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
-  if (d != nullptr && d->capturing.load(std::memory_order_acquire)) relaxed.emplace(cudaStreamCaptureModeRelaxed);
+  if (d != nullptr && d->pools->routing()) relaxed.emplace(cudaStreamCaptureModeRelaxed);
   translate_errors([&] { owner.allocator->free(reinterpret_cast<DevicePtr>(ptr)); });
 }
 
@@ -346,7 +341,7 @@ void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUD
   DeviceAllocators* d = existing(owner.device);
   // Inside a capture a graph-pool block is only reused by the same graph in
   // capture order, so it needs no events (events cannot be queried there).
-  if (owner.graph_pool && d != nullptr && d->capturing.load(std::memory_order_acquire)) return;
+  if (owner.graph_pool && d != nullptr && d->pools->routing()) return;
   translate_errors([&] {
     owner.allocator->record_stream(reinterpret_cast<DevicePtr>(ptr.get()),
                                    static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream.stream())));
@@ -366,13 +361,11 @@ void CotenantCudaAllocator::init(int device_count) {
 std::vector<CachingAllocator*> CotenantCudaAllocator::allocators_of(DeviceAllocators& d,
                                                                     c10::MempoolId_t mempool_id) {
   std::vector<CachingAllocator*> out;
-  std::lock_guard<std::mutex> lock(d.pools_mutex);
   if (mempool_id == kDefaultPool) {
     out.push_back(d.main.get());
-    for (auto& [id, pool] : d.pools) out.push_back(pool.allocator.get());
-  } else {
-    auto it = d.pools.find(mempool_id);
-    if (it != d.pools.end()) out.push_back(it->second.allocator.get());
+    for (auto& [id, pool] : d.pools->pools()) out.push_back(pool);
+  } else if (CachingAllocator* pool = d.pools->find(pool_id(mempool_id))) {
+    out.push_back(pool);
   }
   return out;
 }
@@ -382,19 +375,18 @@ void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
   for (int dev = 0; dev < count; ++dev) {
     DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
     if (d == nullptr) continue;
-    for (CachingAllocator* a : allocators_of(*d, mempool_id)) translate_errors([&] { a->empty_cache(); });
-    // Pools that no graph holds any more and that are empty go away entirely.
-    std::lock_guard<std::mutex> lock(d->pools_mutex);
-    for (auto it = d->pools.begin(); it != d->pools.end();) {
-      bool routed = std::any_of(d->capture_routes.begin(), d->capture_routes.end(),
-                                [&](const auto& route) { return route.first == it->first; });
-      if (it->second.use_count <= 0 && !routed &&
-          it->second.allocator->stats().allocated_bytes.all.current == 0) {
-        it = d->pools.erase(it);
+    // As PyTorch does: the default pool's cache, and the pools no graph or
+    // MemPool holds any more. A held pool keeps its pages: its graphs replay
+    // on them, freed blocks included.
+    translate_errors([&] {
+      if (mempool_id == kDefaultPool) {
+        d->main->empty_cache();
+        d->pools->empty_freeable();
       } else {
-        ++it;
+        const PoolId only = pool_id(mempool_id);
+        d->pools->empty_freeable(&only);
       }
-    }
+    });
   }
 }
 
@@ -489,12 +481,10 @@ c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool
     DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
     if (d == nullptr) continue;
     std::vector<std::pair<c10::MempoolId_t, CachingAllocator*>> sources;
-    {
-      std::lock_guard<std::mutex> lock(d->pools_mutex);
-      if (mempool_id == kDefaultPool) sources.emplace_back(kDefaultPool, d->main.get());
-      for (auto& [id, pool] : d->pools) {
-        if (mempool_id == kDefaultPool || mempool_id == id) sources.emplace_back(id, pool.allocator.get());
-      }
+    if (mempool_id == kDefaultPool) sources.emplace_back(kDefaultPool, d->main.get());
+    for (auto& [id, pool] : d->pools->pools()) {
+      const c10::MempoolId_t torch_id{id.first, id.second};
+      if (mempool_id == kDefaultPool || mempool_id == torch_id) sources.emplace_back(torch_id, pool);
     }
     for (auto& [id, allocator] : sources) {
       for (const SegmentInfo& s : allocator->snapshot()) {
@@ -521,73 +511,41 @@ void CotenantCudaAllocator::createOrIncrefPool(c10::DeviceIndex device, c10::Mem
               "torch.cuda.MemPool with a custom allocator is not supported while cotenant manages "
               "CUDA memory; create the MemPool without an allocator argument.");
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
-  std::lock_guard<std::mutex> lock(d.pools_mutex);
-  auto& pool = d.pools[mempool_id];
-  if (!pool.allocator) {
-    AllocatorOptions options;
-    // Graph memory must stay at its addresses and on the device while a
-    // graph may replay: a pool is never capped.
-    pool.allocator = std::make_unique<CachingAllocator>(*d.backend, options);
-  }
-  ++pool.use_count;
+  d.pools->create_or_incref(pool_id(mempool_id));
 }
 
 void CotenantCudaAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
                                                 std::function<bool(cudaStream_t)> filter) {
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
-  {
-    std::lock_guard<std::mutex> lock(d.pools_mutex);
-    auto it = d.pools.find(mempool_id);
-    if (it == d.pools.end()) {
-      auto& pool = d.pools[mempool_id];
-      pool.allocator = std::make_unique<CachingAllocator>(*d.backend);
-      pool.use_count = 1;  // PyTorch's convention: a pool begun here is held by its graph
-    }
-    for (const auto& route : d.capture_routes) {
-      TORCH_CHECK(route.first != mempool_id, "beginAllocateToPool: pool ", format_pool(mempool_id),
-                  " is already receiving allocations on cuda:", static_cast<int>(device), ".");
-    }
-    d.capture_routes.emplace_back(mempool_id, std::move(filter));
-  }
+  translate_errors([&] {
+    d.pools->begin_route(pool_id(mempool_id), [filter = std::move(filter)](StreamId stream) {
+      return filter(reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(stream)));
+    });
+  });
   d.backend->set_graph_capture(true);
-  d.capturing.store(true, std::memory_order_release);
 }
 
 void CotenantCudaAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
   DeviceAllocators* d = existing(device);
   if (d == nullptr) return;
-  std::lock_guard<std::mutex> lock(d->pools_mutex);
-  auto& routes = d->capture_routes;
-  routes.erase(std::remove_if(routes.begin(), routes.end(),
-                              [&](const auto& route) { return route.first == mempool_id; }),
-               routes.end());
-  d->capturing.store(!routes.empty(), std::memory_order_release);
-  d->backend->set_graph_capture(!routes.empty());
+  d->pools->end_route(pool_id(mempool_id));
+  d->backend->set_graph_capture(d->pools->routing());
 }
 
 void CotenantCudaAllocator::releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
   DeviceAllocators* d = existing(device);
   if (d == nullptr) return;
-  std::lock_guard<std::mutex> lock(d->pools_mutex);
-  auto it = d->pools.find(mempool_id);
-  if (it == d->pools.end()) return;
-  if (--it->second.use_count > 0) return;
-  // The last holder is gone: release the pool's cache now; the pool object
-  // itself goes when its last live block is freed and the cache is emptied.
-  translate_errors([&] { it->second.allocator->empty_cache(); });
-  if (it->second.allocator->stats().allocated_bytes.all.current == 0) d->pools.erase(it);
+  translate_errors([&] { d->pools->release(pool_id(mempool_id)); });
 }
 
 int CotenantCudaAllocator::getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
   DeviceAllocators* d = existing(device);
-  if (d == nullptr) return 0;
-  std::lock_guard<std::mutex> lock(d->pools_mutex);
-  auto it = d->pools.find(mempool_id);
-  return it == d->pools.end() ? 0 : it->second.use_count;
+  return d == nullptr ? 0 : d->pools->use_count(pool_id(mempool_id));
 }
 
-void CotenantCudaAllocator::setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool) {
-  TORCH_CHECK(false,
+void CotenantCudaAllocator::setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool use_on_oom) {
+  // ~MemPool calls this with false: that must never throw.
+  TORCH_CHECK(!use_on_oom,
               "torch.cuda.MemPool(use_on_oom=True) is not supported while cotenant manages CUDA "
               "memory: cotenant never runs out of device memory under its cap, it spills to host "
               "memory instead. Create the MemPool without use_on_oom.");

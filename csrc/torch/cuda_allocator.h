@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cotenant/caching_allocator.h"
+#include "cotenant/pool_table.h"
 
 namespace cotenant::cuda {
 class CudaBackend;
@@ -46,24 +47,15 @@ namespace c10_alloc = c10::cuda::CUDACachingAllocator;
 
 // One device's allocators. Created on the device's first use.
 struct DeviceAllocators {
-  struct GraphPool {
-    std::unique_ptr<CachingAllocator> allocator;
-    int use_count = 0;  // graphs / MemPool objects holding the pool
-  };
-
   explicit DeviceAllocators(c10::DeviceIndex device);
   ~DeviceAllocators();
 
   c10::DeviceIndex device;
   std::unique_ptr<cuda::CudaBackend> backend;
   std::unique_ptr<CachingAllocator> main;  // capped; owns every non-graph allocation
-
-  // Guards pools and capture_routes.
-  std::mutex pools_mutex;
-  std::map<c10::MempoolId_t, GraphPool> pools;
-  std::vector<std::pair<c10::MempoolId_t, std::function<bool(cudaStream_t)>>> capture_routes;
-  // capture_routes is non-empty: read lock-free on the allocation fast path.
-  std::atomic<bool> capturing{false};
+  // CUDA-graph and MemPool pools, their holders and the capture routes.
+  // pools.routing() is read lock-free on the allocation fast path.
+  std::unique_ptr<PoolTable> pools;
 };
 
 class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
@@ -164,8 +156,8 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
 
   void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
   Owner owner_of(void* ptr) const;  // allocator == nullptr when unknown
-  // The allocators of one device (main first), or of one pool when
-  // `mempool_id` is not {0, 0}.
+  // The allocators of one device (main first, then every pool), or of one
+  // pool when `mempool_id` is not {0, 0}.
   std::vector<CachingAllocator*> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);
 
   std::atomic<bool> installed_{false};

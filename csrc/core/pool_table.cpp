@@ -1,0 +1,114 @@
+#include "cotenant/pool_table.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "cotenant/errors.h"
+
+namespace cotenant {
+
+PoolTable::PoolTable(Backend& backend) : backend_(backend) {}
+
+PoolTable::~PoolTable() = default;
+
+AllocatorOptions PoolTable::pool_options() {
+  AllocatorOptions options;
+  options.growth_slack = -1;  // never unmap cached pages to grow: graphs replay freed blocks
+  return options;
+}
+
+PoolTable::Pool& PoolTable::create_or_incref_locked(PoolId id) {
+  Pool& pool = pools_[id];
+  if (!pool.allocator) pool.allocator = std::make_unique<CachingAllocator>(backend_, pool_options());
+  ++pool.use_count;
+  return pool;
+}
+
+bool PoolTable::routed_locked(PoolId id) const {
+  return std::any_of(routes_.begin(), routes_.end(), [&](const auto& route) { return route.first == id; });
+}
+
+void PoolTable::drop_if_done_locked(std::map<PoolId, Pool>::iterator it) {
+  if (it->second.use_count <= 0 && !routed_locked(it->first) &&
+      it->second.allocator->stats().allocated_bytes.all.current == 0) {
+    pools_.erase(it);
+  }
+}
+
+void PoolTable::create_or_incref(PoolId id) {
+  std::lock_guard lock(mutex_);
+  create_or_incref_locked(id);
+}
+
+void PoolTable::begin_route(PoolId id, StreamFilter filter) {
+  std::lock_guard lock(mutex_);
+  if (routed_locked(id)) {
+    throw Error(fmt::format("pool ({}, {}) already receives allocations; end its allocation to the pool "
+                            "(endAllocateToPool) before beginning another",
+                            id.first, id.second));
+  }
+  create_or_incref_locked(id);
+  routes_.emplace_back(id, std::move(filter));
+  routing_.store(true, std::memory_order_release);
+}
+
+void PoolTable::end_route(PoolId id) {
+  std::lock_guard lock(mutex_);
+  routes_.erase(std::remove_if(routes_.begin(), routes_.end(), [&](const auto& route) { return route.first == id; }),
+                routes_.end());
+  routing_.store(!routes_.empty(), std::memory_order_release);
+}
+
+void PoolTable::release(PoolId id) {
+  std::lock_guard lock(mutex_);
+  auto it = pools_.find(id);
+  if (it == pools_.end()) return;
+  if (--it->second.use_count > 0) return;
+  it->second.use_count = 0;
+  it->second.allocator->empty_cache();
+  drop_if_done_locked(it);
+}
+
+CachingAllocator* PoolTable::route_for(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  for (auto& [id, filter] : routes_) {
+    if (filter(stream)) return pools_.at(id).allocator.get();
+  }
+  return nullptr;
+}
+
+int PoolTable::use_count(PoolId id) const {
+  std::lock_guard lock(mutex_);
+  auto it = pools_.find(id);
+  return it == pools_.end() ? 0 : it->second.use_count;
+}
+
+CachingAllocator* PoolTable::find(PoolId id) {
+  std::lock_guard lock(mutex_);
+  auto it = pools_.find(id);
+  return it == pools_.end() ? nullptr : it->second.allocator.get();
+}
+
+std::vector<std::pair<PoolId, CachingAllocator*>> PoolTable::pools() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<PoolId, CachingAllocator*>> out;
+  for (const auto& [id, pool] : pools_) out.emplace_back(id, pool.allocator.get());
+  return out;
+}
+
+std::size_t PoolTable::empty_freeable(const PoolId* only) {
+  std::lock_guard lock(mutex_);
+  std::size_t emptied = 0;
+  for (auto it = pools_.begin(); it != pools_.end();) {
+    auto current = it++;
+    if (only != nullptr && current->first != *only) continue;
+    if (current->second.use_count > 0 || routed_locked(current->first)) continue;
+    current->second.allocator->empty_cache();
+    ++emptied;
+    drop_if_done_locked(current);
+  }
+  return emptied;
+}
+
+}  // namespace cotenant

@@ -1,0 +1,137 @@
+// The private pools of CUDA graphs and torch.cuda.MemPool, as PyTorch's own
+// code drives them (torch.cuda.graph, graph_pool_handle sharing, MemPool and
+// use_mem_pool, empty_cache between captures), on the simulated device.
+
+#include <catch2/catch.hpp>
+
+#include "cotenant/errors.h"
+#include "cotenant/pool_table.h"
+#include "test_helpers.h"
+
+using namespace cotenant;
+using namespace cotenant::testing;
+
+namespace {
+
+constexpr PoolId kGraphA{1, 0};
+constexpr PoolId kGraphB{2, 0};
+constexpr PoolId kMemPool{0, 1};
+constexpr StreamId kCaptureStream = 7;
+
+PoolTable::StreamFilter only(StreamId stream) {
+  return [stream](StreamId s) { return s == stream; };
+}
+
+// A capture as torch.cuda.graph() makes one: begin, allocate and free a
+// temporary (the replay still touches it), keep an output, end.
+DevicePtr capture(PoolTable& table, PoolId id, SimulatedBackend& device, std::uint64_t seed,
+                  DevicePtr* temporary = nullptr) {
+  table.begin_route(id, only(kCaptureStream));
+  CachingAllocator* pool = table.route_for(kCaptureStream);
+  REQUIRE(pool != nullptr);
+  const DevicePtr scratch = pool->allocate(3 * kMiB, kCaptureStream);
+  const DevicePtr output = pool->allocate(1 * kMiB, kCaptureStream);
+  fill(device, output, seed, kMiB);
+  pool->free(scratch);
+  table.end_route(id);
+  if (temporary) *temporary = scratch;
+  return output;
+}
+
+}  // namespace
+
+TEST_CASE("empty_cache_between_captures_keeps_the_first_graphs_pages", "[pools]") {
+  // torch.cuda.graph() calls empty_cache() on entry: capturing graph B must
+  // not release what graph A replays, freed temporaries included.
+  SimulatedBackend device(device_config(256 * kMiB));
+  PoolTable table(device);
+  DevicePtr scratch_a = 0;
+  const DevicePtr output_a = capture(table, kGraphA, device, 11, &scratch_a);
+  const std::size_t reserved = table.find(kGraphA)->stats().reserved_bytes.all.current;
+
+  CHECK(table.empty_freeable() == 0);
+  capture(table, kGraphB, device, 12);
+
+  CHECK(table.use_count(kGraphA) == 1);
+  CHECK(table.find(kGraphA)->stats().reserved_bytes.all.current == static_cast<std::int64_t>(reserved));
+  CHECK(device.residency_at(scratch_a) == Residency::kDevice);  // the replay's temporary is still mapped
+  CHECK(holds(device, output_a, 11, kMiB));
+}
+
+TEST_CASE("a_released_graph_pool_is_emptied_and_dropped_once_its_blocks_are_free", "[pools]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  PoolTable table(device);
+  const DevicePtr output = capture(table, kGraphA, device, 3);
+  table.release(kGraphA);  // the graph is reset; its output tensor still lives
+  REQUIRE(table.find(kGraphA) != nullptr);
+  CHECK(table.use_count(kGraphA) == 0);
+  CHECK(table.find(kGraphA)->stats().reserved_bytes.all.current == static_cast<std::int64_t>(2 * kMiB));
+  table.find(kGraphA)->free(output);
+  CHECK(table.empty_freeable() == 1);
+  CHECK(table.find(kGraphA) == nullptr);
+  CHECK(device.device_bytes_in_use() == 0);
+}
+
+TEST_CASE("beginning_allocation_to_an_existing_pool_adds_a_holder", "[pools]") {
+  // A MemPool holds its pool; use_mem_pool begins (a holder more) and then
+  // ends and releases (a holder fewer): the pool and its tensor stay.
+  SimulatedBackend device(device_config(256 * kMiB));
+  PoolTable table(device);
+  table.create_or_incref(kMemPool);
+  CHECK(table.use_count(kMemPool) == 1);
+  table.begin_route(kMemPool, only(kCaptureStream));
+  CHECK(table.use_count(kMemPool) == 2);
+  const DevicePtr x = table.route_for(kCaptureStream)->allocate(4 * kMiB, kCaptureStream);
+  fill(device, x, 5, 4 * kMiB);
+  table.end_route(kMemPool);
+  table.release(kMemPool);
+  CHECK(table.use_count(kMemPool) == 1);
+  CHECK(table.empty_freeable() == 0);
+  CHECK(holds(device, x, 5, 4 * kMiB));
+
+  // Two graphs sharing one pool (graph_pool_handle): resetting one keeps the other's memory.
+  capture(table, kGraphA, device, 1);
+  const DevicePtr shared = capture(table, kGraphA, device, 2);
+  CHECK(table.use_count(kGraphA) == 2);
+  table.release(kGraphA);
+  CHECK(table.empty_freeable() == 0);
+  CHECK(holds(device, shared, 2, kMiB));
+}
+
+TEST_CASE("a_pool_already_receiving_allocations_cannot_begin_again", "[pools]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  PoolTable table(device);
+  table.begin_route(kGraphA, only(kCaptureStream));
+  CHECK_THROWS_AS(table.begin_route(kGraphA, only(kCaptureStream)), Error);
+  CHECK(table.use_count(kGraphA) == 1);  // the refused call changed nothing
+  table.end_route(kGraphA);
+  CHECK_FALSE(table.routing());
+}
+
+TEST_CASE("routes_take_only_the_streams_their_filter_accepts", "[pools]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  PoolTable table(device);
+  CHECK(table.route_for(kCaptureStream) == nullptr);
+  table.begin_route(kGraphA, only(kCaptureStream));
+  CHECK(table.routing());
+  CHECK(table.route_for(kCaptureStream) == table.find(kGraphA));
+  CHECK(table.route_for(kCaptureStream + 1) == nullptr);
+  table.end_route(kGraphA);
+  CHECK(table.route_for(kCaptureStream) == nullptr);
+}
+
+TEST_CASE("a_pool_never_unmaps_cached_pages_to_grow", "[pools]") {
+  // The main allocator releases cache when it grows past its live peak; a
+  // graph pool must not, since a replay writes to blocks its capture freed.
+  SimulatedBackend device(device_config(256 * kMiB));
+  PoolTable table(device);
+  table.begin_route(kGraphA, only(kCaptureStream));
+  CachingAllocator* pool = table.route_for(kCaptureStream);
+  const DevicePtr first = pool->allocate(12 * kMiB, kCaptureStream);
+  pool->free(first);
+  const DevicePtr second = pool->allocate(16 * kMiB, kCaptureStream);  // its own segment
+  CHECK(second != first);
+  CHECK(device.residency_at(first) == Residency::kDevice);
+  CHECK(pool->stats().reserved_bytes.all.current == static_cast<std::int64_t>(28 * kMiB));
+  table.end_route(kGraphA);
+}
