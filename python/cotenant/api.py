@@ -244,6 +244,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
                     f"cotenant is already enabled with role={_state.role!r} on cuda:{_state.device}; "
                     f"it cannot switch to role={role!r} on cuda:{index} in the same process")
             return True
+        _refuse_if_torch_already_allocated()
         _C = _extension()
         available, reason = _C.gpu_available()
         if not available:
@@ -401,6 +402,29 @@ def safe_point() -> int:
 # ---- the pieces enable() wires together ---------------------------------------------------
 
 
+def _refuse_if_torch_already_allocated() -> None:
+    """Raises RuntimeError, saying how to fix it, when PyTorch's own allocator
+    already holds CUDA memory: the switch must come before the first CUDA
+    allocation. Checked through torch's Python API, before cotenant's
+    extension touches the CUDA allocator."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    if torch.cuda.memory.get_allocator_backend() == "cotenant":
+        return  # cotenant's own allocator, installed earlier in this process
+    from cotenant import _core
+
+    for device in range(torch.cuda.device_count()):
+        held = torch.cuda.memory_allocated(device)
+        if held > 0:
+            raise RuntimeError(
+                f"cotenant.enable() must run before the first CUDA allocation; PyTorch's own allocator "
+                f"already holds {_core.format_size(held)} on cuda:{device}. Call cotenant.enable() at the top of "
+                f"the script, before any tensor or model is moved to the GPU, or start the script with "
+                f"`cotenant run -- python script.py`.")
+
+
+
 def _install_optimizer_safe_point() -> None:
     """A safe point after each optimizer step: the iteration boundary."""
     import torch
@@ -420,7 +444,9 @@ def _install_optimizer_safe_point() -> None:
                 _C.record_iteration((now - last_step[0]) * 1e6)
             last_step[0] = now
 
-    _state.optimizer_hook = torch.optim.Optimizer.register_optimizer_step_post_hook(after_step)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _state.optimizer_hook = register_optimizer_step_post_hook(after_step)
 
 
 def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_bytes=None) -> None:

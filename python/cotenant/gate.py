@@ -160,7 +160,9 @@ def _activate(role: Optional[str], device: int) -> None:
             _use_lowest_priority_stream(torch, device)
             _gate_graph_replays(torch)
         else:
-            _state.optimizer_hook = torch.optim.Optimizer.register_optimizer_step_post_hook(
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _state.optimizer_hook = register_optimizer_step_post_hook(
                 lambda optimizer, args, kwargs: _C.iteration_boundary())
 
 

@@ -450,3 +450,55 @@ def test_persistent_memory_is_read_by_the_one_size_parser():
         api.parse_persistent_memory(-1)
     with pytest.raises(TypeError):
         api.parse_persistent_memory(1.5)
+
+
+def test_the_optimizer_safe_point_hooks_into_torch_optimizer_steps(monkeypatch):
+    # The wiring to torch's optimizer hooks, on the CPU: a stand-in for the
+    # extension records what enable()'s hook asks of it after each step.
+    import torch
+
+    calls = []
+
+    class Extension:
+        def has_pending_migrations(self):
+            calls.append("poll")
+            return True
+
+        def safe_point(self):
+            calls.append("safe_point")
+            return 0
+
+    monkeypatch.setattr(api, "_extension", lambda: Extension())
+    api._install_optimizer_safe_point()
+    try:
+        weight = torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.SGD([weight], lr=0.5)
+        weight.sum().backward()
+        optimizer.step()
+        optimizer.step()
+    finally:
+        api._state.optimizer_hook.remove()
+        api._state.optimizer_hook = None
+    assert calls == ["poll", "safe_point"] * 2
+    assert torch.equal(weight.detach(), torch.zeros(3))
+
+
+def test_enable_after_pytorch_allocated_cuda_memory_says_how_to_fix_it(monkeypatch):
+    # PyTorch's allocator already holds memory: enable() refuses before the
+    # extension touches the CUDA allocator (torch.cuda stands in for a GPU).
+    import torch
+
+    extension_loaded = []
+    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0 if device == 0 else 4096)
+    monkeypatch.setattr(api, "_extension", lambda: extension_loaded.append(True))
+    with pytest.raises(RuntimeError) as error:
+        cotenant.enable()
+    message = str(error.value)
+    assert "must run before the first CUDA allocation" in message
+    assert "already holds 4.00 KiB on cuda:1" in message
+    assert "cuda:1" in message and "cotenant run" in message
+    assert extension_loaded == [] and not cotenant.is_enabled()
