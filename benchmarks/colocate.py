@@ -104,6 +104,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def fixed_share(mode: str) -> Optional[float]:
+    """The share a `cotenant-<share>` mode pins the opportunistic job to; None for
+    every other mode (auto, the gated solo runs, the baselines)."""
+    prefix = "cotenant-"
+    if not mode.startswith(prefix) or mode == AUTO_MODE:
+        return None
+    return float(mode[len(prefix):])
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile, q in (0, 100]."""
     if not values:
@@ -307,8 +316,9 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
         import cotenant
 
         cotenant.enable(role=role, device=0)
-        if role == "opportunistic" and mode != AUTO_MODE:
-            cotenant.gate.set_share(float(mode.split("-")[1]))
+        share = fixed_share(mode)
+        if role == "opportunistic" and share is not None:
+            cotenant.gate.set_share(share)
     if mode == "priority":
         least, greatest = torch.cuda.Stream.priority_range()
         torch.cuda.set_stream(torch.cuda.Stream(priority=greatest if role == "guaranteed" else least))

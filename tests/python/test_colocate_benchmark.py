@@ -129,3 +129,12 @@ def test_overhead_figures_compare_each_job_with_and_without_the_gate(colocate):
     assert figures["guaranteed_tracker_step_time_ratio"] == pytest.approx(1.004)
     # 0.5 ms more over 1000 ops: 0.5 us per op
     assert figures["gate_overhead_us_per_op"] == pytest.approx(0.5)
+
+
+def test_only_fixed_share_modes_pin_the_opportunistic_share(colocate):
+    assert colocate.fixed_share("cotenant-0.25") == 0.25
+    assert colocate.fixed_share("cotenant-0.5") == 0.5
+    # The auto mode's gated solo runs and the baselines pin nothing (a gated
+    # solo run once crashed parsing "solo" as a share).
+    for mode in ("cotenant-auto", "gated-solo", "solo", "naive", "mps", "priority"):
+        assert colocate.fixed_share(mode) is None
