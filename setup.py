@@ -9,6 +9,7 @@ CMake puts in <build>/python/cotenant/ is copied into the package.
 Environment:
   CMAKE_BUILD_PARALLEL_LEVEL   parallel compile jobs (default: the CPU count)
   COTENANT_CMAKE_ARGS          extra arguments for the CMake configure step
+  COTENANT_CMAKE_BUILD_DIR     the CMake build directory (default: under setuptools' build_temp)
   COTENANT_BUILD_TORCH=0       skip the torch extension even when CUDA is found
 """
 
@@ -46,7 +47,7 @@ class CMakeBuild(build_ext):
         cmake = shutil.which("cmake")
         if cmake is None:
             raise RuntimeError("building cotenant needs CMake >= 3.25: apt-get install cmake, or pip install cmake")
-        build_dir = os.path.abspath(os.path.join(self.build_temp, "cmake"))
+        build_dir = os.path.abspath(os.environ.get("COTENANT_CMAKE_BUILD_DIR") or os.path.join(self.build_temp, "cmake"))
         os.makedirs(build_dir, exist_ok=True)
         configure = [
             cmake, "-S", HERE, "-B", build_dir,

@@ -3,8 +3,9 @@
 #   1. the core and its Catch2 tests (ctest)
 #   2. the core tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   3. the core tests under ThreadSanitizer
-#   4. pip install --no-build-isolation .   (cotenant._core, and _C when CUDA is found)
-#   5. pytest tests/python                   (GPU tests skip with a reason without a GPU)
+#   4. the GPU machine's build path (scripts/gpu_check.sh's dry run), where CUDA is found
+#   5. pip install --no-build-isolation .   (cotenant._core, and _C when CUDA is found)
+#   6. pytest tests/python                   (GPU tests skip with a reason without a GPU)
 # Any failure, sanitizer report or empty test run fails the script.
 #
 # Environment:
@@ -58,11 +59,21 @@ fi
 core_tests "$BUILD_ROOT/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOTENANT_SANITIZE=thread
 RUN_PREFIX=()
 
-# ---- 4. the Python package ----------------------------------------------------------------
+# ---- 4. the GPU machine's build path --------------------------------------------------------
+# scripts/gpu_check.sh builds on a machine with no Debian fmt and no package
+# index; its dry run builds the same way here, so that path cannot break unseen.
+if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  step "scripts/gpu_check.sh build (dry run: fmt from the torch wheel, pip with no index)"
+  dry_run_out=$BUILD_ROOT/gpu_check_dry_run
+  [[ $dry_run_out == /* ]] || dry_run_out=$ROOT/$dry_run_out
+  GPU_CHECK_DRY_RUN=1 PYTHON="$PYTHON" OUT="$dry_run_out" scripts/gpu_check.sh build
+fi
+
+# ---- 5. the Python package ----------------------------------------------------------------
 step "pip install --no-build-isolation ."
 "$PYTHON" -m pip install --no-build-isolation .
 
-# ---- 5. Python tests ----------------------------------------------------------------------
+# ---- 6. Python tests ----------------------------------------------------------------------
 step "pytest tests/python"
 # This script's own settings are not the tests' business (some tests look at
 # the COTENANT_* variables a child process gets).

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "cotenant/errors.h"
@@ -76,6 +77,12 @@ CudaBackend::CudaBackend(int device) : device_(device) {
     host_numa_id_ = numa_id;
   } else if (device_attribute(dev, CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)) {
     host_location_ = HostLocation::kHost;
+  }
+  // COTENANT_HOST_PAGES=pinned: use the pinned fallback even where host VMM
+  // exists (to run, on any GPU, the path that older drivers take).
+  if (const char* host_pages = std::getenv("COTENANT_HOST_PAGES");
+      host_pages != nullptr && std::string(host_pages) == "pinned") {
+    host_location_ = HostLocation::kNone;
   }
 
   // One page size for both residencies: the larger of the two minimum

@@ -410,3 +410,101 @@ def test_cap_changes_from_another_thread_during_training_keep_losses_identical()
         print(json.dumps({"losses": losses, "spilled": cotenant.memory_stats()["spilled_bytes"]}))
     """)
     assert out["losses"] == native
+
+
+# ---- graphs and memory pools as PyTorch's own code drives them ------------------------------
+
+
+def test_a_second_graph_capture_keeps_the_first_graph_replayable():
+    # torch.cuda.graph() calls empty_cache() on entry: it must not release the
+    # pages of a pool that graph A still replays.
+    out = run_script("""
+        x = torch.randn(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            (x * 2 + 1).sum()
+        torch.cuda.current_stream().wait_stream(s)
+        graph_a = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_a):
+            ya = x * 2 + 1
+        torch.cuda.empty_cache()
+        graph_b = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_b):
+            yb = x * 3 - 1
+        junk = [torch.randn(1 << 20, device="cuda") for _ in range(8)]  # reuse anything released
+        results = []
+        for _ in range(3):
+            x.copy_(torch.randn(1 << 20, device="cuda"))
+            graph_a.replay()
+            graph_b.replay()
+            results.append([torch.equal(ya, x * 2 + 1), torch.equal(yb, x * 3 - 1)])
+        torch.cuda.synchronize()
+        print(json.dumps({"results": results}))
+    """)
+    assert out["results"] == [[True, True]] * 3
+
+
+def test_make_graphed_callables_trains_like_eager():
+    out = run_script("""
+        def run(graphed):
+            deterministic()
+            model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x0 = torch.randn(32, 64, device="cuda")
+            if graphed:
+                model = torch.cuda.make_graphed_callables(model, (x0,))
+            g = torch.Generator(device="cuda").manual_seed(3)
+            losses = []
+            for _ in range(10):
+                x = torch.randn(32, 64, device="cuda", generator=g)
+                y = torch.randint(0, 10, (32,), device="cuda", generator=g)
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            torch.cuda.empty_cache()
+            return losses
+        eager, graphed = run(False), run(True)
+        print(json.dumps({"eager": eager, "graphed": graphed}))
+    """)
+    assert len(out["graphed"]) == 10
+    assert out["graphed"] == pytest.approx(out["eager"], rel=1e-4)
+
+
+def test_a_mem_pool_can_be_created_used_and_destroyed():
+    out = run_script("""
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.ones(4 << 20, device="cuda")
+        total = x.sum().item()
+        del x
+        del pool
+        import gc; gc.collect()
+        torch.cuda.empty_cache()
+        y = torch.ones(1 << 20, device="cuda")
+        print(json.dumps({"total": total, "after": y.sum().item()}))
+    """)
+    assert out == {"total": float(4 << 20), "after": float(1 << 20)}
+
+
+@pytest.mark.parametrize("kind", ["cnn"])
+def test_training_under_a_cap_in_pinned_fallback_mode_keeps_losses_identical(kind):
+    native = run_script(f"print(json.dumps(train('{kind}', 20)))", use_cotenant=False)
+    out = run_script(f"""
+        modes, within = [], []
+        def on_step(step):
+            s = cotenant.memory_stats()
+            modes.append(s["mode"])
+            if step == 5:
+                cotenant.set_memory_cap(max(s["device_bytes"] // 2, 4 << 20))
+            if step == 14:
+                cotenant.set_memory_cap(None)
+            cap = cotenant.memory_stats()["memory_cap"]
+            within.append(cap is None or cotenant.memory_stats()["device_bytes"] <= cap)
+        losses = train('{kind}', 20, on_step)
+        print(json.dumps({{"losses": losses, "modes": sorted(set(modes)), "within": within}}))
+    """, env_extra={"COTENANT_HOST_PAGES": "pinned"})
+    assert out["modes"] == ["pinned_fallback"]
+    assert out["losses"] == native

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU run: builds cotenant with what a GPU machine has (python3 with torch,
+# nvcc, cmake, ninja; no network, no Debian fmt or Catch2: fmt then comes from
+# the torch wheel's headers), runs every test marked gpu, then the benchmarks,
+# and writes logs and result JSON to $OUT (default benchmarks/results/gpu_check)
+# and the benchmarks' JSON to benchmarks/results/.
+#
+#   scripts/gpu_check.sh [PHASE ...]     PHASE: build tests bench (default: all three)
+#
+# Phases after `build` use the installed package; `build` is skipped when the
+# installed modules are newer than every source file. Each phase is bounded
+# (GPU_CHECK_TEST_TIMEOUT, GPU_CHECK_BENCH_SECONDS) so one call of a few
+# minutes runs any phase.
+#
+# Environment:
+#   PYTHON                    the interpreter (default: python3)
+#   OUT                       where logs and results go
+#   GPU_CHECK_DRY_RUN=1       no GPU: build the same way (fmt from torch, pip
+#                             with no index) and stop before the tests; CI runs this
+#   GPU_CHECK_PYTEST_ARGS     extra pytest arguments (e.g. -k graph; -n 4 with pytest-xdist)
+#   GPU_CHECK_TEST_TIMEOUT    seconds for the whole test phase (default 500)
+#   GPU_CHECK_ALLOCATOR_ARGS  bench_allocator.py's arguments (default --quick; "" for the full run,
+#                             which takes longer than one 10-minute device call)
+#   GPU_CHECK_BENCH_SECONDS   measured seconds per co-location run (default 6)
+#
+# Measured on one H100 (2026-11): build 1 min; the gpu tests 75 s with -n 4;
+# bench_allocator.py --quick 3 min; colocate.py with 6 s runs about 4 min.
+# So `build tests` and `build bench` each fit one device call.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-$ROOT/benchmarks/results/gpu_check}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+PHASES=("$@")
+[[ ${#PHASES[@]} -eq 0 ]] && PHASES=(build tests bench)
+failed=()
+
+say() { printf '\n==== %s (%ds)\n' "$*" "$SECONDS" | tee -a "$LOG"; }
+has_phase() { local p; for p in "${PHASES[@]}"; do [[ $p == "$1" ]] && return 0; done; return 1; }
+
+say "environment"
+{
+  uname -a
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "nvidia-smi: not available"
+  nvcc --version 2>&1 | tail -1
+  "$PYTHON" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())'
+} 2>&1 | tee -a "$LOG"
+
+if has_phase build; then
+  say "build: pip install --no-build-isolation --no-index --no-deps ."
+  installed=$(cd / && "$PYTHON" -c "import cotenant, os; print(os.path.dirname(cotenant.__file__))" 2>/dev/null || true)
+  newest_source=$(find CMakeLists.txt setup.py csrc include python -type f -newer "${installed:-/nonexistent}/_C"*.so 2>/dev/null | head -1)
+  if [[ ${GPU_CHECK_DRY_RUN:-0} != 1 && -n "$installed" && -z "$newest_source" ]] && ls "$installed"/_C*.so >/dev/null 2>&1; then
+    echo "up to date: $installed" | tee -a "$LOG"
+  else
+    # A dry run proves the GPU machine's build path: no fmt package, no index.
+    # Its own CMake directory, so its settings never leak into another build.
+    cmake_args=${COTENANT_CMAKE_ARGS:-}
+    build_dir=${COTENANT_CMAKE_BUILD_DIR:-}
+    if [[ ${GPU_CHECK_DRY_RUN:-0} == 1 ]]; then
+      cmake_args="$cmake_args -DCMAKE_DISABLE_FIND_PACKAGE_fmt=ON"
+      build_dir="$OUT/cmake"
+    fi
+    if ! COTENANT_CMAKE_ARGS="$cmake_args" COTENANT_CMAKE_BUILD_DIR="$build_dir" "$PYTHON" -m pip install -v --no-build-isolation --no-index --no-deps . \
+        >>"$LOG" 2>&1; then
+      tail -40 "$LOG"
+      echo "build failed: see $LOG" >&2
+      exit 1
+    fi
+    (cd / && "$PYTHON" -c 'import cotenant._C, cotenant._core; print("built:", cotenant._C.__file__)') 2>&1 | tee -a "$LOG"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "the built package does not import" >&2; exit 1; }
+  fi
+fi
+
+if [[ ${GPU_CHECK_DRY_RUN:-0} == 1 ]]; then
+  if has_phase build && ! grep -q "fmt from the torch wheel" "$LOG"; then
+    echo "dry run: the build did not take fmt from the torch wheel, as the GPU machine must" >&2
+    exit 1
+  fi
+  say "dry run: built the GPU machine's way; no GPU phases run"
+  exit 0
+fi
+
+if has_phase tests; then
+  say "tests: pytest -m gpu"
+  # From outside the tree, so the installed package is the one imported.
+  # shellcheck disable=SC2086
+  (cd / && timeout "${GPU_CHECK_TEST_TIMEOUT:-500}" "$PYTHON" -m pytest -p no:cacheprovider -m gpu -rA \
+      --rootdir "$ROOT" -c "$ROOT/pyproject.toml" --junitxml "$OUT/gpu_tests.xml" \
+      ${GPU_CHECK_PYTEST_ARGS:-} "$ROOT/tests/python") 2>&1 | tee -a "$LOG"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=(tests)
+  # The outcome of every gpu test, with the device and versions, as a result file.
+  if [[ -s "$OUT/gpu_tests.xml" ]]; then
+    "$PYTHON" benchmarks/gpu_test_summary.py "$OUT/gpu_tests.xml" --out "$ROOT/benchmarks/results" 2>&1 | tee -a "$LOG"
+    newest=$(ls -t "$ROOT"/benchmarks/results/gpu_tests-*.json 2>/dev/null | head -1)
+    [[ -n "$newest" ]] && cp "$newest" "$OUT/"
+  fi
+fi
+
+if has_phase bench; then
+  say "bench: benchmarks/bench_allocator.py"
+  # shellcheck disable=SC2086
+  timeout "${GPU_CHECK_ALLOCATOR_TIMEOUT:-300}" "$PYTHON" benchmarks/bench_allocator.py ${GPU_CHECK_ALLOCATOR_ARGS:---quick} \
+      --out "$ROOT/benchmarks/results" 2>&1 | tee -a "$LOG"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=(bench_allocator)
+  say "bench: benchmarks/colocate.py"
+  timeout "${GPU_CHECK_COLOCATE_TIMEOUT:-280}" "$PYTHON" benchmarks/colocate.py --seconds "${GPU_CHECK_BENCH_SECONDS:-6}" \
+      --warmup-steps 3 --out "$ROOT/benchmarks/results" 2>&1 | grep -v "enable_nested_tensor\|model = torch.nn" | tee -a "$LOG"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=(colocate)
+  # The newest result of each benchmark travels with the log.
+  for name in allocator colocate; do
+    newest=$(ls -t "$ROOT"/benchmarks/results/"$name"-*.json 2>/dev/null | head -1)
+    [[ -n "$newest" ]] && cp "$newest" "$OUT/"
+  done
+fi
+
+if [[ ${#failed[@]} -gt 0 ]]; then
+  say "FAILED: ${failed[*]}"
+  exit 1
+fi
+say "gpu check passed: ${PHASES[*]}"
