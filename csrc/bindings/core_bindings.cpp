@@ -145,7 +145,8 @@ py::list snapshot_list(const std::vector<SegmentInfo>& segments) {
 
 AllocatorOptions allocator_options(const py::object& round_bytes, const py::object& small_request_max,
                                    const py::object& small_segment_bytes, const py::object& large_segment_bytes,
-                                   const py::object& large_segment_threshold, bool spill_to_host) {
+                                   const py::object& large_segment_threshold, bool spill_to_host,
+                                   bool spill_without_cap) {
   AllocatorOptions options;
   options.round_bytes = size_argument(round_bytes, "round_bytes");
   options.small_request_max = size_argument(small_request_max, "small_request_max");
@@ -153,6 +154,7 @@ AllocatorOptions allocator_options(const py::object& round_bytes, const py::obje
   options.large_segment_bytes = size_argument(large_segment_bytes, "large_segment_bytes");
   options.large_segment_threshold = size_argument(large_segment_threshold, "large_segment_threshold");
   options.spill_to_host = spill_to_host;
+  options.spill_without_cap = spill_without_cap;
   return options;
 }
 
@@ -283,17 +285,19 @@ COTENANT_CORE_BINDINGS(core) {
       .def(py::init([](SimulatedBackend& backend, const py::object& round_bytes,
                        const py::object& small_request_max, const py::object& small_segment_bytes,
                        const py::object& large_segment_bytes, const py::object& large_segment_threshold,
-                       bool spill_to_host) {
+                       bool spill_to_host, bool spill_without_cap) {
              return std::make_unique<CachingAllocator>(
                  backend, allocator_options(round_bytes, small_request_max, small_segment_bytes,
-                                            large_segment_bytes, large_segment_threshold, spill_to_host));
+                                            large_segment_bytes, large_segment_threshold, spill_to_host,
+                                            spill_without_cap));
            }),
            // The allocator keeps a reference to the backend: keep it alive as long.
            py::keep_alive<1, 2>(), py::arg("backend"), py::kw_only(),
            py::arg("round_bytes") = py::int_(512), py::arg("small_request_max") = py::int_(1u << 20),
            py::arg("small_segment_bytes") = py::int_(2u << 20),
            py::arg("large_segment_bytes") = py::int_(20u << 20),
-           py::arg("large_segment_threshold") = py::int_(10u << 20), py::arg("spill_to_host") = true)
+           py::arg("large_segment_threshold") = py::int_(10u << 20), py::arg("spill_to_host") = true,
+           py::arg("spill_without_cap") = false)
       .def("allocate",
            [](CachingAllocator& self, const py::object& size, StreamId stream) {
              return self.allocate(size_argument(size, "an allocation size"), stream);
@@ -325,10 +329,12 @@ COTENANT_CORE_BINDINGS(core) {
   m.def(
       "replay",
       [](const py::iterable& ops, const py::object& device_capacity, const py::object& granularity,
-         const py::object& host_capacity, bool host_pages_mappable, const py::object& cap, bool spill_to_host) {
+         const py::object& host_capacity, bool host_pages_mappable, const py::object& cap, bool spill_to_host,
+         bool spill_without_cap) {
         ReplayConfig config;
         config.device = device_config(device_capacity, granularity, host_capacity, host_pages_mappable, true);
         config.allocator.spill_to_host = spill_to_host;
+        config.allocator.spill_without_cap = spill_without_cap;
         config.initial_cap = cap_argument(cap);
         std::vector<ReplayOp> converted;
         if (py::hasattr(ops, "__len__")) converted.reserve(py::len(ops));
@@ -343,7 +349,7 @@ COTENANT_CORE_BINDINGS(core) {
       py::arg("ops"), py::kw_only(), py::arg("device_capacity") = py::int_(std::uint64_t{16} << 30),
       py::arg("granularity") = py::int_(std::uint64_t{2} << 20),
       py::arg("host_capacity") = py::int_(std::uint64_t{1} << 40), py::arg("host_pages_mappable") = true,
-      py::arg("cap") = py::none(), py::arg("spill_to_host") = true,
+      py::arg("cap") = py::none(), py::arg("spill_to_host") = true, py::arg("spill_without_cap") = false,
       "Replays ops (tuples, see cotenant.replay) through a fresh allocator on a simulated device; "
       "returns peaks, fragmentation, spill traffic and ns per alloc/free. Raises ReplayError with "
       ".op_index at an op that makes no sense for the trace so far.");

@@ -66,6 +66,11 @@ struct CachingAllocator::State {
     return limit == kNoCap || (device_bytes() <= limit && limit - device_bytes() >= page_bytes);
   }
   SpillMode mode() const { return backend.host_pages_mappable() ? SpillMode::kRemap : SpillMode::kPinnedFallback; }
+  // Whether a new allocation that finds no room on the device may go to the
+  // host: only under a cap (or spill_all), unless the user opted in without one.
+  bool may_spill_allocation() const {
+    return options.spill_to_host && (effective_cap() != kNoCap || options.spill_without_cap);
+  }
 
   void count_mapped(const Segment& segment, Residency where, bool mapped) {
     const auto bytes = static_cast<std::int64_t>(page_bytes);
@@ -171,7 +176,7 @@ struct CachingAllocator::State {
         if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
       }
     }
-    if (!options.spill_to_host || mode() != SpillMode::kRemap) return {};
+    if (!may_spill_allocation() || mode() != SpillMode::kRemap) return {};
     return backend.create_page(Residency::kHost);
   }
 
@@ -392,6 +397,18 @@ struct CachingAllocator::State {
   [[noreturn]] void out_of_memory(std::size_t requested, StreamId stream) {
     ++stats.num_ooms;
     const std::uint64_t limit = effective_cap();
+    if (limit == kNoCap && !options.spill_without_cap) {
+      // No cap: the device itself is full, as PyTorch's allocator reports it.
+      throw OutOfMemoryError(fmt::format(
+          "CUDA out of memory. Tried to allocate {}. The GPU has a total capacity of {} of which {} is free. "
+          "Of the memory cotenant holds for this process, {} is allocated and {} reserved but unallocated. "
+          "cotenant spills to host memory only under a cap: set one with cotenant.set_memory_cap() (or "
+          "COTENANT_SPILL_WITHOUT_CAP=1 to spill when the device is full), or free tensors.",
+          format_size(requested), format_size(backend.device_total_bytes()), format_size(backend.device_free_bytes()),
+          format_size(static_cast<std::uint64_t>(stats.allocated_bytes.all.current)),
+          format_size(static_cast<std::uint64_t>(
+              std::max<std::int64_t>(stats.reserved_bytes.all.current - stats.allocated_bytes.all.current, 0)))));
+    }
     throw OutOfMemoryError(fmt::format(
         "cotenant: out of memory allocating {} on stream {:#x}: the device cap is {} with {} device-resident "
         "({} allocated by this process, {} reserved), the device reports {} free of {}, and host memory "
@@ -535,7 +552,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
     s.return_to_pool(block);  // back_block undid its page marks; nothing of the caller's is touched
     if (released_cache) ++s.stats.num_alloc_retries;
     block = nullptr;
-    if (s.options.spill_to_host && s.mode() == SpillMode::kPinnedFallback) {
+    if (s.may_spill_allocation() && s.mode() == SpillMode::kPinnedFallback) {
       block = s.allocate_pinned_fallback(size, stream, pool);
       spilled = block != nullptr;
     }

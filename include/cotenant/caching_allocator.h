@@ -54,6 +54,10 @@ struct AllocatorOptions {
   // false: an allocation that cannot fit under the cap raises OutOfMemoryError
   // instead of spilling (what a user who wants a hard cap asks for).
   bool spill_to_host = true;
+  // With no cap set, a full device raises OutOfMemoryError as PyTorch's
+  // allocator does (torch.cuda.OutOfMemoryError, snapshots still possible).
+  // true: spill to the host then too (COTENANT_SPILL_WITHOUT_CAP=1).
+  bool spill_without_cap = false;
 };
 
 // One block as a snapshot shows it.

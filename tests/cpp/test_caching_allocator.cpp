@@ -160,6 +160,7 @@ TEST_CASE("out_of_memory_names_the_numbers_when_device_and_host_are_full", "[all
   config.host_capacity = 4 * kMiB;
   SimulatedBackend device(config);
   CachingAllocator allocator(device);
+  allocator.set_memory_cap(4 * kMiB);
   const DevicePtr live = allocator.allocate(6 * kMiB, 0);  // 2 pages device, 1 page host
   CHECK(allocator.stats().host_resident_bytes.current == 2 * kMiB);
   try {

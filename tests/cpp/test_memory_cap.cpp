@@ -159,13 +159,49 @@ TEST_CASE("hard_cap_without_spilling_raises_out_of_memory", "[cap]") {
   CHECK(allocator.stats().host_resident_bytes.current == 0);
 }
 
-TEST_CASE("device_full_from_other_processes_spills_like_a_cap", "[cap]") {
+TEST_CASE("device_full_from_other_processes_spills_under_a_cap", "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
   CachingAllocator allocator(device);
+  allocator.set_memory_cap(512 * kMiB);
   device.fail_next_device_pages(1);
   const DevicePtr block = allocator.allocate(2 * kMiB, 0);
   CHECK_FALSE(allocator.is_device_resident(block));
   CHECK(allocator.stats().host_resident_bytes.current == 2 * kMiB);
+}
+
+TEST_CASE("without_a_cap_a_full_device_raises_out_of_memory_as_pytorch_does", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  device.fail_next_device_pages(1);
+  try {
+    allocator.allocate(2 * kMiB, 0);
+    FAIL("a full device with no cap spilled to the host");
+  } catch (const OutOfMemoryError& e) {
+    const std::string message = e.what();
+    CHECK(message.rfind("CUDA out of memory. Tried to allocate 2.00 MiB.", 0) == 0);
+    CHECK(message.find("set_memory_cap") != std::string::npos);
+  }
+  CHECK(allocator.stats().host_resident_bytes.current == 0);
+  CHECK(allocator.stats().num_ooms == 1);
+  CHECK(device.host_bytes_in_use() == 0);
+}
+
+TEST_CASE("spill_without_cap_opts_into_spilling_when_the_device_is_full", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  AllocatorOptions options;
+  options.spill_without_cap = true;
+  CachingAllocator allocator(device, options);
+  device.fail_next_device_pages(1);
+  const DevicePtr block = allocator.allocate(2 * kMiB, 0);
+  CHECK_FALSE(allocator.is_device_resident(block));
+}
+
+TEST_CASE("pinned_fallback_mode_without_a_cap_raises_out_of_memory_instead_of_pinning", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB, true, /*host_mappable=*/false));
+  CachingAllocator allocator(device);
+  device.fail_next_device_pages(1);
+  CHECK_THROWS_AS(allocator.allocate(2 * kMiB, 0), OutOfMemoryError);
+  CHECK(allocator.stats().pinned_fallback_bytes.current == 0);
 }
 
 TEST_CASE("pinned_fallback_mode_serves_over_cap_allocations_from_pinned_host_memory", "[cap]") {

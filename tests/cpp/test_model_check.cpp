@@ -108,6 +108,9 @@ struct Harness {
     options.small_segment_bytes = kPage;
     options.large_segment_bytes = 640 * kKiB;
     options.large_segment_threshold = 320 * kKiB;
+    // The uncapped phases fill the small device: spill then too, so that
+    // "out of memory although host memory is plentiful" stays checkable.
+    options.spill_without_cap = true;
     return options;
   }
 

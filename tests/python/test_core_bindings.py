@@ -154,6 +154,17 @@ def test_allocation_beyond_device_and_host_raises_out_of_memory_error():
     assert allocator.stats()["num_ooms"] == 1
 
 
+def test_a_full_device_without_a_cap_is_out_of_memory_unless_spilling_is_asked_for():
+    # As PyTorch's allocator: no cap, no room on the device -> OutOfMemoryError.
+    allocator = _core.CachingAllocator(_core.SimulatedBackend(device_capacity="8MiB"))
+    with pytest.raises(_core.OutOfMemoryError, match="^CUDA out of memory. Tried to allocate 16.00 MiB"):
+        allocator.allocate("16MiB")
+    assert allocator.stats()["host_resident_bytes.current"] == 0
+    spilling = _core.CachingAllocator(_core.SimulatedBackend(device_capacity="8MiB"), spill_without_cap=True)
+    spilling.allocate("16MiB")
+    assert spilling.stats()["host_resident_bytes.current"] == 8 * MiB
+
+
 def test_stats_use_torch_key_names_and_snapshot_lists_blocks():
     allocator = _core.CachingAllocator(_core.SimulatedBackend(device_capacity="64MiB"))
     address = allocator.allocate(1000)
