@@ -11,9 +11,14 @@
 namespace cotenant::cuda {
 namespace {
 
+// Throws "<what> failed: <message> (cudaErrorName, error N)". The runtime's
+// last-error state is cleared first, so torch's next check does not report
+// this error a second time against an unrelated call.
 void check_runtime(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return;
-  throw Error(std::string(what) + " failed: " + cudaGetErrorString(err));
+  (void)cudaGetLastError();
+  throw Error(std::string(what) + " failed: " + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) +
+              ", error " + std::to_string(static_cast<int>(err)) + ")");
 }
 
 // Makes `device` current for the scope (runtime calls act on the current

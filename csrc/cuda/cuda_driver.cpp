@@ -54,6 +54,7 @@ LoadedDriver load() {
   try {
     DriverApi& a = loaded.api;
     resolve("cuGetErrorString", a.cuGetErrorString);
+    resolve("cuGetErrorName", a.cuGetErrorName);
     resolve("cuDeviceGet", a.cuDeviceGet);
     resolve("cuDeviceGetAttribute", a.cuDeviceGetAttribute);
     resolve("cuMemGetAllocationGranularity", a.cuMemGetAllocationGranularity);
@@ -96,11 +97,12 @@ bool gpu_available(std::string* reason) {
 void check_driver(CUresult result, const char* what) {
   if (result == CUDA_SUCCESS) return;
   const char* message = nullptr;
-  if (loaded_driver().api.cuGetErrorString != nullptr) {
-    loaded_driver().api.cuGetErrorString(result, &message);
-  }
-  throw Error(std::string(what) + " failed: " + (message ? message : "unknown CUDA driver error") +
-              " (CUresult " + std::to_string(static_cast<int>(result)) + ")");
+  const char* name = nullptr;
+  const DriverApi& api = loaded_driver().api;
+  if (api.cuGetErrorString != nullptr) api.cuGetErrorString(result, &message);
+  if (api.cuGetErrorName != nullptr) api.cuGetErrorName(result, &name);
+  throw Error(std::string(what) + " failed: " + (message ? message : "unknown CUDA driver error") + " (" +
+              (name ? name : "CUresult") + ", error " + std::to_string(static_cast<int>(result)) + ")");
 }
 
 }  // namespace cotenant::cuda

@@ -17,6 +17,7 @@ namespace cotenant::cuda {
 // for the CUDA 12.0 ABI (the VMM and host-memory calls have not changed since).
 struct DriverApi {
   decltype(&::cuGetErrorString) cuGetErrorString = nullptr;
+  decltype(&::cuGetErrorName) cuGetErrorName = nullptr;
   decltype(&::cuDeviceGet) cuDeviceGet = nullptr;
   decltype(&::cuDeviceGetAttribute) cuDeviceGetAttribute = nullptr;
   decltype(&::cuMemGetAllocationGranularity) cuMemGetAllocationGranularity = nullptr;
@@ -41,7 +42,7 @@ const DriverApi& driver();
 // explanation when it is not.
 bool gpu_available(std::string* reason);
 
-// Throws cotenant::Error "<what> failed: <driver's message> (CUresult N)"
+// Throws cotenant::Error "<what> failed: <driver's message> (CUDA_ERROR_NAME, error N)"
 // when `result` is not CUDA_SUCCESS.
 void check_driver(CUresult result, const char* what);
 

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <sstream>
 
@@ -33,7 +35,15 @@ std::int64_t steady_now_ns() {
       .count();
 }
 
-void delete_with_cotenant(void* ptr) { CotenantCudaAllocator::instance().raw_delete(ptr); }
+// A tensor's deleter must not throw (it runs in destructors, at interpreter
+// exit too): a free that fails is reported and the block stays allocated.
+void delete_with_cotenant(void* ptr) noexcept {
+  try {
+    CotenantCudaAllocator::instance().raw_delete(ptr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated: %s\n", ptr, e.what());
+  }
+}
 
 // Runs `fn`, turning cotenant's C++ errors into the c10 errors PyTorch maps
 // to Python exceptions (torch.OutOfMemoryError, RuntimeError).
@@ -107,6 +117,16 @@ c10::CachingDeviceAllocator::SegmentInfo to_torch_segment(const SegmentInfo& s,
 
 PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
 
+// The capped allocator's options: COTENANT_SPILL_WITHOUT_CAP=1 spills to the
+// host when the device is full with no cap set (else that is an
+// OutOfMemoryError, as with PyTorch's allocator).
+AllocatorOptions main_options() {
+  AllocatorOptions options;
+  const char* spill = std::getenv("COTENANT_SPILL_WITHOUT_CAP");
+  options.spill_without_cap = spill != nullptr && std::string(spill) == "1";
+  return options;
+}
+
 }  // namespace
 
 // ---- DeviceAllocators ---------------------------------------------------------
@@ -114,7 +134,7 @@ PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
 DeviceAllocators::DeviceAllocators(c10::DeviceIndex device_index)
     : device(device_index),
       backend(std::make_unique<cuda::CudaBackend>(device_index)),
-      main(std::make_unique<CachingAllocator>(*backend)),
+      main(std::make_unique<CachingAllocator>(*backend, main_options())),
       pools(std::make_unique<PoolTable>(*backend)) {}
 
 DeviceAllocators::~DeviceAllocators() = default;

@@ -73,6 +73,24 @@ def test_extension_imports_and_reports_whether_a_gpu_is_usable():
         assert "no usable NVIDIA GPU" in reason and "COTENANT_DISABLE=1" in reason
 
 
+def test_the_extension_finds_the_cuda_runtime_torch_loaded_not_the_toolkits():
+    # Its only run path is torch's library directory: a toolkit's libcudart
+    # found first could differ from the runtime torch itself uses.
+    import shutil
+
+    import torch
+
+    _C = _extension_or_skip()
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf (binutils) is not installed")
+    dynamic = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True, check=True).stdout
+    paths = [line.split("[", 1)[1].rstrip("]").split(":") for line in dynamic.splitlines()
+             if "RUNPATH" in line or "RPATH" in line]
+    assert paths, dynamic
+    torch_lib = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib"))
+    assert [os.path.realpath(p) for p in paths[0] if p] == [torch_lib]
+
+
 def test_enable_without_a_gpu_raises_no_gpu_error_that_says_what_to_do():
     _extension_or_skip()
     if _gpu_present():
