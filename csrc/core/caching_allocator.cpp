@@ -130,9 +130,11 @@ struct CachingAllocator::State {
     ++stats.num_device_alloc;
   }
 
-  void unmap_page(Segment& segment, std::size_t index) {
+  // `synchronized`: the caller ran backend.synchronize_for_unmap() for this batch.
+  void unmap_page(Segment& segment, std::size_t index, bool synchronized = false) {
     Page& page = segment.pages[index];
-    backend.unmap(segment.base + index * page_bytes);
+    if (synchronized) backend.unmap_synchronized(segment.base + index * page_bytes);
+    else backend.unmap(segment.base + index * page_bytes);
     backend.release_page(page.handle);
     count_mapped(segment, page.handle.where, false);
     if (page.live_blocks == 0) cached_of(page.handle.where) -= page_bytes;
@@ -142,15 +144,18 @@ struct CachingAllocator::State {
 
   // Releases mapped pages no live block touches, on `where` (or both when
   // null). Address ranges stay reserved. Returns the bytes released.
+  // One device synchronize covers the whole batch; none when the device
+  // cannot synchronize now (graph capture): then nothing is released.
   std::size_t release_cached_pages(const Residency* where) {
     std::size_t released = 0;
     if (where ? cached_of(*where) == 0 : cached_bytes[0] + cached_bytes[1] == 0) return 0;
+    if (!backend.synchronize_for_unmap()) return 0;
     for (auto& [base, segment] : segments) {
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
         const Page& page = segment->pages[i];
         if (!page.handle || page.live_blocks != 0) continue;
         if (where && page.handle.where != *where) continue;
-        unmap_page(*segment, i);
+        unmap_page(*segment, i, /*synchronized=*/true);
         released += page_bytes;
       }
     }
@@ -205,9 +210,10 @@ struct CachingAllocator::State {
       }
     }
     std::sort(cached.begin(), cached.end(), [](const Cached& a, const Cached& b) { return a.order < b.order; });
+    if (cached.empty() || !backend.synchronize_for_unmap()) return;  // one synchronize for the batch
     for (const Cached& page : cached) {
       if (excess <= 0) break;
-      unmap_page(*page.segment, page.index);
+      unmap_page(*page.segment, page.index, /*synchronized=*/true);
       excess -= static_cast<double>(page_bytes);
     }
   }
@@ -628,6 +634,10 @@ void CachingAllocator::empty_cache() {
     ++it;
     Block* only = segment.first;
     if (segment.pinned_fallback || !only->in_pool || only->next) continue;
+    // Pages kept because the device could not synchronize keep their range.
+    if (std::any_of(segment.pages.begin(), segment.pages.end(), [](const Page& page) { return bool(page.handle); })) {
+      continue;
+    }
     s.pool_erase(only);
     s.backend.release(segment.base, segment.size);
     s.delete_segment(segment);

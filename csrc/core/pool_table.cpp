@@ -30,7 +30,8 @@ bool PoolTable::routed_locked(PoolId id) const {
 }
 
 void PoolTable::drop_if_done_locked(std::map<PoolId, Pool>::iterator it) {
-  if (it->second.use_count <= 0 && !routed_locked(it->first) &&
+  // Never while a capture runs: dropping unmaps, which cannot synchronize then.
+  if (it->second.use_count <= 0 && routes_.empty() &&
       it->second.allocator->stats().allocated_bytes.all.current == 0) {
     pools_.erase(it);
   }

@@ -123,6 +123,23 @@ void SimulatedBackend::map(DevicePtr address, PageHandle handle) {
   mappings_.emplace(address, handle.id);
 }
 
+void SimulatedBackend::refuse_synchronization(bool refuse) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  refuse_synchronization_ = refuse;
+}
+
+bool SimulatedBackend::synchronize_for_unmap() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (refuse_synchronization_) {
+      ++calls_.refused_synchronization;
+      return false;
+    }
+  }
+  synchronize_device();
+  return true;
+}
+
 void SimulatedBackend::unmap(DevicePtr address) {
   std::lock_guard lock(mutex_);
   ++calls_.unmap;

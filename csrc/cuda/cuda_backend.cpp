@@ -228,6 +228,17 @@ void CudaBackend::unmap(DevicePtr address) {
   unmap_now(address);
 }
 
+bool CudaBackend::synchronize_for_unmap() {
+  if (graph_capture_.load(std::memory_order_acquire)) return false;  // keep the cache until the capture ends
+  if (!quiescent_.load(std::memory_order_acquire)) {
+    CurrentDevice current(device_);
+    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize before unmapping cached pages");
+  }
+  return true;
+}
+
+void CudaBackend::unmap_synchronized(DevicePtr address) { unmap_now(address); }
+
 void CudaBackend::unmap_now(DevicePtr address) {
   check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
 }

@@ -74,6 +74,8 @@ class CudaBackend final : public Backend {
   void release_page(PageHandle page) override;
   void map(DevicePtr address, PageHandle page) override;
   void unmap(DevicePtr address) override;
+  bool synchronize_for_unmap() override;
+  void unmap_synchronized(DevicePtr address) override;
   void copy_page(PageHandle dst, PageHandle src) override;
 
   DevicePtr allocate_pinned_host(std::size_t bytes) override;

@@ -79,7 +79,20 @@ class Backend {
   // Maps `page` at `address` (granularity-aligned, inside a reserved range,
   // currently unmapped) and makes it accessible to the device.
   virtual void map(DevicePtr address, PageHandle page) = 0;
+  // Unmaps one page, first making sure no kernel still touches it (on a GPU:
+  // a device synchronize, unless the caller's safe point already did one).
   virtual void unmap(DevicePtr address) = 0;
+
+  // Releasing cached pages (no live block on them) in a batch: one call
+  // waits until no kernel launched so far can touch them, then
+  // unmap_synchronized() unmaps each without waiting again. Returns false
+  // when the device cannot be synchronized now (a CUDA graph is being
+  // captured): the caller then keeps its cached pages.
+  virtual bool synchronize_for_unmap() {
+    synchronize_device();
+    return true;
+  }
+  virtual void unmap_synchronized(DevicePtr address) { unmap(address); }
 
   // Copies one page's bytes to another page. Synchronous: the copy is done
   // when it returns.

@@ -38,7 +38,7 @@ struct SimulatedCallCounts {
   std::uint64_t reserve = 0, release = 0, create_page = 0, release_page = 0;
   std::uint64_t map = 0, unmap = 0, copy_page = 0, failed_create_page = 0;
   std::uint64_t allocate_pinned_host = 0, free_pinned_host = 0;
-  std::uint64_t record_event = 0, synchronize_device = 0;
+  std::uint64_t record_event = 0, synchronize_device = 0, refused_synchronization = 0;
 };
 
 class SimulatedBackend final : public Backend {
@@ -83,6 +83,10 @@ class SimulatedBackend final : public Backend {
   // Makes the next `count` create_page(kDevice) calls fail, as if another
   // process had taken the memory.
   void fail_next_device_pages(std::size_t count);
+  // While set, synchronize_for_unmap() refuses, as a GPU does while a CUDA
+  // graph is being captured.
+  void refuse_synchronization(bool refuse);
+  bool synchronize_for_unmap() override;
   SimulatedCallCounts calls() const;
 
  private:
@@ -99,6 +103,7 @@ class SimulatedBackend final : public Backend {
   std::size_t device_used_ = 0;
   std::size_t host_used_ = 0;
   std::size_t failures_to_inject_ = 0;
+  bool refuse_synchronization_ = false;
   std::unordered_map<std::uint64_t, std::unique_ptr<Page>> pages_;
   std::map<DevicePtr, std::size_t> reservations_;  // base -> bytes
   std::unordered_map<DevicePtr, std::uint64_t> mappings_;  // page-aligned address -> page id

@@ -256,3 +256,38 @@ TEST_CASE("steady_state_reuse_maps_no_new_pages", "[allocator]") {
   CHECK(device.calls().map == maps_after_first);
   CHECK(device.calls().unmap == 0);
 }
+
+TEST_CASE("releasing_many_cached_pages_synchronizes_the_device_once", "[allocator]") {
+  // A device synchronize per page made empty_cache() and cap changes on a
+  // busy GPU cost one synchronize per 2 MiB.
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr big = allocator.allocate(32 * kMiB, 0);
+  allocator.free(big);
+  const auto before = device.calls();
+  allocator.empty_cache();
+  const auto after = device.calls();
+  CHECK(after.unmap - before.unmap == 16);
+  CHECK(after.synchronize_device - before.synchronize_device == 1);
+  CHECK(allocator.stats().reserved_bytes.all.current == 0);
+}
+
+TEST_CASE("cached_pages_stay_while_the_device_cannot_synchronize", "[allocator]") {
+  // During a CUDA graph capture nothing may synchronize the device: cache
+  // that would be released (to grow, or by empty_cache) stays mapped.
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr first = allocator.allocate(12 * kMiB, 0);
+  allocator.free(first);
+  device.refuse_synchronization(true);
+  const auto unmaps_before = device.calls().unmap;
+  const DevicePtr second = allocator.allocate(16 * kMiB, 0);  // past the growth slack: would release the cache
+  allocator.empty_cache();
+  CHECK(device.calls().unmap == unmaps_before);
+  CHECK(device.calls().refused_synchronization >= 2);
+  CHECK(allocator.is_device_resident(first));
+  device.refuse_synchronization(false);
+  allocator.empty_cache();
+  CHECK(allocator.stats().reserved_bytes.all.current == static_cast<std::int64_t>(16 * kMiB));
+  allocator.free(second);
+}

@@ -58,15 +58,27 @@ struct LiveBlock {
 struct Model {
   std::mutex mutex;
   std::map<DevicePtr, std::size_t> live;                        // address -> size
-  std::multimap<StreamId, std::pair<DevicePtr, std::size_t>> held;  // record_stream ranges by stream
+  // record_stream ranges by stream, each with the device's synchronize count
+  // read before its free: any later synchronize finished that stream's work.
+  struct Held {
+    DevicePtr address;
+    std::size_t size;
+    std::uint64_t synchronized_before;
+  };
+  std::multimap<StreamId, Held> held;
   std::vector<std::string> violations;
 
   static bool overlaps(DevicePtr a, std::size_t a_size, DevicePtr b, std::size_t b_size) {
     return a < b + b_size && b < a + a_size;
   }
 
-  void add_live(DevicePtr address, std::size_t size) {
+  // `synchronized`: the device's synchronize count after the allocation
+  // (allocating may release cache, which synchronizes the device).
+  void add_live(DevicePtr address, std::size_t size, std::uint64_t synchronized) {
     std::lock_guard lock(mutex);
+    for (auto it = held.begin(); it != held.end();) {
+      it = it->second.synchronized_before < synchronized ? held.erase(it) : std::next(it);
+    }
     auto next = live.lower_bound(address);
     if (next != live.end() && overlaps(address, size, next->first, next->second)) {
       violations.push_back("new block overlaps a live block");
@@ -75,7 +87,7 @@ struct Model {
       violations.push_back("new block overlaps a live block");
     }
     for (const auto& [stream, range] : held) {
-      if (overlaps(address, size, range.first, range.second)) {
+      if (overlaps(address, size, range.address, range.size)) {
         violations.push_back("a block held back by record_stream was handed out before its stream finished");
       }
     }
@@ -205,7 +217,7 @@ struct Harness {
           std::lock_guard lock(model.mutex);
           model.violations.push_back("allocation_size is not the rounded request");
         }
-        model.add_live(address, block.size);
+        model.add_live(address, block.size, device.calls().synchronize_device);
         {
           std::shared_lock kernel(safe_point);
           write_pattern(device, address, block.requested, block.seed);
@@ -218,7 +230,10 @@ struct Harness {
         {
           std::lock_guard lock(model.mutex);
           model.live.erase(it->first);
-          if (on_side_stream) model.held.emplace(side_stream, std::make_pair(it->first, it->second.size));
+          if (on_side_stream) {
+            model.held.emplace(side_stream,
+                               Model::Held{it->first, it->second.size, device.calls().synchronize_device});
+          }
         }
         allocator.free(it->first);
         mine.erase(it);

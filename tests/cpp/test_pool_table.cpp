@@ -135,3 +135,18 @@ TEST_CASE("a_pool_never_unmaps_cached_pages_to_grow", "[pools]") {
   CHECK(pool->stats().reserved_bytes.all.current == static_cast<std::int64_t>(28 * kMiB));
   table.end_route(kGraphA);
 }
+
+TEST_CASE("a_released_pool_is_not_dropped_while_a_capture_runs", "[pools]") {
+  // Dropping a pool unmaps its pages, which needs a device synchronize that a
+  // capture in progress forbids: the pool goes at a later empty_cache.
+  SimulatedBackend device(device_config(256 * kMiB));
+  PoolTable table(device);
+  const DevicePtr output = capture(table, kGraphA, device, 9);
+  table.find(kGraphA)->free(output);
+  table.begin_route(kGraphB, only(kCaptureStream));
+  table.release(kGraphA);
+  CHECK(table.find(kGraphA) != nullptr);
+  table.end_route(kGraphB);
+  CHECK(table.empty_freeable() == 1);
+  CHECK(table.find(kGraphA) == nullptr);
+}
