@@ -123,8 +123,14 @@ struct CachingAllocator::State {
     if (--page.live_blocks == 0 && page.handle) cached_of(page.handle.where) += page_bytes;
   }
 
+  // Takes `handle`: when mapping fails the page is released before the error goes on.
   void map_page(Segment& segment, std::size_t index, PageHandle handle) {
-    backend.map(segment.base + index * page_bytes, handle);
+    try {
+      backend.map(segment.base + index * page_bytes, handle);
+    } catch (...) {
+      backend.release_page(handle);
+      throw;
+    }
     segment.pages[index].handle = handle;
     count_mapped(segment, handle.where, true);
     ++stats.num_device_alloc;
@@ -230,16 +236,22 @@ struct CachingAllocator::State {
       page_gains_live(segment, i);
       if (!segment.pages[i].handle) ++unmapped;
     }
-    if (unmapped > 0) reclaim_cache_for_growth(unmapped * page_bytes, block.size);
-    for (std::size_t i = first; i <= last; ++i) {
-      if (segment.pages[i].handle) continue;
-      PageHandle handle = create_page_for_allocation(released_cache);
-      if (!handle) {
-        for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
-        return false;
+    try {
+      if (unmapped > 0) reclaim_cache_for_growth(unmapped * page_bytes, block.size);
+      for (std::size_t i = first; i <= last; ++i) {
+        if (segment.pages[i].handle) continue;
+        PageHandle handle = create_page_for_allocation(released_cache);
+        if (!handle) {
+          for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
+          return false;
+        }
+        if (handle.where == Residency::kHost) *spilled = true;
+        map_page(segment, i, handle);
       }
-      if (handle.where == Residency::kHost) *spilled = true;
-      map_page(segment, i, handle);
+    } catch (...) {
+      // A driver call failed: pages mapped so far stay, as cache.
+      for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
+      throw;
     }
     for (std::size_t i = first; i <= last; ++i) segment.pages[i].last_use = tick;
     return true;
@@ -468,9 +480,22 @@ struct CachingAllocator::State {
     const PageHandle target = backend.create_page(where);
     if (!target) return false;
     const DevicePtr address = segment.base + live.index * page_bytes;
-    backend.copy_page(target, page.handle);
-    backend.unmap(address);
-    backend.map(address, target);
+    // A failed driver call leaves the page where it was, mapped, and the
+    // target released; the error goes on to the caller.
+    try {
+      backend.copy_page(target, page.handle);
+      backend.unmap(address);
+    } catch (...) {
+      backend.release_page(target);
+      throw;
+    }
+    try {
+      backend.map(address, target);
+    } catch (...) {
+      backend.release_page(target);
+      backend.map(address, page.handle);  // its bytes are unchanged
+      throw;
+    }
     backend.release_page(page.handle);
     count_mapped(segment, page.handle.where, false);
     count_mapped(segment, where, true);
@@ -535,7 +560,12 @@ CachingAllocator::CachingAllocator(Backend& backend, AllocatorOptions options)
 
 CachingAllocator::~CachingAllocator() {
   std::lock_guard lock(state_->mutex);
-  state_->release_everything();
+  try {
+    state_->release_everything();
+  } catch (...) {
+    // A destructor must not throw (that terminates the process): what the
+    // driver refused to release stays with the process until it exits.
+  }
 }
 
 DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
@@ -553,8 +583,14 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   if (!block) s.out_of_memory(size, stream);
   s.split(block, size);
 
-  bool spilled = false, released_cache = false;
-  if (!s.back_block(*block, &spilled, &released_cache)) {
+  bool spilled = false, released_cache = false, backed = false;
+  try {
+    backed = s.back_block(*block, &spilled, &released_cache);
+  } catch (...) {
+    s.return_to_pool(block);  // the block is free again; the caller gets the driver's error
+    throw;
+  }
+  if (!backed) {
     s.return_to_pool(block);  // back_block undid its page marks; nothing of the caller's is touched
     if (released_cache) ++s.stats.num_alloc_retries;
     block = nullptr;

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -204,20 +205,49 @@ void CudaBackend::release_page(PageHandle page) {
                "cuMemRelease");
 }
 
-void CudaBackend::set_device_access(DevicePtr address, std::size_t bytes) {
+namespace {
+
+CUmemAccessDesc read_write_for(int device) {
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
+  access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  check_driver(driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access, 1),
+  return access;
+}
+
+}  // namespace
+
+// access_mutex_ held.
+void CudaBackend::set_device_access(DevicePtr address, std::size_t bytes) {
+  std::vector<CUmemAccessDesc> access{read_write_for(device_)};
+  for (int peer : peers_) access.push_back(read_write_for(peer));
+  check_driver(driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, access.data(), access.size()),
                "cuMemSetAccess");
 }
 
+void CudaBackend::grant_access(int peer) {
+  std::lock_guard<std::mutex> lock(access_mutex_);
+  if (peer == device_ || std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) return;
+  const CUmemAccessDesc access = read_write_for(peer);
+  for (DevicePtr address : mapped_) {
+    check_driver(driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), granularity_, &access, 1),
+                 "cuMemSetAccess for a peer device");
+  }
+  peers_.push_back(peer);
+}
+
 void CudaBackend::map(DevicePtr address, PageHandle page) {
+  std::lock_guard<std::mutex> lock(access_mutex_);
   check_driver(driver().cuMemMap(static_cast<CUdeviceptr>(address), granularity_, 0,
                                  static_cast<CUmemGenericAllocationHandle>(page.id), 0),
                "cuMemMap");
-  set_device_access(address, granularity_);
+  try {
+    set_device_access(address, granularity_);
+    mapped_.insert(address);
+  } catch (...) {
+    driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);  // not left half-mapped
+    throw;
+  }
 }
 
 void CudaBackend::unmap(DevicePtr address) {
@@ -240,6 +270,10 @@ bool CudaBackend::synchronize_for_unmap() {
 void CudaBackend::unmap_synchronized(DevicePtr address) { unmap_now(address); }
 
 void CudaBackend::unmap_now(DevicePtr address) {
+  {
+    std::lock_guard<std::mutex> lock(access_mutex_);
+    mapped_.erase(address);
+  }
   check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
 }
 
@@ -328,6 +362,11 @@ void CudaBackend::free_pinned_host(DevicePtr address, std::size_t /*bytes*/) {
     }
     host = it->second;
     pinned_host_.erase(it);
+  }
+  // Kernels launched before the block was freed may still read it.
+  if (!quiescent_.load(std::memory_order_acquire)) {
+    CurrentDevice current(device_);
+    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize before freeing pinned host memory");
   }
   check_driver(driver().cuMemFreeHost(host), "cuMemFreeHost");
 }

@@ -29,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cotenant/backend.h"
@@ -62,6 +63,11 @@ class CudaBackend final : public Backend {
   void finish_copies();
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
   const char* host_page_kind() const;
+
+  // Kernels running on device `peer` may read and write this device's pages:
+  // every page mapped now and every page mapped later (cuMemSetAccess for
+  // the peer; PyTorch's enablePeerAccess(peer, this device)).
+  void grant_access(int peer);
 
   std::size_t granularity() const override { return granularity_; }
   std::size_t device_total_bytes() const override;
@@ -118,6 +124,12 @@ class CudaBackend final : public Backend {
   std::vector<StagingSlot> staging_slots_;
   std::size_t next_slot_ = 0;
   void* copy_stream_ = nullptr;  // cudaStream_t
+
+  // Devices besides device_ whose kernels may touch our pages, and the
+  // pages mapped now (the addresses a late grant_access must reach).
+  std::mutex access_mutex_;
+  std::vector<int> peers_;
+  std::unordered_set<DevicePtr> mapped_;
 
   // Pinned-fallback allocations: device address -> host pointer for cuMemFreeHost.
   std::mutex pinned_mutex_;

@@ -653,13 +653,19 @@ void CotenantCudaAllocator::attachAllocatorTraceTracker(c10_alloc::AllocatorTrac
 }
 
 void CotenantCudaAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
-  c10::cuda::CUDAGuard guard(dev);
-  cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
-  if (err == cudaErrorPeerAccessAlreadyEnabled) {
-    (void)cudaGetLastError();
-    return;
+  {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
   }
-  C10_CUDA_CHECK(err);
+  // Runtime peer access does not reach VMM mappings: kernels on `dev` reach
+  // `dev_to_access`'s pages only once those pages grant it access.
+  DeviceAllocators& target = translate_errors([&]() -> DeviceAllocators& { return on(dev_to_access); });
+  translate_errors([&] { target.backend->grant_access(dev); });
 }
 
 cudaError_t CotenantCudaAllocator::memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,

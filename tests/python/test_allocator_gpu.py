@@ -508,3 +508,20 @@ def test_training_under_a_cap_in_pinned_fallback_mode_keeps_losses_identical(kin
     """, env_extra={"COTENANT_HOST_PAGES": "pinned"})
     assert out["modes"] == ["pinned_fallback"]
     assert out["losses"] == native
+
+
+def test_a_kernel_on_one_gpu_reads_and_writes_another_gpus_pages():
+    import torch
+
+    if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("needs two GPUs with peer access")
+    out = run_script("""
+        a = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+        b = torch.empty(1 << 20, dtype=torch.float32, device="cuda:1")
+        b.copy_(a)                      # a peer copy: a kernel on one device touches the other's pages
+        c = a.to("cuda:1") + b
+        back = c.to("cuda:0")
+        torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+        print(json.dumps({"equal": torch.equal(back, a * 2)}))
+    """)
+    assert out["equal"]
