@@ -164,14 +164,6 @@ void opportunistic_entry(const OpEntry& /*op*/, void* context) {
   }
 }
 
-void guaranteed_entry(const OpEntry& /*op*/, void* context) {
-  if (in_forked_child.load(std::memory_order_relaxed)) return;
-  try {
-    static_cast<ProcessGate*>(context)->busy_tracker->on_op_launched();
-  } catch (const std::exception&) {
-  }
-}
-
 // The exit half for the opportunistic role: when a thread's outermost op
 // returns, its work is enqueued: record the marker. Installed before the
 // entry hook, so every admitted op is seen leaving.
@@ -186,6 +178,22 @@ void launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* 
   admitted_op = false;
   try {
     if (ProcessGate* state = active_for_hooks.load(std::memory_order_acquire)) state->gate->launched();
+  } catch (const std::exception&) {
+  }
+}
+
+// The exit half for the guaranteed role: when a thread's outermost op
+// returns, its kernels are on the stream, and that is when the job keeps the
+// GPU busy (at op entry only the op's CPU work has started).
+void guaranteed_launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+  if (exit_depth == 0) return;  // installed while this op ran
+  if (--exit_depth > 0) return;
+  if (in_forked_child.load(std::memory_order_relaxed)) return;
+  try {
+    ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
+    if (state != nullptr && state->busy_tracker && !state->stopping.load(std::memory_order_acquire)) {
+      state->busy_tracker->on_op_launched();
+    }
   } catch (const std::exception&) {
   }
 }
@@ -275,16 +283,14 @@ void activate_gate(const GateActivation& activation) {
   ProcessGate* raw = state.release();  // never freed: see ProcessGate
   active = raw;
   active_for_hooks.store(raw, std::memory_order_release);
-  if (activation.role == GateRole::kOpportunistic) {
-    raw->exit_callback = at::addGlobalCallback(at::RecordFunctionCallback(&count_op_entry, &launched_at_op_exit)
-                                                   .needsInputs(false)
-                                                   .needsOutputs(false)
-                                                   .needsIds(false)
-                                                   .scopes({at::RecordScope::FUNCTION}));
-    raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw);
-  } else {
-    raw->entry_hook_id = add_op_entry_hook(&guaranteed_entry, raw);
-  }
+  const bool opportunistic = activation.role == GateRole::kOpportunistic;
+  raw->exit_callback = at::addGlobalCallback(
+      at::RecordFunctionCallback(&count_op_entry, opportunistic ? &launched_at_op_exit : &guaranteed_launched_at_op_exit)
+          .needsInputs(false)
+          .needsOutputs(false)
+          .needsIds(false)
+          .scopes({at::RecordScope::FUNCTION}));
+  if (opportunistic) raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw);
   raw->pulse = std::thread(pulse_loop, raw);
 }
 
@@ -302,6 +308,8 @@ void deactivate_gate() {
     state->gate->set_share(1.0);
     state->segment->release_opportunistic(state->opportunistic_slot, pid);
   } else {
+    if (state->exit_callback) at::removeCallback(*state->exit_callback);
+    state->exit_callback.reset();
     state->segment->release_guaranteed(pid);
   }
   active = nullptr;
