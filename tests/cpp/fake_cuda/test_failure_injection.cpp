@@ -1,0 +1,164 @@
+// Driver failures in the middle of an allocation or a page move, injected
+// into the fake CUDA runtime: the allocator must stay usable, keep the bytes
+// of live blocks where it says they are, and leak no mapping or handle.
+//
+// The tests marked "Regression" each caught an exception-safety bug in the
+// tree before commit 89e62bf (they fail against 0f6611f).
+#include <catch2/catch.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cotenant/errors.h"
+#include "cuda_driver.h"
+#include "devices.h"
+
+using namespace cotenant;
+using namespace cotenant::testing;
+
+namespace {
+
+// Every live block's bytes, checked only where the driver says they can be
+// touched. Returns false (having reported it) when a block lost its mapping.
+bool live_blocks_hold(FakeCudaDevice& device, const std::vector<std::pair<DevicePtr, std::uint64_t>>& blocks,
+                      std::size_t bytes) {
+  bool all_mapped = true;
+  for (const auto& [address, seed] : blocks) {
+    if (!fake_cuda::accessible(reinterpret_cast<void*>(address), bytes)) {
+      FAIL_CHECK("a live block at 0x" << std::hex << address << " is no longer mapped");
+      all_mapped = false;
+      continue;
+    }
+    CHECK(device.holds(address, seed, bytes));
+  }
+  return all_mapped;
+}
+
+}  // namespace
+
+TEST_CASE("failure_host_page_exhausted_during_spill_stops_the_spill_and_loses_nothing", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks;
+    for (std::uint64_t i = 0; i < 4; ++i) {
+      blocks.emplace_back(allocator.allocate(4 * kMiB, 0), i + 1);
+      device.fill(blocks.back().first, i + 1, 4 * kMiB);
+    }
+    allocator.spill_all();
+    fake_cuda::fail_nth("cuMemCreate", 3, CUDA_ERROR_OUT_OF_MEMORY);  // the third host page
+    CHECK(allocator.apply_pending_migrations() == 4 * kMiB);
+    CHECK(allocator.stats().host_resident_bytes.current == 4 * kMiB);
+    live_blocks_hold(device, blocks, 4 * kMiB);
+    allocator.restore_all();
+    allocator.apply_pending_migrations();
+    CHECK(allocator.stats().host_resident_bytes.current == 0);
+    live_blocks_hold(device, blocks, 4 * kMiB);
+  }
+  device.check_clean();
+}
+
+// Regression (csrc/core/caching_allocator.cpp, back_block/map_page): when
+// backend.map() threw, the page create_page_for_allocation() had just made
+// was neither recorded nor released (a leaked cuMemCreate handle), and the
+// live marks back_block had put on the block's pages stayed, so the pages it
+// had mapped were never released as cache.
+TEST_CASE("failure_map_error_during_allocation_leaks_no_handle", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    fake_cuda::fail_nth("cuMemMap", 2, CUDA_ERROR_INVALID_VALUE);  // the second page of the block
+    CHECK_THROWS_AS(allocator.allocate(4 * kMiB, 0), Error);
+    CHECK(allocator.stats().allocated_bytes.all.current == 0);
+    const DevicePtr block = allocator.allocate(4 * kMiB, 0);  // still usable
+    device.fill(block, 7, 4 * kMiB);
+    CHECK(device.holds(block, 7, 4 * kMiB));
+    allocator.free(block);
+    allocator.empty_cache();
+    CHECK(allocator.stats().reserved_bytes.all.current == 0);
+  }
+  device.check_clean();
+}
+
+// Regression (same place): a driver error other than out-of-memory from
+// cuMemCreate threw out of back_block with the block's pages still marked
+// live, so empty_cache() never released the pages it had already mapped.
+TEST_CASE("failure_create_error_during_allocation_leaves_no_page_behind", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    fake_cuda::fail_nth("cuMemCreate", 2, CUDA_ERROR_INVALID_VALUE);
+    CHECK_THROWS_AS(allocator.allocate(6 * kMiB, 0), Error);
+    allocator.empty_cache();
+    CHECK(device.device_bytes_in_use() == 0);
+    CHECK(allocator.stats().reserved_bytes.all.current == 0);
+  }
+  device.check_clean();
+}
+
+// Regression (csrc/core/caching_allocator.cpp, move_page): when copy_page()
+// threw (here: mapping the staging page fails), the target page move_page
+// had created was never released.
+TEST_CASE("failure_staging_map_error_during_a_page_move_leaks_no_handle", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(4 * kMiB, 0), 3}};
+    device.fill(blocks[0].first, 3, 4 * kMiB);
+    allocator.spill_all();
+    fake_cuda::fail_nth("cuMemMap", 1, CUDA_ERROR_OUT_OF_MEMORY);  // the first staging map
+    CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
+    live_blocks_hold(device, blocks, 4 * kMiB);
+    allocator.restore_all();
+    allocator.apply_pending_migrations();
+    live_blocks_hold(device, blocks, 4 * kMiB);
+  }
+  device.check_clean();
+}
+
+// Regression (csrc/core/caching_allocator.cpp, move_page): move_page unmaps
+// the old page before mapping the new one at the same address; when that map
+// threw, the address was left unmapped while the page table still recorded
+// the old page there: the live block's bytes were unreachable (a kernel
+// would fault), the new page leaked, and ~CachingAllocator threw from
+// cuMemUnmap of the unmapped address (std::terminate). The check reads the
+// block only where the fake says it is mapped, so a regression fails here
+// instead of faulting.
+TEST_CASE("failure_remap_error_during_a_page_move_keeps_the_block_mapped", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(2 * kMiB, 0), 4}};
+    device.fill(blocks[0].first, 4, 2 * kMiB);
+    allocator.spill_all();
+    // Two staging maps for the copy, then the map of the new page in place.
+    fake_cuda::fail_nth("cuMemMap", 3, CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
+    REQUIRE(live_blocks_hold(device, blocks, 2 * kMiB));
+    CHECK(allocator.is_device_resident(blocks[0].first));
+    CHECK(allocator.apply_pending_migrations() == 2 * kMiB);  // the retry moves it
+    CHECK_FALSE(allocator.is_device_resident(blocks[0].first));
+    live_blocks_hold(device, blocks, 2 * kMiB);
+  }
+  device.check_clean();
+}
+
+// Regression (csrc/cuda/cuda_backend.cpp, CudaBackend::map): when
+// cuMemSetAccess failed after cuMemMap succeeded, map() threw with the page
+// still mapped, so the caller (which sees the map as failed) could neither
+// reuse the address (double map) nor free its range (pages mapped in it).
+TEST_CASE("failure_access_error_in_backend_map_leaves_nothing_mapped", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  const DevicePtr range = backend.reserve(backend.granularity());
+  const PageHandle page = backend.create_page(Residency::kDevice);
+  fake_cuda::fail_nth("cuMemSetAccess", 1, CUDA_ERROR_INVALID_VALUE);
+  CHECK_THROWS_AS(backend.map(range, page), Error);
+  const std::size_t left_mapped = fake_cuda::leaks().mappings;
+  CHECK(left_mapped == 0);
+  if (left_mapped != 0) cuda::driver().cuMemUnmap(range, backend.granularity());  // clean up for the checks below
+  backend.release_page(page);
+  backend.release(range, backend.granularity());
+  device.check_clean();
+}

@@ -1,0 +1,1008 @@
+// A fake CUDA runtime and driver for tests: see fake_cuda.h for the model.
+//
+// Everything is guarded by one mutex (state().mutex), except the bytes that
+// a stream's worker copies: a worker takes its next operation under the
+// mutex, copies without it, and pops the operation under it again. An
+// operation stays at the front of its queue until its copy is done, so an
+// unmap that overlaps a queue entry knows the bytes are still in use.
+#include "fake_cuda.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+namespace fake_cuda {
+namespace {
+
+using Address = std::uintptr_t;
+
+// A queued cudaMemcpyAsync.
+struct Copy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes = 0;
+};
+
+// A stream: a worker thread that runs its queue in order. `completed`
+// counts finished operations; an event recorded after operation k of the
+// stream is complete once completed >= k.
+struct Stream {
+  std::deque<Copy> queue;  // front: running (or next to run)
+  std::uint64_t submitted = 0;
+  std::uint64_t completed = 0;
+  bool stop = false;
+  std::condition_variable work;
+  std::thread worker;
+};
+
+struct Event {
+  Stream* stream = nullptr;  // null: never recorded (complete)
+  std::uint64_t after = 0;   // complete when stream->completed >= after
+};
+
+// A physical page allocation: a memfd of `bytes`. It is destroyed when
+// released and no longer mapped anywhere (the driver's rule).
+struct Handle {
+  int fd = -1;
+  std::size_t bytes = 0;
+  bool on_device = false;
+  bool released = false;
+  int mappings = 0;
+};
+
+struct Mapping {
+  std::size_t bytes = 0;
+  CUmemGenericAllocationHandle handle = 0;
+  std::uint32_t devices = 0;  // bit d: device d may access it (cuMemSetAccess)
+  bool accessible() const { return devices != 0; }
+};
+
+struct Failure {
+  int remaining = 0;  // fails when it counts down to 0
+  int code = 0;
+};
+
+struct State {
+  std::mutex mutex;
+  std::condition_variable progress;  // a stream finished an operation
+  Config config;
+  // The device's virtual address space: one PROT_NONE arena, carved first
+  // fit from the bottom, so reservations come out in ascending order as they
+  // do from the CUDA driver (mmap alone would hand them out descending).
+  Address arena = 0;
+  std::map<Address, std::size_t> arena_free;    // base -> bytes, coalesced
+  std::map<Address, std::size_t> reservations;  // base -> bytes
+  std::map<Address, Mapping> mappings;          // address -> mapping
+  std::unordered_map<CUmemGenericAllocationHandle, Handle> handles;
+  CUmemGenericAllocationHandle next_handle = 1;
+  std::map<Address, std::size_t> pinned;  // host pointer -> bytes (rounded to pages)
+  std::size_t device_bytes = 0;  // device pages alive
+  std::size_t host_bytes = 0;    // host pages alive plus pinned host allocations
+  std::set<Stream*> streams;  // created by cudaStreamCreate*, not destroyed
+  Stream* default_stream = nullptr;
+  std::set<Event*> events;
+  std::map<std::string, std::uint64_t> calls;
+  std::map<std::string, Failure> failures;
+  Violations violations;
+  std::chrono::microseconds delay{0};
+  bool held = false;  // hold_streams(): workers start nothing until a wait releases it
+};
+
+// Never destroyed: stream workers may outlive static destruction.
+State& state() {
+  static State* s = new State;
+  return *s;
+}
+
+thread_local int current_device = 0;
+thread_local cudaError_t last_error = cudaSuccess;
+
+using Lock = std::unique_lock<std::mutex>;
+
+void violate(State& s, std::string message) {
+  ++s.violations.count;
+  s.violations.messages.push_back(std::move(message));
+}
+
+std::string hex(Address a) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%zx", static_cast<std::size_t>(a));
+  return buf;
+}
+
+// Counts the call, and returns true (with the injected code) when it fails.
+bool injected(State& s, const char* entry, int* code) {
+  ++s.calls[entry];
+  auto it = s.failures.find(entry);
+  if (it == s.failures.end()) return false;
+  if (--it->second.remaining > 0) return false;
+  *code = it->second.code;
+  s.failures.erase(it);
+  return true;
+}
+
+bool overlaps(Address a, std::size_t a_bytes, Address b, std::size_t b_bytes) {
+  return a < b + b_bytes && b < a + a_bytes;
+}
+
+bool copy_touches(const Copy& c, Address a, std::size_t bytes) {
+  return overlaps(reinterpret_cast<Address>(c.dst), c.bytes, a, bytes) ||
+         overlaps(reinterpret_cast<Address>(c.src), c.bytes, a, bytes);
+}
+
+std::vector<Stream*> all_streams(State& s) {
+  std::vector<Stream*> out(s.streams.begin(), s.streams.end());
+  if (s.default_stream != nullptr) out.push_back(s.default_stream);
+  return out;
+}
+
+bool work_touches(State& s, Address a, std::size_t bytes) {
+  for (Stream* stream : all_streams(s)) {
+    for (const Copy& c : stream->queue) {
+      if (copy_touches(c, a, bytes)) return true;
+    }
+  }
+  return false;
+}
+
+// Whoever waits for work releases hold_streams().
+void release_hold(State& s) {
+  if (!s.held) return;
+  s.held = false;
+  for (Stream* stream : all_streams(s)) stream->work.notify_all();
+}
+
+// `what` of [a, a + bytes) while queued copies still touch it: a missing
+// synchronization. Counted, then waited out so the copy does not fault.
+void wait_for_work_on(State& s, Lock& lock, Address a, std::size_t bytes, const char* what) {
+  if (!work_touches(s, a, bytes)) return;
+  violate(s, std::string(what) + " of [" + hex(a) + ", " + hex(a + bytes) +
+                 ") while a copy queued on a stream still touches it (missing synchronization)");
+  release_hold(s);
+  s.progress.wait(lock, [&] { return !work_touches(s, a, bytes); });
+}
+
+void drain(State& s, Lock& lock, Stream* stream) {
+  release_hold(s);
+  s.progress.wait(lock, [&] { return stream->queue.empty(); });
+}
+
+void drain_all(State& s, Lock& lock) {
+  release_hold(s);
+  s.progress.wait(lock, [&] {
+    for (Stream* stream : all_streams(s)) {
+      if (!stream->queue.empty()) return false;
+    }
+    return true;
+  });
+}
+
+void run_worker(Stream* stream) {
+  State& s = state();
+  Lock lock(s.mutex);
+  for (;;) {
+    stream->work.wait(lock, [&] { return stream->stop || (!stream->queue.empty() && !s.held); });
+    if (stream->queue.empty()) return;  // stopped and drained
+    const Copy copy = stream->queue.front();
+    const auto delay = s.delay;
+    lock.unlock();
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    std::memcpy(copy.dst, copy.src, copy.bytes);
+    lock.lock();
+    stream->queue.pop_front();
+    ++stream->completed;
+    s.progress.notify_all();
+  }
+}
+
+Stream* start_stream() {
+  auto* stream = new Stream;
+  stream->worker = std::thread(run_worker, stream);
+  return stream;
+}
+
+// Stops and frees a stream; the mutex must not be held (the worker takes it).
+void stop_stream(Stream* stream) {
+  {
+    Lock lock(state().mutex);
+    drain(state(), lock, stream);
+    stream->stop = true;
+    stream->work.notify_all();
+  }
+  stream->worker.join();
+  delete stream;
+}
+
+// cudaStreamLegacy (1) and cudaStreamPerThread (2) are the default stream too.
+bool is_default(cudaStream_t stream) { return reinterpret_cast<Address>(stream) <= 2; }
+
+Stream* find_stream(State& s, cudaStream_t handle) {
+  if (is_default(handle)) {
+    if (s.default_stream == nullptr) s.default_stream = start_stream();
+    return s.default_stream;
+  }
+  auto* stream = reinterpret_cast<Stream*>(handle);
+  return s.streams.count(stream) ? stream : nullptr;
+}
+
+bool event_complete(const Event& e) { return e.stream == nullptr || e.stream->completed >= e.after; }
+
+// ---- virtual address space ----------------------------------------------------
+
+constexpr std::size_t kArenaBytes = std::size_t{64} << 30;
+
+void make_arena(State& s) {
+  if (s.arena != 0) return;
+  void* p = mmap(nullptr, kArenaBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return;
+  s.arena = reinterpret_cast<Address>(p);
+  s.arena_free.emplace(s.arena, kArenaBytes);
+}
+
+// First fit, lowest address: returns 0 when nothing fits.
+Address carve(State& s, std::size_t bytes, std::size_t align) {
+  make_arena(s);
+  for (auto it = s.arena_free.begin(); it != s.arena_free.end(); ++it) {
+    const Address start = it->first;
+    const std::size_t size = it->second;
+    const Address base = (start + align - 1) / align * align;
+    if (base + bytes > start + size) continue;
+    s.arena_free.erase(it);
+    if (base > start) s.arena_free.emplace(start, base - start);
+    if (base + bytes < start + size) s.arena_free.emplace(base + bytes, start + size - (base + bytes));
+    return base;
+  }
+  return 0;
+}
+
+void give_back(State& s, Address base, std::size_t bytes) {
+  auto next = s.arena_free.lower_bound(base);
+  if (next != s.arena_free.end() && next->first == base + bytes) {
+    bytes += next->second;
+    next = s.arena_free.erase(next);
+  }
+  if (next != s.arena_free.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == base) {
+      prev->second += bytes;
+      return;
+    }
+  }
+  s.arena_free.emplace(base, bytes);
+}
+
+// ---- memory rules -------------------------------------------------------------
+
+bool aligned(State& s, Address a) { return a % s.config.granularity == 0; }
+
+const std::pair<const Address, std::size_t>* reservation_holding(State& s, Address a, std::size_t bytes) {
+  auto it = s.reservations.upper_bound(a);
+  if (it == s.reservations.begin()) return nullptr;
+  --it;
+  if (a >= it->first && a + bytes <= it->first + it->second) return &*it;
+  return nullptr;
+}
+
+bool any_reservation_overlaps(State& s, Address a, std::size_t bytes) {
+  for (const auto& [base, size] : s.reservations) {
+    if (overlaps(base, size, a, bytes)) return true;
+  }
+  return false;
+}
+
+// Whether [a, a + bytes) is covered, without gaps, by mappings; with
+// `accessible`, by accessible ones.
+bool fully_mapped(State& s, Address a, std::size_t bytes, bool accessible) {
+  Address at = a;
+  auto it = s.mappings.upper_bound(a);
+  if (it != s.mappings.begin()) --it;
+  while (at < a + bytes) {
+    if (it == s.mappings.end() || it->first > at || it->first + it->second.bytes <= at) return false;
+    if (accessible && !it->second.accessible()) return false;
+    at = it->first + it->second.bytes;
+    ++it;
+  }
+  return true;
+}
+
+bool any_mapping_overlaps(State& s, Address a, std::size_t bytes) {
+  auto it = s.mappings.lower_bound(a);
+  if (it != s.mappings.end() && it->first < a + bytes) return true;
+  if (it != s.mappings.begin()) {
+    --it;
+    if (it->first + it->second.bytes > a) return true;
+  }
+  return false;
+}
+
+void destroy_handle_if_unused(State& s, CUmemGenericAllocationHandle id) {
+  Handle& h = s.handles.at(id);
+  if (!h.released || h.mappings != 0) return;
+  close(h.fd);
+  (h.on_device ? s.device_bytes : s.host_bytes) -= h.bytes;
+  s.handles.erase(id);
+}
+
+void remap_inaccessible(Address a, std::size_t bytes) {
+  mmap(reinterpret_cast<void*>(a), bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+       -1, 0);
+}
+
+// Whether a copy may touch [p, p + bytes): outside every reservation (plain
+// or pinned host memory), or mapped and accessible inside one.
+bool copy_range_ok(State& s, const void* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<Address>(p);
+  if (!any_reservation_overlaps(s, a, bytes)) return true;
+  return fully_mapped(s, a, bytes, true);
+}
+
+// ---- driver entry points --------------------------------------------------------
+
+const char* driver_error_name(CUresult r) {
+  switch (r) {
+    case CUDA_SUCCESS: return "no error";
+    case CUDA_ERROR_INVALID_VALUE: return "invalid argument";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case CUDA_ERROR_INVALID_DEVICE: return "invalid device ordinal";
+    case CUDA_ERROR_INVALID_HANDLE: return "invalid resource handle";
+    case CUDA_ERROR_NOT_SUPPORTED: return "operation not supported";
+    case CUDA_ERROR_ILLEGAL_ADDRESS: return "an illegal memory access was encountered";
+    default: return nullptr;
+  }
+}
+
+#define FAKE_DRIVER_ENTRY(name)                          \
+  State& s = state();                                    \
+  Lock lock(s.mutex);                                    \
+  if (int code = 0; injected(s, name, &code)) return static_cast<CUresult>(code)
+
+CUresult fake_cuGetErrorString(CUresult error, const char** str) {
+  const char* name = driver_error_name(error);
+  *str = name;
+  return name != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult fake_cuGetErrorName(CUresult error, const char** str) {
+  const char* name = nullptr;
+  switch (error) {
+    case CUDA_SUCCESS: name = "CUDA_SUCCESS"; break;
+    case CUDA_ERROR_INVALID_VALUE: name = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_INVALID_DEVICE: name = "CUDA_ERROR_INVALID_DEVICE"; break;
+    case CUDA_ERROR_INVALID_HANDLE: name = "CUDA_ERROR_INVALID_HANDLE"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: name = "CUDA_ERROR_NOT_SUPPORTED"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: name = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+    default: break;
+  }
+  *str = name;
+  return name != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult fake_cuDeviceGet(CUdevice* device, int ordinal) {
+  FAKE_DRIVER_ENTRY("cuDeviceGet");
+  if (ordinal < 0 || ordinal >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice device) {
+  FAKE_DRIVER_ENTRY("cuDeviceGetAttribute");
+  if (device < 0 || device >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
+  switch (attribute) {
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = s.config.vmm; break;
+    case CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = s.config.host_vmm; break;
+    case CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = s.config.host_numa_vmm; break;
+    case CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID: *value = s.config.host_numa_vmm ? s.config.host_numa_id : -1; break;
+    default: *value = 0; break;
+  }
+  return CUDA_SUCCESS;
+}
+
+// The allocation properties' rules; `entry` names the caller in messages.
+CUresult check_properties(State& s, const CUmemAllocationProp* prop, const char* entry) {
+  if (prop == nullptr || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED) {
+    violate(s, std::string(entry) + ": allocation type is not CU_MEM_ALLOCATION_TYPE_PINNED");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  switch (prop->location.type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE:
+      if (prop->location.id < 0 || prop->location.id >= s.config.device_count) {
+        violate(s, std::string(entry) + ": device location " + std::to_string(prop->location.id) + " does not exist");
+        return CUDA_ERROR_INVALID_DEVICE;
+      }
+      return CUDA_SUCCESS;
+    case CU_MEM_LOCATION_TYPE_HOST:
+      if (s.config.host_vmm) return CUDA_SUCCESS;
+      violate(s, std::string(entry) + ": CU_MEM_LOCATION_TYPE_HOST on a device without host VMM support");
+      return CUDA_ERROR_NOT_SUPPORTED;
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+      if (s.config.host_numa_vmm && prop->location.id == s.config.host_numa_id) return CUDA_SUCCESS;
+      violate(s, std::string(entry) + ": CU_MEM_LOCATION_TYPE_HOST_NUMA " + std::to_string(prop->location.id) +
+                     " without host NUMA VMM support for that node");
+      return CUDA_ERROR_NOT_SUPPORTED;
+    default:
+      violate(s, std::string(entry) + ": unsupported location type");
+      return CUDA_ERROR_INVALID_VALUE;
+  }
+}
+
+CUresult fake_cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
+                                            CUmemAllocationGranularity_flags /*option*/) {
+  FAKE_DRIVER_ENTRY("cuMemGetAllocationGranularity");
+  if (CUresult r = check_properties(s, prop, "cuMemGetAllocationGranularity"); r != CUDA_SUCCESS) return r;
+  *granularity = s.config.granularity;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr /*addr*/,
+                                  unsigned long long flags) {
+  FAKE_DRIVER_ENTRY("cuMemAddressReserve");
+  if (size == 0 || size % s.config.granularity != 0 || flags != 0 ||
+      (alignment != 0 && (alignment & (alignment - 1)) != 0)) {
+    violate(s, "cuMemAddressReserve of " + std::to_string(size) + " bytes (alignment " + std::to_string(alignment) +
+                   "): size must be a nonzero multiple of the granularity, alignment a power of two");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  const std::size_t align = alignment > s.config.granularity ? alignment : s.config.granularity;
+  const Address base = carve(s, size, align);
+  if (base == 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  s.reservations.emplace(base, size);
+  *ptr = static_cast<CUdeviceptr>(base);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  FAKE_DRIVER_ENTRY("cuMemAddressFree");
+  const auto a = static_cast<Address>(ptr);
+  auto it = s.reservations.find(a);
+  if (it == s.reservations.end() || it->second != size) {
+    violate(s, "cuMemAddressFree of [" + hex(a) + ", +" + std::to_string(size) +
+                   ") which is not a reservation (base and size must match cuMemAddressReserve)");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (any_mapping_overlaps(s, a, size)) {
+    violate(s, "cuMemAddressFree of [" + hex(a) + ", +" + std::to_string(size) + ") while pages are still mapped in it");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  wait_for_work_on(s, lock, a, size, "cuMemAddressFree");
+  s.reservations.erase(it);
+  give_back(s, a, size);  // already PROT_NONE: nothing is mapped in it
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                          unsigned long long flags) {
+  FAKE_DRIVER_ENTRY("cuMemCreate");
+  if (size == 0 || size % s.config.granularity != 0 || flags != 0) {
+    violate(s, "cuMemCreate of " + std::to_string(size) + " bytes: not a nonzero multiple of the granularity");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (CUresult r = check_properties(s, prop, "cuMemCreate"); r != CUDA_SUCCESS) return r;
+  const bool on_device = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
+  if (on_device && s.device_bytes + size > s.config.device_capacity) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (!on_device && s.host_bytes + size > s.config.host_capacity) return CUDA_ERROR_OUT_OF_MEMORY;
+  const int fd = memfd_create("fake_cuda_page", MFD_CLOEXEC);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const CUmemGenericAllocationHandle id = s.next_handle++;
+  s.handles.emplace(id, Handle{fd, size, on_device, false, 0});
+  (on_device ? s.device_bytes : s.host_bytes) += size;
+  *handle = id;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemRelease(CUmemGenericAllocationHandle handle) {
+  FAKE_DRIVER_ENTRY("cuMemRelease");
+  auto it = s.handles.find(handle);
+  if (it == s.handles.end() || it->second.released) {
+    violate(s, "cuMemRelease of handle " + std::to_string(handle) + " which is not a live cuMemCreate handle");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  it->second.released = true;  // a mapped page lives on until unmapped
+  destroy_handle_if_unused(s, handle);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                       unsigned long long flags) {
+  FAKE_DRIVER_ENTRY("cuMemMap");
+  const auto a = static_cast<Address>(ptr);
+  const std::string range = "[" + hex(a) + ", +" + std::to_string(size) + ")";
+  auto h = s.handles.find(handle);
+  if (h == s.handles.end() || h->second.released) {
+    violate(s, "cuMemMap of handle " + std::to_string(handle) + " which is not a live cuMemCreate handle");
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  if (flags != 0 || size == 0 || !aligned(s, a) || size % s.config.granularity != 0 ||
+      offset % s.config.granularity != 0 || offset + size > h->second.bytes) {
+    violate(s, "cuMemMap of " + range + " at offset " + std::to_string(offset) +
+                   ": address, size and offset must be granularity-aligned and inside the allocation");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (reservation_holding(s, a, size) == nullptr) {
+    violate(s, "cuMemMap of " + range + " outside any single reserved range");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (any_mapping_overlaps(s, a, size)) {
+    violate(s, "cuMemMap of " + range + " over an existing mapping (double map)");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (mmap(reinterpret_cast<void*>(a), size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->second.fd,
+           static_cast<off_t>(offset)) == MAP_FAILED) {
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  s.mappings.emplace(a, Mapping{size, handle, 0});
+  ++h->second.mappings;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  FAKE_DRIVER_ENTRY("cuMemUnmap");
+  const auto a = static_cast<Address>(ptr);
+  // The range must be made of whole mappings, the first starting at ptr.
+  if (size == 0 || s.mappings.count(a) == 0 || !fully_mapped(s, a, size, false)) {
+    violate(s, "cuMemUnmap of [" + hex(a) + ", +" + std::to_string(size) + ") which is not a mapped range");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  auto last = s.mappings.lower_bound(a + size);
+  --last;
+  if (last->first + last->second.bytes != a + size) {
+    violate(s, "cuMemUnmap of [" + hex(a) + ", +" + std::to_string(size) + ") ends inside a mapping");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  wait_for_work_on(s, lock, a, size, "cuMemUnmap");
+  remap_inaccessible(a, size);
+  for (auto it = s.mappings.lower_bound(a); it != s.mappings.end() && it->first < a + size;) {
+    const CUmemGenericAllocationHandle id = it->second.handle;
+    it = s.mappings.erase(it);
+    --s.handles.at(id).mappings;
+    destroy_handle_if_unused(s, id);
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  FAKE_DRIVER_ENTRY("cuMemSetAccess");
+  const auto a = static_cast<Address>(ptr);
+  const std::string range = "[" + hex(a) + ", +" + std::to_string(size) + ")";
+  if (size == 0 || !aligned(s, a) || size % s.config.granularity != 0 || !fully_mapped(s, a, size, false)) {
+    violate(s, "cuMemSetAccess of " + range + " which is not a granularity-aligned, fully mapped range");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id < 0 ||
+        desc[i].location.id >= s.config.device_count) {
+      violate(s, "cuMemSetAccess of " + range + " for a location that is not a device");
+      return CUDA_ERROR_INVALID_DEVICE;
+    }
+  }
+  // Each descriptor sets one device's access and leaves the others' alone.
+  // The CPU stands in for every device: the range is readable and writable
+  // while any device may access it.
+  for (auto it = s.mappings.lower_bound(a); it != s.mappings.end() && it->first < a + size; ++it) {
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint32_t bit = std::uint32_t{1} << desc[i].location.id;
+      if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_NONE) it->second.devices &= ~bit;
+      else it->second.devices |= bit;
+    }
+    mprotect(reinterpret_cast<void*>(it->first), it->second.bytes,
+             it->second.accessible() ? PROT_READ | PROT_WRITE : PROT_NONE);
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemHostAlloc(void** pp, size_t bytes, unsigned int /*flags*/) {
+  FAKE_DRIVER_ENTRY("cuMemHostAlloc");
+  if (bytes == 0) {
+    violate(s, "cuMemHostAlloc of 0 bytes");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const std::size_t rounded = (bytes + page - 1) / page * page;
+  if (s.host_bytes + rounded > s.config.host_capacity) return CUDA_ERROR_OUT_OF_MEMORY;
+  void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  s.pinned.emplace(reinterpret_cast<Address>(p), rounded);
+  s.host_bytes += rounded;
+  *pp = p;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemHostGetDevicePointer(CUdeviceptr* dptr, void* p, unsigned int flags) {
+  FAKE_DRIVER_ENTRY("cuMemHostGetDevicePointer");
+  const auto a = reinterpret_cast<Address>(p);
+  auto it = s.pinned.upper_bound(a);
+  if (flags != 0 || it == s.pinned.begin() || a >= std::prev(it)->first + std::prev(it)->second) {
+    violate(s, "cuMemHostGetDevicePointer of " + hex(a) + " which is not in a cuMemHostAlloc allocation");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  *dptr = static_cast<CUdeviceptr>(a);  // unified addressing: the same address
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemFreeHost(void* p) {
+  FAKE_DRIVER_ENTRY("cuMemFreeHost");
+  auto it = s.pinned.find(reinterpret_cast<Address>(p));
+  if (it == s.pinned.end()) {
+    violate(s, "cuMemFreeHost of " + hex(reinterpret_cast<Address>(p)) + " which cuMemHostAlloc did not return");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  wait_for_work_on(s, lock, it->first, it->second, "cuMemFreeHost");
+  munmap(p, it->second);
+  s.host_bytes -= it->second;
+  s.pinned.erase(it);
+  return CUDA_SUCCESS;
+}
+
+#undef FAKE_DRIVER_ENTRY
+
+const std::map<std::string, void*>& driver_entry_points() {
+  static const std::map<std::string, void*> table = {
+      {"cuGetErrorString", reinterpret_cast<void*>(&fake_cuGetErrorString)},
+      {"cuGetErrorName", reinterpret_cast<void*>(&fake_cuGetErrorName)},
+      {"cuDeviceGet", reinterpret_cast<void*>(&fake_cuDeviceGet)},
+      {"cuDeviceGetAttribute", reinterpret_cast<void*>(&fake_cuDeviceGetAttribute)},
+      {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&fake_cuMemGetAllocationGranularity)},
+      {"cuMemAddressReserve", reinterpret_cast<void*>(&fake_cuMemAddressReserve)},
+      {"cuMemAddressFree", reinterpret_cast<void*>(&fake_cuMemAddressFree)},
+      {"cuMemCreate", reinterpret_cast<void*>(&fake_cuMemCreate)},
+      {"cuMemRelease", reinterpret_cast<void*>(&fake_cuMemRelease)},
+      {"cuMemMap", reinterpret_cast<void*>(&fake_cuMemMap)},
+      {"cuMemUnmap", reinterpret_cast<void*>(&fake_cuMemUnmap)},
+      {"cuMemSetAccess", reinterpret_cast<void*>(&fake_cuMemSetAccess)},
+      {"cuMemHostAlloc", reinterpret_cast<void*>(&fake_cuMemHostAlloc)},
+      {"cuMemHostGetDevicePointer", reinterpret_cast<void*>(&fake_cuMemHostGetDevicePointer)},
+      {"cuMemFreeHost", reinterpret_cast<void*>(&fake_cuMemFreeHost)},
+  };
+  return table;
+}
+
+// Releases what a previous test left behind (the mutex is held).
+void forget_memory(State& s) {
+  for (const auto& [a, m] : s.mappings) remap_inaccessible(a, m.bytes);
+  s.mappings.clear();
+  for (const auto& [id, h] : s.handles) close(h.fd);
+  s.handles.clear();
+  for (const auto& [a, bytes] : s.reservations) give_back(s, a, bytes);
+  s.reservations.clear();
+  for (const auto& [a, bytes] : s.pinned) munmap(reinterpret_cast<void*>(a), bytes);
+  s.pinned.clear();
+  s.device_bytes = 0;
+  s.host_bytes = 0;
+  for (Event* e : s.events) delete e;
+  s.events.clear();
+}
+
+}  // namespace
+
+// ---- control API -------------------------------------------------------------------
+
+void reset(const Config& config) {
+  State& s = state();
+  std::set<Stream*> leftover;
+  {
+    Lock lock(s.mutex);
+    drain_all(s, lock);
+    leftover.swap(s.streams);
+  }
+  for (Stream* stream : leftover) stop_stream(stream);
+  Lock lock(s.mutex);
+  forget_memory(s);
+  s.config = config;
+  s.calls.clear();
+  s.failures.clear();
+  s.violations = Violations{};
+  s.delay = std::chrono::microseconds{0};
+  s.held = false;
+  current_device = 0;
+  last_error = cudaSuccess;
+}
+
+Violations violations() {
+  Lock lock(state().mutex);
+  return state().violations;
+}
+
+Leaks leaks() {
+  State& s = state();
+  Lock lock(s.mutex);
+  Leaks out;
+  out.mappings = s.mappings.size();
+  for (const auto& [id, h] : s.handles) out.handles += h.released ? 0 : 1;
+  out.reservations = s.reservations.size();
+  out.pinned_host = s.pinned.size();
+  out.streams = s.streams.size();
+  out.events = s.events.size();
+  return out;
+}
+
+std::string Leaks::describe() const {
+  return std::to_string(mappings) + " mappings, " + std::to_string(handles) + " handles, " +
+         std::to_string(reservations) + " reservations, " + std::to_string(pinned_host) + " pinned host, " +
+         std::to_string(streams) + " streams, " + std::to_string(events) + " events";
+}
+
+void set_delay(std::chrono::microseconds per_operation) {
+  Lock lock(state().mutex);
+  state().delay = per_operation;
+}
+
+void hold_streams() {
+  Lock lock(state().mutex);
+  state().held = true;
+}
+
+void fail_nth(const std::string& entry, int n, int code) {
+  Lock lock(state().mutex);
+  state().failures[entry] = Failure{n, code};
+}
+
+std::uint64_t calls(const std::string& entry) {
+  Lock lock(state().mutex);
+  auto it = state().calls.find(entry);
+  return it == state().calls.end() ? 0 : it->second;
+}
+
+bool device_can_access(int device, const void* p, std::size_t bytes) {
+  State& s = state();
+  Lock lock(s.mutex);
+  const auto a = reinterpret_cast<Address>(p);
+  if (!fully_mapped(s, a, bytes, false)) return false;
+  for (auto it = std::prev(s.mappings.upper_bound(a)); it != s.mappings.end() && it->first < a + bytes; ++it) {
+    if ((it->second.devices & (std::uint32_t{1} << device)) == 0) return false;
+  }
+  return true;
+}
+
+bool accessible(const void* p, std::size_t bytes) {
+  Lock lock(state().mutex);
+  return copy_range_ok(state(), p, bytes);
+}
+
+std::size_t device_bytes_in_use() {
+  Lock lock(state().mutex);
+  return state().device_bytes;
+}
+
+std::size_t host_bytes_in_use() {
+  Lock lock(state().mutex);
+  return state().host_bytes;
+}
+
+}  // namespace fake_cuda
+
+// ---- runtime entry points -------------------------------------------------------------
+
+using fake_cuda::Lock;
+using fake_cuda::state;
+
+namespace {
+
+cudaError_t fail(cudaError_t err) {
+  fake_cuda::last_error = err;
+  return err;
+}
+
+}  // namespace
+
+#define FAKE_RUNTIME_ENTRY(name)                     \
+  fake_cuda::State& s = state();                     \
+  Lock lock(s.mutex);                                \
+  if (int code = 0; fake_cuda::injected(s, name, &code)) return fail(static_cast<cudaError_t>(code))
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  FAKE_RUNTIME_ENTRY("cudaGetDeviceCount");
+  *count = s.config.device_count;
+  return s.config.device_count > 0 ? cudaSuccess : fail(cudaErrorNoDevice);
+}
+
+cudaError_t cudaSetDevice(int device) {
+  FAKE_RUNTIME_ENTRY("cudaSetDevice");
+  if (device < 0 || device >= s.config.device_count) return fail(cudaErrorInvalidDevice);
+  fake_cuda::current_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  FAKE_RUNTIME_ENTRY("cudaGetDevice");
+  *device = fake_cuda::current_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* ptr) {
+  FAKE_RUNTIME_ENTRY("cudaFree");
+  if (ptr == nullptr) return cudaSuccess;  // creates the context
+  fake_cuda::violate(s, "cudaFree of a pointer cudaMalloc did not return (the fake has no cudaMalloc)");
+  return fail(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** funcPtr, unsigned int /*cudaVersion*/,
+                                             unsigned long long /*flags*/,
+                                             cudaDriverEntryPointQueryResult* driverStatus) {
+  FAKE_RUNTIME_ENTRY("cudaGetDriverEntryPointByVersion");
+  const auto& table = fake_cuda::driver_entry_points();
+  auto it = table.find(symbol);
+  *funcPtr = it == table.end() ? nullptr : it->second;
+  if (driverStatus != nullptr) {
+    *driverStatus = it == table.end() ? cudaDriverEntryPointSymbolNotFound : cudaDriverEntryPointSuccess;
+  }
+  return cudaSuccess;
+}
+
+const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    default: return "unrecognized error code";
+  }
+}
+
+const char* cudaGetErrorName(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    default: return "cudaErrorUnknown";
+  }
+}
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t err = fake_cuda::last_error;
+  fake_cuda::last_error = cudaSuccess;
+  return err;
+}
+
+cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  FAKE_RUNTIME_ENTRY("cudaMemGetInfo");
+  *total = s.config.device_capacity;
+  *free = s.config.device_capacity - s.device_bytes;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int /*flags*/) {
+  FAKE_RUNTIME_ENTRY("cudaEventCreateWithFlags");
+  auto* e = new fake_cuda::Event;
+  s.events.insert(e);
+  *event = reinterpret_cast<cudaEvent_t>(e);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, 0); }
+
+// Finds a live event, counting a violation for anything else.
+static fake_cuda::Event* find_event(fake_cuda::State& s, cudaEvent_t event, const char* entry) {
+  auto* e = reinterpret_cast<fake_cuda::Event*>(event);
+  if (s.events.count(e) != 0) return e;
+  fake_cuda::violate(s, std::string(entry) + " of an event that does not exist (destroyed or never created)");
+  return nullptr;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  FAKE_RUNTIME_ENTRY("cudaEventDestroy");
+  fake_cuda::Event* e = find_event(s, event, "cudaEventDestroy");
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  s.events.erase(e);  // legal with work pending: the event is released when it completes
+  delete e;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  FAKE_RUNTIME_ENTRY("cudaEventRecord");
+  fake_cuda::Event* e = find_event(s, event, "cudaEventRecord");
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
+  if (target == nullptr) {
+    fake_cuda::violate(s, "cudaEventRecord on a stream that does not exist");
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  e->stream = target;
+  e->after = target->submitted;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  FAKE_RUNTIME_ENTRY("cudaEventQuery");
+  fake_cuda::Event* e = find_event(s, event, "cudaEventQuery");
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  return fake_cuda::event_complete(*e) ? cudaSuccess : fail(cudaErrorNotReady);
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  FAKE_RUNTIME_ENTRY("cudaEventSynchronize");
+  fake_cuda::Event* e = find_event(s, event, "cudaEventSynchronize");
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  fake_cuda::release_hold(s);
+  s.progress.wait(lock, [&] { return s.events.count(e) == 0 || fake_cuda::event_complete(*e); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int /*flags*/) {
+  fake_cuda::Stream* created = nullptr;
+  {
+    FAKE_RUNTIME_ENTRY("cudaStreamCreateWithFlags");
+    created = fake_cuda::start_stream();
+    s.streams.insert(created);
+  }
+  *stream = reinterpret_cast<cudaStream_t>(created);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  auto* target = reinterpret_cast<fake_cuda::Stream*>(stream);
+  {
+    FAKE_RUNTIME_ENTRY("cudaStreamDestroy");
+    if (s.streams.count(target) == 0) {
+      fake_cuda::violate(s, "cudaStreamDestroy of a stream that does not exist (or the default stream)");
+      return fail(cudaErrorInvalidResourceHandle);
+    }
+    s.streams.erase(target);  // queued work still runs: stop_stream drains it
+  }
+  fake_cuda::stop_stream(target);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  FAKE_RUNTIME_ENTRY("cudaStreamSynchronize");
+  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
+  if (target == nullptr) {
+    fake_cuda::violate(s, "cudaStreamSynchronize of a stream that does not exist");
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  fake_cuda::drain(s, lock, target);
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize() {
+  FAKE_RUNTIME_ENTRY("cudaDeviceSynchronize");
+  fake_cuda::drain_all(s, lock);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind /*kind*/,
+                            cudaStream_t stream) {
+  FAKE_RUNTIME_ENTRY("cudaMemcpyAsync");
+  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
+  if (target == nullptr) {
+    fake_cuda::violate(s, "cudaMemcpyAsync on a stream that does not exist");
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  if (!fake_cuda::copy_range_ok(s, src, count) || !fake_cuda::copy_range_ok(s, dst, count)) {
+    // On a GPU the copy would fault on the device and poison the context.
+    fake_cuda::violate(s, "cudaMemcpyAsync of " + std::to_string(count) +
+                              " bytes touching reserved memory that is not mapped and accessible");
+    return fail(cudaErrorIllegalAddress);
+  }
+  target->queue.push_back(fake_cuda::Copy{dst, src, count});
+  ++target->submitted;
+  target->work.notify_all();
+  return cudaSuccess;
+}
+
+#undef FAKE_RUNTIME_ENTRY
