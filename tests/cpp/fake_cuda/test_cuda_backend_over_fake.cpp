@@ -209,3 +209,25 @@ TEST_CASE("cuda_backend_over_fake_unmap_waits_for_work_still_touching_a_freed_bl
   }
   device.check_clean();  // no unmap raced the copy
 }
+
+TEST_CASE("cuda_backend_over_fake_pinned_memory_is_freed_only_after_work_on_it_is_done", "[fake_cuda][backend]") {
+  DeviceSpec spec;
+  spec.host_mappable = false;
+  FakeCudaDevice device(spec);
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(2 * kMiB);
+    const DevicePtr on_device = allocator.allocate(2 * kMiB, 0);
+    const DevicePtr pinned = allocator.allocate(2 * kMiB, 0);  // over the cap: pinned host memory
+    REQUIRE(allocator.stats().pinned_fallback_bytes.current == static_cast<std::int64_t>(2 * kMiB));
+    std::vector<char> host(2 * kMiB, 3);
+    // A "kernel" still writing the pinned block when it is freed.
+    fake_cuda::hold_streams();
+    REQUIRE(cudaMemcpyAsync(reinterpret_cast<void*>(pinned), host.data(), host.size(), cudaMemcpyDefault, 0) ==
+            cudaSuccess);
+    allocator.free(pinned);
+    CHECK(allocator.stats().pinned_fallback_bytes.current == 0);
+    allocator.free(on_device);
+  }
+  device.check_clean();  // no cuMemFreeHost raced the copy
+}

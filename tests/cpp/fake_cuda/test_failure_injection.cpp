@@ -5,6 +5,7 @@
 // The tests marked "Regression" each caught an exception-safety bug in the
 // tree before commit 89e62bf (they fail against 0f6611f).
 #include <catch2/catch.hpp>
+#include <cuda_runtime_api.h>
 
 #include <memory>
 #include <string>
@@ -160,5 +161,32 @@ TEST_CASE("failure_access_error_in_backend_map_leaves_nothing_mapped", "[fake_cu
   if (left_mapped != 0) cuda::driver().cuMemUnmap(range, backend.granularity());  // clean up for the checks below
   backend.release_page(page);
   backend.release(range, backend.granularity());
+  device.check_clean();
+}
+
+TEST_CASE("failure_errors_name_the_call_the_error_and_its_number_and_clear_the_runtime_error", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    fake_cuda::fail_nth("cuMemMap", 1, CUDA_ERROR_INVALID_VALUE);
+    try {
+      allocator.allocate(4 * kMiB, 0);
+      FAIL("an allocation whose cuMemMap failed succeeded");
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      CHECK(message.find("cuMemMap failed") != std::string::npos);
+      CHECK(message.find("(CUDA_ERROR_INVALID_VALUE, error 1)") != std::string::npos);
+    }
+    allocator.free(allocator.allocate(4 * kMiB, 0));  // still usable; the block is cached now
+    fake_cuda::fail_nth("cudaDeviceSynchronize", 1, cudaErrorIllegalAddress);
+    try {
+      allocator.empty_cache();
+      FAIL("empty_cache went on after its device synchronize failed");
+    } catch (const Error& e) {
+      CHECK(std::string(e.what()).find("(cudaErrorIllegalAddress, error 700)") != std::string::npos);
+    }
+    // torch's next check must not see this error again against another call.
+    CHECK(cudaGetLastError() == cudaSuccess);
+  }
   device.check_clean();
 }
