@@ -138,6 +138,11 @@ COTENANT_TORCH_BINDINGS(allocator) {
 
   // ---- the interception point, for tests and diagnostics ----
   m.def("ops_in_flight", &ops_in_flight, "Outermost ATen ops running now, all threads.");
+  m.def("begin_explicit_op", [] {
+    py::gil_scoped_release release;  // it may wait for a safe point another thread runs
+    begin_explicit_op("cotenant::explicit_op");
+  }, "Work launched outside ATen (a CUDA graph replay) begins: it counts as one op until end_explicit_op().");
+  m.def("end_explicit_op", [] { end_explicit_op(); });
   m.def("_count_op_entries", [](bool on) {
     if (on && counting_hook_id < 0) {
       counted_op_entries.store(0);

@@ -42,10 +42,10 @@ thread_local int op_depth = 0;
 // synchronize through ATen) must not re-enter the hooks.
 thread_local bool running_hooks = false;
 
-void run_hooks(const at::RecordFunction& fn) {
+void run_hooks(const char* name) {
   const int slots = highest_slot_plus_one.load(std::memory_order_acquire);
   if (slots == 0) return;
-  OpEntry entry{fn.name()};
+  OpEntry entry{name};
   running_hooks = true;
   for (int i = 0; i < slots; ++i) {
     OpEntryHook hook = hook_slots[i].hook.load(std::memory_order_acquire);
@@ -70,9 +70,11 @@ void notify_drain_waiter() {
   ops_drained.notify_all();
 }
 
-std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
-  if (op_depth++ > 0 || running_hooks) return nullptr;
-  run_hooks(fn);
+// Entry and exit of any op, ATen's or an explicit one: only a thread's
+// outermost op runs the hooks and counts as in flight.
+void enter_op(const char* name) {
+  if (op_depth++ > 0 || running_hooks) return;
+  run_hooks(name);
   // Count the op before re-checking the pause, so a pausing thread either
   // sees this op in flight or this thread sees the pause (both are seq_cst).
   for (;;) {
@@ -85,15 +87,21 @@ std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
     notify_drain_waiter();
     wait_while_paused();
   }
-  return nullptr;
 }
 
-void on_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+void exit_op() {
   if (op_depth == 0) return;  // the callback was installed while this op ran
   if (--op_depth > 0 || running_hooks) return;
   outermost_ops.fetch_sub(1, std::memory_order_seq_cst);
   notify_drain_waiter();
 }
+
+std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
+  enter_op(fn.name());
+  return nullptr;
+}
+
+void on_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { exit_op(); }
 
 void install_callback() {
   at::addGlobalCallback(at::RecordFunctionCallback(&on_op_entry, &on_op_exit)
@@ -127,6 +135,10 @@ void remove_op_entry_hook(int id) {
   std::lock_guard<std::mutex> lock(registration_mutex);
   hook_slots[id].hook.store(nullptr, std::memory_order_release);
 }
+
+void begin_explicit_op(const char* name) { enter_op(name); }
+
+void end_explicit_op() { exit_op(); }
 
 std::int64_t ops_in_flight() { return outermost_ops.load(std::memory_order_acquire); }
 

@@ -14,8 +14,8 @@
 // middle of launching one.
 //
 // What it cannot see: kernels launched outside ATen (hand-launched Triton or
-// CUDA kernels, cuBLAS called directly) and the kernels inside a CUDA graph
-// replay (a replay is one op at most).
+// CUDA kernels, cuBLAS called directly) unless they are wrapped in
+// begin_explicit_op()/end_explicit_op(), as CUDA graph replays are.
 //
 // Launch pause: pause_launches() stops every thread at its next outermost op
 // entry and waits until no thread is inside an outermost op, so the caller
@@ -48,6 +48,13 @@ inline constexpr std::size_t kMaxOpEntryHooks = 8;
 int add_op_entry_hook(OpEntryHook hook, void* context);
 // Unregisters; a hook already running on another thread finishes its call.
 void remove_op_entry_hook(int id);
+
+// Work launched outside ATen (a CUDA graph replay) as one op: it runs the
+// entry hooks, waits while launches are paused, and a pause waits for it to
+// finish launching. Each begin_explicit_op() needs one end_explicit_op() on
+// the same thread.
+void begin_explicit_op(const char* name);
+void end_explicit_op();
 
 // Number of outermost ops currently running in this process (all threads).
 std::int64_t ops_in_flight();

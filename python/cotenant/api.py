@@ -252,6 +252,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         _C.install()  # raises _C.Error (a RuntimeError) if CUDA memory already exists
         _state.enabled, _state.device, _state.role = True, index, role
         _install_optimizer_safe_point()
+        _count_graph_replays_as_ops()
         cap_bytes = None
         if memory_cap is not None:
             cap_bytes = set_memory_cap(memory_cap, index)
@@ -447,6 +448,28 @@ def _install_optimizer_safe_point() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     _state.optimizer_hook = register_optimizer_step_post_hook(after_step)
+
+
+def _count_graph_replays_as_ops() -> None:
+    """A CUDA graph replay launches its kernels outside ATen: it counts as one
+    op, so a safe point waits until its kernels are launched (and then
+    synchronizes) and a replay waits while pages move."""
+    import torch
+
+    original = torch.cuda.CUDAGraph.replay
+    if getattr(original, "_cotenant_counted", False):
+        return
+    _C = _extension()
+
+    def replay(self):
+        _C.begin_explicit_op()
+        try:
+            return original(self)
+        finally:
+            _C.end_explicit_op()
+
+    replay._cotenant_counted = True
+    torch.cuda.CUDAGraph.replay = replay
 
 
 def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_bytes=None) -> None:

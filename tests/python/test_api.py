@@ -520,3 +520,43 @@ def test_enable_after_pytorch_allocated_cuda_memory_says_how_to_fix_it(monkeypat
     assert "already holds 4.00 KiB on cuda:1" in message
     assert "cuda:1" in message and "cotenant run" in message
     assert extension_loaded == [] and not cotenant.is_enabled()
+
+
+def test_an_explicit_op_holds_a_pause_until_it_ends():
+    # Work launched outside ATen (a CUDA graph replay) counts as one op.
+    _C = _extension_or_skip()
+    _C._count_op_entries(True)
+    try:
+        before = _C._counted_op_entries()
+        _C.begin_explicit_op()
+        assert _C.ops_in_flight() == 1 and _C._counted_op_entries() == before + 1
+        paused = []
+        other = threading.Thread(target=lambda: paused.append(_C._pause_launches(0.2)))
+        other.start()
+        other.join()
+        assert paused == [False], "a pause went ahead while an explicit op was launching"
+        _C.end_explicit_op()
+        assert _C.ops_in_flight() == 0
+        assert _C._pause_launches(1.0)
+        _C._resume_launches()
+    finally:
+        _C._count_op_entries(False)
+
+
+def test_cuda_graph_replays_run_as_one_op(monkeypatch):
+    _C = _extension_or_skip()
+    import torch
+
+    seen = []
+
+    class Graph:
+        def replay(self):
+            seen.append(_C.ops_in_flight())
+            return "replayed"
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(api, "_extension", lambda: _C)
+    api._count_graph_replays_as_ops()
+    api._count_graph_replays_as_ops()  # once only, however often enable() wires it
+    assert Graph().replay() == "replayed"
+    assert seen == [1] and _C.ops_in_flight() == 0
