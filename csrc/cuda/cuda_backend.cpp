@@ -250,20 +250,22 @@ void CudaBackend::map(DevicePtr address, PageHandle page) {
   }
 }
 
+void CudaBackend::wait_for_launched_work(const char* why) {
+  if (quiescent_.load(std::memory_order_acquire)) return;  // the safe point synchronized already
+  CurrentDevice current(device_);
+  check_runtime(cudaDeviceSynchronize(), why);
+}
+
 void CudaBackend::unmap(DevicePtr address) {
-  if (!graph_capture_.load(std::memory_order_acquire) && !quiescent_.load(std::memory_order_acquire)) {
-    CurrentDevice current(device_);
-    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize before unmapping a page");
+  if (!graph_capture_.load(std::memory_order_acquire)) {
+    wait_for_launched_work("cudaDeviceSynchronize before unmapping a page");
   }
   unmap_now(address);
 }
 
 bool CudaBackend::synchronize_for_unmap() {
   if (graph_capture_.load(std::memory_order_acquire)) return false;  // keep the cache until the capture ends
-  if (!quiescent_.load(std::memory_order_acquire)) {
-    CurrentDevice current(device_);
-    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize before unmapping cached pages");
-  }
+  wait_for_launched_work("cudaDeviceSynchronize before unmapping cached pages");
   return true;
 }
 
@@ -364,10 +366,7 @@ void CudaBackend::free_pinned_host(DevicePtr address, std::size_t /*bytes*/) {
     pinned_host_.erase(it);
   }
   // Kernels launched before the block was freed may still read it.
-  if (!quiescent_.load(std::memory_order_acquire)) {
-    CurrentDevice current(device_);
-    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize before freeing pinned host memory");
-  }
+  wait_for_launched_work("cudaDeviceSynchronize before freeing pinned host memory");
   check_driver(driver().cuMemFreeHost(host), "cuMemFreeHost");
 }
 

@@ -99,6 +99,9 @@ class CudaBackend final : public Backend {
 
   void set_device_access(DevicePtr address, std::size_t bytes);
   void unmap_now(DevicePtr address);  // no synchronization: the caller knows the page is idle
+  // Waits for every kernel launched so far, unless a safe point already did
+  // (quiescent); `why` names the wait in the error.
+  void wait_for_launched_work(const char* why);
 
   int device_ = 0;
   HostLocation host_location_ = HostLocation::kNone;
