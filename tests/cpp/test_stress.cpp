@@ -14,6 +14,10 @@ using namespace cotenant::testing;
 TEST_CASE("concurrent_allocation_free_and_cap_changes_leave_consistent_books", "[stress][threads]") {
   SimulatedBackend device(device_config(256 * kMiB, /*events_immediate=*/false));
   CachingAllocator allocator(device);
+  // Under a cap from the start: without one a full device is out of memory
+  // (as with PyTorch), and six threads' live sets can fill 256 MiB before
+  // thread 0 first moves the cap.
+  allocator.set_memory_cap(128 * kMiB);
   constexpr int kThreads = 6;
   std::atomic<int> running{kThreads};
   std::vector<std::thread> threads;
