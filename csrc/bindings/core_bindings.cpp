@@ -163,7 +163,8 @@ AllocatorOptions allocator_options(const py::object& round_bytes, const py::obje
 ReplayOp replay_op(const py::handle& item, std::size_t index) {
   auto bad = [&](const std::string& why) {
     return ReplayError(index, why + "; ops are tuples: (\"alloc\", id, size[, stream]), (\"free\", id), "
-                              "(\"record_stream\", id, stream), (\"cap\", size or None), (\"empty_cache\",)");
+                              "(\"record_stream\", id, stream), (\"cap\", size or None), (\"empty_cache\",), "
+                              "(\"iteration\",)");
   };
   if (!py::isinstance<py::tuple>(item) && !py::isinstance<py::list>(item)) throw bad("an op is not a tuple");
   const py::sequence op = py::reinterpret_borrow<py::sequence>(item);
@@ -188,6 +189,7 @@ ReplayOp replay_op(const py::handle& item, std::size_t index) {
     return ReplayOp::cap(size_argument(value, "a cap"));  // 0 is refused by replay() with the op index
   }
   if (kind == "empty_cache" && n == 1) return ReplayOp::empty_cache();
+  if (kind == "iteration" && n == 1) return ReplayOp::iteration();
   throw bad("unknown op (\"" + kind + "\" with " + std::to_string(n - 1) + " arguments)");
 }
 
@@ -210,6 +212,15 @@ py::dict result_dict(const ReplayResult& r) {
   d["free_ns_total"] = r.free_ns_total;
   d["ns_per_alloc"] = r.ns_per_alloc;
   d["ns_per_free"] = r.ns_per_free;
+  d["num_page_maps"] = r.num_page_maps;
+  d["num_page_unmaps"] = r.num_page_unmaps;
+  d["maps_per_peak_page"] = r.maps_per_peak_page;
+  d["num_iterations"] = r.maps_per_iteration.size();
+  d["maps_per_iteration"] = r.maps_per_iteration;
+  d["host_touched_bytes_per_iteration"] = r.host_touched_bytes_per_iteration;
+  auto or_none = [](double value) { return value < 0 ? py::object(py::none()) : py::object(py::float_(value)); };
+  d["steady_maps_per_iteration"] = or_none(r.steady_maps_per_iteration);
+  d["steady_host_touched_bytes_per_iteration"] = or_none(r.steady_host_touched_bytes_per_iteration);
   d["final_stats"] = r.final_stats.as_map();
   return d;
 }

@@ -698,6 +698,27 @@ bool CachingAllocator::is_device_resident(DevicePtr address) const {
   return page.handle && page.handle.where == Residency::kDevice;
 }
 
+std::size_t CachingAllocator::host_bytes_of(DevicePtr address) const {
+  const State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  auto it = s.allocated.find(address);
+  if (it == s.allocated.end()) return 0;
+  const Block& block = *it->second;
+  const Segment& segment = *block.segment;
+  if (segment.pinned_fallback) return block.size;
+  std::size_t bytes = 0;
+  const auto [first, last] = s.page_range(block);
+  for (std::size_t i = first; i <= last; ++i) {
+    const Page& page = segment.pages[i];
+    if (!page.handle || page.handle.where != Residency::kHost) continue;
+    const DevicePtr page_start = segment.base + i * s.page_bytes;
+    const DevicePtr start = std::max(page_start, block.address);
+    const DevicePtr end = std::min(page_start + s.page_bytes, block.address + block.size);
+    bytes += end - start;
+  }
+  return bytes;
+}
+
 void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
   if (bytes == 0) {
     throw Error(

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <unordered_map>
 #include <unordered_set>
@@ -19,6 +20,7 @@ const char* replay_op_kind_name(ReplayOpKind kind) {
     case ReplayOpKind::kRecordStream: return "record_stream";
     case ReplayOpKind::kCap: return "cap";
     case ReplayOpKind::kEmptyCache: return "empty_cache";
+    case ReplayOpKind::kIteration: return "iteration";
   }
   return "unknown";
 }
@@ -40,10 +42,22 @@ struct TraceState {
 
 }  // namespace
 
+// The mean of the last half of `values` (at least one), or -1 for fewer than 2.
+double warm_mean(const std::vector<std::int64_t>& values) {
+  if (values.size() < 2) return -1.0;
+  const std::size_t warm = std::max<std::size_t>(1, values.size() / 2);
+  double sum = 0;
+  for (std::size_t i = values.size() - warm; i < values.size(); ++i) sum += static_cast<double>(values[i]);
+  return sum / static_cast<double>(warm);
+}
+
 ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocator) {
   ReplayResult result;
   TraceState trace;
   trace.live.reserve(1024);
+  // Per-iteration counters: maps at the last mark, host bytes touched since it.
+  std::int64_t maps_at_mark = allocator.stats().num_device_alloc;
+  std::int64_t host_touched = 0;
 
   for (std::size_t index = 0; index < ops.size(); ++index) {
     const ReplayOp& op = ops[index];
@@ -61,6 +75,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
           result.alloc_ns_total += elapsed_ns(start, end);
           ++result.num_allocs;
           trace.live.emplace(op.id, address);
+          if (address != 0) host_touched += static_cast<std::int64_t>(allocator.host_bytes_of(address));
         } catch (const OutOfMemoryError&) {
           ++result.num_ooms;
           trace.failed.insert(op.id);
@@ -78,6 +93,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         trace.live.erase(it);
         // A 0-byte allocation has address 0 and nothing to give back.
         if (address != 0) {
+          host_touched += static_cast<std::int64_t>(allocator.host_bytes_of(address));
           const auto start = Clock::now();
           allocator.free(address);
           const auto end = Clock::now();
@@ -107,6 +123,16 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
       case ReplayOpKind::kEmptyCache:
         allocator.empty_cache();
         break;
+      case ReplayOpKind::kIteration: {
+        // The end of a step is a safe point: marked pages move here.
+        allocator.apply_pending_migrations();
+        const std::int64_t maps = allocator.stats().num_device_alloc;
+        result.maps_per_iteration.push_back(maps - maps_at_mark);
+        result.host_touched_bytes_per_iteration.push_back(host_touched);
+        maps_at_mark = maps;
+        host_touched = 0;
+        break;
+      }
       default:
         throw ReplayError(index, fmt::format("unknown operation kind {}", static_cast<int>(op.kind)));
     }
@@ -129,6 +155,14 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
       ? static_cast<double>(result.alloc_ns_total) / static_cast<double>(result.num_allocs) : 0.0;
   result.ns_per_free = result.num_frees > 0
       ? static_cast<double>(result.free_ns_total) / static_cast<double>(result.num_frees) : 0.0;
+  result.num_page_maps = stats.num_device_alloc;
+  result.num_page_unmaps = stats.num_device_free;
+  const auto page_bytes = static_cast<double>(allocator.backend().granularity());
+  result.maps_per_peak_page = result.peak_reserved_bytes > 0
+      ? static_cast<double>(result.num_page_maps) / (static_cast<double>(result.peak_reserved_bytes) / page_bytes)
+      : 0.0;
+  result.steady_maps_per_iteration = warm_mean(result.maps_per_iteration);
+  result.steady_host_touched_bytes_per_iteration = warm_mean(result.host_touched_bytes_per_iteration);
   result.final_stats = stats;
   return result;
 }

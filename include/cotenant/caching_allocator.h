@@ -103,6 +103,9 @@ class CachingAllocator {
   std::size_t allocation_size(DevicePtr address) const;
   // Where the page holding `address` lives, if it is mapped.
   bool is_device_resident(DevicePtr address) const;
+  // Bytes of the live allocation at `address` that lie on host pages (all of
+  // it for a pinned fallback allocation); 0 for an address that is not live.
+  std::size_t host_bytes_of(DevicePtr address) const;
 
   // The cap on device-resident bytes. kNoCap removes it. Cap 0 is refused
   // (use spill_all() to move everything to the host).

@@ -4,9 +4,11 @@
 // A trace is a sequence of operations on allocation ids (the trace's own
 // names for its blocks, e.g. the addresses of a PyTorch memory snapshot):
 // alloc id size stream / free id / record_stream id stream / cap bytes /
-// empty_cache. Cap operations are the safe points: the new cap is set and
+// empty_cache / iteration. Cap and iteration operations are the safe points:
 // pending page migrations are applied there, as the torch layer does when
-// the process is quiet.
+// the process is quiet. An iteration op marks the end of one step of the
+// job's loop (cotenant.iteration() in a real job); the per-iteration figures
+// count from one mark to the next.
 //
 // The result holds what a user compares between runs: peaks, fragmentation,
 // spill traffic and the time the allocator spent per call.
@@ -24,7 +26,7 @@
 
 namespace cotenant {
 
-enum class ReplayOpKind : std::uint8_t { kAlloc, kFree, kRecordStream, kCap, kEmptyCache };
+enum class ReplayOpKind : std::uint8_t { kAlloc, kFree, kRecordStream, kCap, kEmptyCache, kIteration };
 
 // One trace operation. Fields a kind does not use are ignored.
 struct ReplayOp {
@@ -42,6 +44,7 @@ struct ReplayOp {
   }
   static ReplayOp cap(std::uint64_t bytes) { return {ReplayOpKind::kCap, 0, bytes, 0}; }
   static ReplayOp empty_cache() { return {ReplayOpKind::kEmptyCache, 0, 0, 0}; }
+  static ReplayOp iteration() { return {ReplayOpKind::kIteration, 0, 0, 0}; }
 };
 
 struct ReplayConfig {
@@ -71,6 +74,24 @@ struct ReplayResult {
   std::uint64_t free_ns_total = 0;
   double ns_per_alloc = 0.0;
   double ns_per_free = 0.0;
+  // Driver work: pages mapped to back allocations (device or host, each a
+  // create + map + set-access on a GPU) and pages unmapped and released.
+  // Page moves between device and host are num_migrations, not these.
+  std::int64_t num_page_maps = 0;
+  std::int64_t num_page_unmaps = 0;
+  // num_page_maps / (peak reserved bytes / page size): how often, on
+  // average, each page of the peak footprint was mapped. 1.0 is the least.
+  double maps_per_peak_page = 0.0;
+  // Per iteration (ops up to each iteration mark; ops after the last mark
+  // belong to none): page maps, and live bytes on host pages that an
+  // allocation or a free touched (bytes of the block on host pages).
+  std::vector<std::int64_t> maps_per_iteration;
+  std::vector<std::int64_t> host_touched_bytes_per_iteration;
+  // Means over the warm iterations: the last half of them (at least one),
+  // so a loop's first steps, which build its working set, do not count.
+  // -1 when the trace has fewer than 2 iteration marks.
+  double steady_maps_per_iteration = -1.0;
+  double steady_host_touched_bytes_per_iteration = -1.0;
   AllocatorStats final_stats;           // the allocator's statistics after the last op
 };
 
