@@ -144,15 +144,12 @@ py::list snapshot_list(const std::vector<SegmentInfo>& segments) {
 }
 
 AllocatorOptions allocator_options(const py::object& round_bytes, const py::object& small_request_max,
-                                   const py::object& small_segment_bytes, const py::object& large_segment_bytes,
-                                   const py::object& large_segment_threshold, bool spill_to_host,
+                                   const py::object& arena_bytes, bool spill_to_host,
                                    bool spill_without_cap) {
   AllocatorOptions options;
   options.round_bytes = size_argument(round_bytes, "round_bytes");
   options.small_request_max = size_argument(small_request_max, "small_request_max");
-  options.small_segment_bytes = size_argument(small_segment_bytes, "small_segment_bytes");
-  options.large_segment_bytes = size_argument(large_segment_bytes, "large_segment_bytes");
-  options.large_segment_threshold = size_argument(large_segment_threshold, "large_segment_threshold");
+  options.arena_bytes = arena_bytes.is_none() ? 0 : size_argument(arena_bytes, "arena_bytes");
   options.spill_to_host = spill_to_host;
   options.spill_without_cap = spill_without_cap;
   return options;
@@ -294,20 +291,16 @@ COTENANT_CORE_BINDINGS(core) {
   py::class_<CachingAllocator>(m, "CachingAllocator",
                                "The caching allocator with a movable device-memory cap, on a SimulatedBackend.")
       .def(py::init([](SimulatedBackend& backend, const py::object& round_bytes,
-                       const py::object& small_request_max, const py::object& small_segment_bytes,
-                       const py::object& large_segment_bytes, const py::object& large_segment_threshold,
+                       const py::object& small_request_max, const py::object& arena_bytes,
                        bool spill_to_host, bool spill_without_cap) {
              return std::make_unique<CachingAllocator>(
-                 backend, allocator_options(round_bytes, small_request_max, small_segment_bytes,
-                                            large_segment_bytes, large_segment_threshold, spill_to_host,
+                 backend, allocator_options(round_bytes, small_request_max, arena_bytes, spill_to_host,
                                             spill_without_cap));
            }),
            // The allocator keeps a reference to the backend: keep it alive as long.
            py::keep_alive<1, 2>(), py::arg("backend"), py::kw_only(),
            py::arg("round_bytes") = py::int_(512), py::arg("small_request_max") = py::int_(1u << 20),
-           py::arg("small_segment_bytes") = py::int_(2u << 20),
-           py::arg("large_segment_bytes") = py::int_(20u << 20),
-           py::arg("large_segment_threshold") = py::int_(10u << 20), py::arg("spill_to_host") = true,
+           py::arg("arena_bytes") = py::none(), py::arg("spill_to_host") = true,
            py::arg("spill_without_cap") = false)
       .def("allocate",
            [](CachingAllocator& self, const py::object& size, StreamId stream) {

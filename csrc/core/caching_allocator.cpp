@@ -45,7 +45,7 @@ struct CachingAllocator::State {
 
   mutable std::mutex mutex;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments;  // by base address
-  BlockPool pools[2];                                      // indexed by PoolKind
+  BlockPool free_blocks;                                   // best fit over every arena
   std::unordered_map<DevicePtr, Block*> allocated;         // live blocks by address
   std::vector<Block*> waiting;                             // freed, held back by events
   std::vector<EventHandle> spare_events;
@@ -56,6 +56,12 @@ struct CachingAllocator::State {
   // Bytes of mapped pages no live block touches, by residency: lets the
   // allocation slow path skip a scan for cache when there is none.
   std::size_t cached_bytes[2] = {0, 0};
+  // The tick of the last iteration mark: a cached page last used before it
+  // is cold. 0: no mark yet.
+  std::uint64_t cold_before = 0;
+  static constexpr double kGrowthSlack = 0.05;
+  // Host pages taken at allocation for the spills the next safe point owes.
+  std::vector<PageHandle> spill_targets;
 
   // ---- accounting ---------------------------------------------------------
 
@@ -86,7 +92,7 @@ struct CachingAllocator::State {
 
   void pool_insert(Block* block) {
     block->in_pool = true;
-    pools[static_cast<int>(block->segment->pool)].insert(block);
+    free_blocks.insert(block);
     if (block->is_split()) {
       stats.inactive_split.increase(block->segment->pool, 1);
       stats.inactive_split_bytes.increase(block->segment->pool, static_cast<std::int64_t>(block->size));
@@ -94,7 +100,7 @@ struct CachingAllocator::State {
   }
 
   void pool_erase(Block* block) {
-    pools[static_cast<int>(block->segment->pool)].erase(block);
+    free_blocks.erase(block);
     block->in_pool = false;
     if (block->is_split()) {
       stats.inactive_split.decrease(block->segment->pool, 1);
@@ -168,56 +174,107 @@ struct CachingAllocator::State {
     return released;
   }
 
-  // A new page for an allocation, under the cap: on the device if it fits
-  // (after releasing cached device pages if need be), else on the host.
-  // Returns an empty handle when the allocation cannot be placed here: the
-  // host is exhausted too, spilling is off, or (pinned fallback mode) the
-  // caller must take pinned memory instead.
-  PageHandle create_page_for_allocation(bool* released_cache) {
+  // A new page for an allocation that has `own_device_bytes` on the device
+  // so far: on the device if it fits
+  // under the cap (after releasing cached device pages if need be), or if a
+  // colder live device page can move out at the next safe point in its
+  // place; else on the host. Returns an empty handle when the allocation
+  // cannot be placed here: the host is exhausted too, spilling is off, or
+  // (pinned fallback mode) the caller must take pinned memory instead.
+  PageHandle create_page_for_allocation(std::size_t own_device_bytes, bool* released_cache) {
+    const Residency device = Residency::kDevice;
     if (!device_has_room_for_a_page()) {
-      const Residency device = Residency::kDevice;
       if (release_cached_pages(&device) > 0) *released_cache = true;
     }
     if (device_has_room_for_a_page()) {
       if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
       // The device itself is full (other processes): free our cache and retry.
-      const Residency device = Residency::kDevice;
       if (release_cached_pages(&device) > 0) {
         *released_cache = true;
         if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
       }
+    } else if (colder_page_can_make_room(own_device_bytes)) {
+      // The host page the colder page will move to is taken now, so that the
+      // next safe point can always bring the device back under the cap.
+      const bool have_target = spill_targets.size() * page_bytes >= device_bytes() + page_bytes - effective_cap();
+      PageHandle target = have_target ? PageHandle{} : backend.create_page(Residency::kHost);
+      if (!have_target && !target) return {};  // the host is exhausted: no spill, no host page either
+      if (PageHandle page = backend.create_page(Residency::kDevice)) {
+        if (target) hold_spill_target(target, true);
+        return page;
+      }
+      if (target) return target;  // the device is full: the new page lives on the host
     }
     if (!may_spill_allocation() || mode() != SpillMode::kRemap) return {};
     return backend.create_page(Residency::kHost);
   }
 
-  // Before mapping `new_bytes` for a block of `block_bytes`: if reserved
-  // bytes would outgrow the peak of live bytes by more than the slack, release cached
-  // pages (host ones first, then the coldest device ones) to make up the
-  // difference. One scan per growing allocation; none in steady state.
-  void reclaim_cache_for_growth(std::size_t new_bytes, std::size_t block_bytes) {
-    if (options.growth_slack < 0 || cached_bytes[0] + cached_bytes[1] == 0) return;
-    // The envelope follows the peak of live bytes, not their current value:
-    // memory cached below an earlier peak is what the next iteration reuses.
+  // Host pages taken for spills the next safe point owes (see above): held
+  // host memory, counted as host-resident and reserved until a move maps them.
+  void hold_spill_target(PageHandle target, bool hold) {
+    const auto bytes = static_cast<std::int64_t>(page_bytes);
+    if (hold) {
+      spill_targets.push_back(target);
+      stats.host_resident_bytes.increase(bytes);
+      stats.reserved_bytes.increase(PoolKind::kLarge, bytes);
+    } else {
+      stats.host_resident_bytes.decrease(bytes);
+      stats.reserved_bytes.decrease(PoolKind::kLarge, bytes);
+    }
+  }
+  PageHandle take_spill_target() {
+    const PageHandle target = spill_targets.back();
+    spill_targets.pop_back();
+    hold_spill_target(target, false);
+    return target;
+  }
+  void release_spill_targets() {
+    while (!spill_targets.empty()) backend.release_page(take_spill_target());
+  }
+  // Keeps only the targets the device's bytes over the cap still need.
+  void trim_spill_targets() {
+    const std::uint64_t over = device_bytes() > effective_cap() ? device_bytes() - effective_cap() : 0;
+    while (spill_targets.size() * page_bytes >= over + page_bytes) backend.release_page(take_spill_target());
+  }
+
+  // Whether one more device page over the cap is matched by a live device
+  // page, outside the allocation being placed, that the next safe point
+  // spills in its place: every such page is colder than the new one. Only
+  // where pages can move (kRemap), and not under spill_all().
+  bool colder_page_can_make_room(std::size_t own_device_bytes) const {
+    const std::uint64_t limit = effective_cap();
+    if (limit == kNoCap || spill_everything || mode() != SpillMode::kRemap || !options.spill_to_host) return false;
+    const std::uint64_t live_device = device_bytes() - cached_bytes[static_cast<int>(Residency::kDevice)];
+    const std::uint64_t others = live_device > own_device_bytes ? live_device - own_device_bytes : 0;
+    const std::uint64_t over_after = device_bytes() + page_bytes > limit ? device_bytes() + page_bytes - limit : 0;
+    return over_after <= others;
+  }
+
+  // Before mapping `new_bytes` for a block of `block_bytes`: when reserved
+  // bytes would pass the peak of live bytes by more than kGrowthSlack,
+  // release cached pages that no allocation or free touched since the last
+  // iteration mark (cold cache), host ones first, then coldest first. A
+  // warm loop maps nothing, so it never comes here; without iteration marks
+  // nothing is cold and the arena only grows.
+  void release_cold_cache_to_grow(std::size_t new_bytes, std::size_t block_bytes) {
+    if (cold_before == 0 || cached_bytes[0] + cached_bytes[1] == 0) return;
     const std::int64_t live_after = stats.allocated_bytes.all.current + static_cast<std::int64_t>(block_bytes);
     const double allowed =
-        static_cast<double>(std::max(stats.allocated_bytes.all.peak, live_after)) * (1.0 + options.growth_slack);
+        static_cast<double>(std::max(stats.allocated_bytes.all.peak, live_after)) * (1.0 + kGrowthSlack);
     double excess = static_cast<double>(stats.reserved_bytes.all.current) + static_cast<double>(new_bytes) - allowed;
     if (excess <= 0) return;
-    struct Cached { std::uint64_t order; Segment* segment; std::size_t index; };
-    std::vector<Cached> cached;
+    struct Cold { std::uint64_t order; Segment* segment; std::size_t index; };
+    std::vector<Cold> cold;
     for (auto& [base, segment] : segments) {
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
         const Page& page = segment->pages[i];
-        if (!page.handle || page.live_blocks != 0) continue;
-        // Host pages sort before every device page; then coldest first.
-        const std::uint64_t order = page.handle.where == Residency::kHost ? 0 : page.last_use + 1;
-        cached.push_back({order, segment.get(), i});
+        if (!page.handle || page.live_blocks != 0 || page.last_use >= cold_before) continue;
+        cold.push_back({page.handle.where == Residency::kHost ? 0 : page.last_use + 1, segment.get(), i});
       }
     }
-    std::sort(cached.begin(), cached.end(), [](const Cached& a, const Cached& b) { return a.order < b.order; });
-    if (cached.empty() || !backend.synchronize_for_unmap()) return;  // one synchronize for the batch
-    for (const Cached& page : cached) {
+    if (cold.empty() || !backend.synchronize_for_unmap()) return;  // one synchronize for the batch
+    std::sort(cold.begin(), cold.end(), [](const Cold& a, const Cold& b) { return a.order < b.order; });
+    for (const Cold& page : cold) {
       if (excess <= 0) break;
       unmap_page(*page.segment, page.index, /*synchronized=*/true);
       excess -= static_cast<double>(page_bytes);
@@ -231,16 +288,21 @@ struct CachingAllocator::State {
     const auto [first, last] = page_range(block);
     // Live before anything is released or mapped, so no cache release for
     // this allocation can take back a page of this same block.
-    std::size_t unmapped = 0;
-    for (std::size_t i = first; i <= last; ++i) {
-      page_gains_live(segment, i);
-      if (!segment.pages[i].handle) ++unmapped;
-    }
+    for (std::size_t i = first; i <= last; ++i) page_gains_live(segment, i);
     try {
-      if (unmapped > 0) reclaim_cache_for_growth(unmapped * page_bytes, block.size);
+      std::size_t unmapped = 0;
+      for (std::size_t i = first; i <= last; ++i) unmapped += segment.pages[i].handle ? 0 : 1;
+      if (unmapped > 0) release_cold_cache_to_grow(unmapped * page_bytes, block.size);
+      // Bytes of this block's pages on the device so far: no colder page.
+      std::size_t own_device_bytes = 0;
+      for (std::size_t i = first; i <= last; ++i) {
+        const PageHandle& handle = segment.pages[i].handle;
+        if (handle && handle.where == Residency::kDevice) own_device_bytes += page_bytes;
+      }
       for (std::size_t i = first; i <= last; ++i) {
         if (segment.pages[i].handle) continue;
-        PageHandle handle = create_page_for_allocation(released_cache);
+        PageHandle handle = create_page_for_allocation(own_device_bytes, released_cache);
+        if (handle && handle.where == Residency::kDevice) own_device_bytes += page_bytes;
         if (!handle) {
           for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
           return false;
@@ -259,10 +321,10 @@ struct CachingAllocator::State {
 
   // ---- blocks and segments ------------------------------------------------
 
-  std::size_t segment_size_for(std::size_t size, PoolKind pool) const {
-    if (pool == PoolKind::kSmall) return round_up(std::max(options.small_segment_bytes, page_bytes), page_bytes);
-    if (size < options.large_segment_threshold) return round_up(std::max(options.large_segment_bytes, size), page_bytes);
-    return round_up(size, page_bytes);
+  // An arena's reserved bytes for a first request of `size`.
+  std::size_t arena_size_for(std::size_t size) const {
+    const std::size_t arena = options.arena_bytes != 0 ? options.arena_bytes : backend.device_total_bytes();
+    return round_up(std::max({arena, size, page_bytes}), page_bytes);
   }
 
   // Records a segment at [base, base + bytes) covered by one block (not in
@@ -285,12 +347,18 @@ struct CachingAllocator::State {
     return block;
   }
 
-  // A new segment with nothing mapped, as one free block (not in a pool).
-  Block* new_segment(std::size_t size, StreamId stream, PoolKind pool) {
-    const std::size_t bytes = segment_size_for(size, pool);
-    const DevicePtr base = backend.reserve(bytes);
+  // A new arena with nothing mapped, as one free block (not in a pool).
+  // When the address space for a whole arena cannot be had, one just large
+  // enough for the request.
+  Block* new_arena(std::size_t size, StreamId stream) {
+    std::size_t bytes = arena_size_for(size);
+    DevicePtr base = backend.reserve(bytes);
+    if (base == 0 && bytes > round_up(size, page_bytes)) {
+      bytes = round_up(size, page_bytes);
+      base = backend.reserve(bytes);
+    }
     if (base == 0) return nullptr;
-    return add_segment(base, bytes, stream, pool, /*pinned_fallback=*/false);
+    return add_segment(base, bytes, stream, PoolKind::kLarge, /*pinned_fallback=*/false);
   }
 
   void delete_segment(Segment& segment) {
@@ -301,9 +369,7 @@ struct CachingAllocator::State {
   }
 
   bool should_split(const Block& block, std::size_t size) const {
-    const std::size_t remaining = block.size - size;
-    if (block.segment->pool == PoolKind::kSmall) return remaining >= options.round_bytes;
-    return remaining > options.small_request_max;
+    return block.size - size >= options.round_bytes;
   }
 
   // Cuts `block` (not in a pool) to `size`; the rest goes back to the pool.
@@ -325,7 +391,10 @@ struct CachingAllocator::State {
   // lose a live block, it merges with free neighbours and joins its pool.
   void make_free(Block* block) {
     const auto [first, last] = page_range(*block);
-    for (std::size_t i = first; i <= last; ++i) page_loses_live(*block->segment, i);
+    for (std::size_t i = first; i <= last; ++i) {
+      page_loses_live(*block->segment, i);
+      block->segment->pages[i].last_use = tick;  // a free is a use: the page is hot
+    }
     return_to_pool(block);
   }
 
@@ -354,8 +423,8 @@ struct CachingAllocator::State {
   // The end of a block's life as "active": free it, or for a pinned
   // fallback allocation, hand the memory back at once.
   void retire(Block* block) {
-    stats.active.decrease(block->segment->pool, 1);
-    stats.active_bytes.decrease(block->segment->pool, static_cast<std::int64_t>(block->size));
+    stats.active.decrease(block->size_class, 1);
+    stats.active_bytes.decrease(block->size_class, static_cast<std::int64_t>(block->size));
     Segment& segment = *block->segment;
     if (segment.pinned_fallback) {
       backend.free_pinned_host(segment.base, segment.size);
@@ -371,7 +440,8 @@ struct CachingAllocator::State {
 
   // Over-cap memory in pinned fallback mode: a pinned host allocation that
   // kernels reach directly, as one block in a segment of its own.
-  Block* allocate_pinned_fallback(std::size_t size, StreamId stream, PoolKind pool) {
+  Block* allocate_pinned_fallback(std::size_t size, StreamId stream) {
+    const PoolKind pool = PoolKind::kLarge;
     const DevicePtr base = backend.allocate_pinned_host(size);
     if (base == 0) return nullptr;
     Block* block = add_segment(base, size, stream, pool, /*pinned_fallback=*/true);
@@ -477,7 +547,12 @@ struct CachingAllocator::State {
   bool move_page(const LivePage& live, Residency where) {
     Segment& segment = *live.segment;
     Page& page = segment.pages[live.index];
-    const PageHandle target = backend.create_page(where);
+    PageHandle target;
+    if (where == Residency::kHost && !spill_targets.empty()) {
+      target = take_spill_target();
+    } else {
+      target = backend.create_page(where);
+    }
     if (!target) return false;
     const DevicePtr address = segment.base + live.index * page_bytes;
     // A failed driver call leaves the page where it was, mapped, and the
@@ -508,6 +583,15 @@ struct CachingAllocator::State {
 
   std::size_t apply_migrations() {
     if (mode() != SpillMode::kRemap) return 0;
+    struct ReleaseTargets {
+      State& state;
+      ~ReleaseTargets() {
+        try {
+          state.release_spill_targets();  // what the moves did not use
+        } catch (...) {
+        }
+      }
+    } release_targets{*this};
     // Cached pages hold no data: release instead of moving them. Host cache
     // goes always (a block reusing it would run on the host needlessly).
     const Residency host = Residency::kHost, device = Residency::kDevice;
@@ -523,6 +607,8 @@ struct CachingAllocator::State {
       moved += page_bytes;
     }
     for (std::size_t id : moves.to_device) {
+      // A spill that failed above leaves no room under the cap.
+      if (device_bytes() + page_bytes > effective_cap()) break;
       if (!move_page(pages[id], Residency::kDevice)) break;  // device taken by others: try later
       moved += page_bytes;
     }
@@ -531,6 +617,7 @@ struct CachingAllocator::State {
 
   void release_everything() {
     synchronize_waiting();
+    release_spill_targets();
     for (auto& [base, segment] : segments) {
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
         if (segment->pages[i].handle) {
@@ -577,9 +664,9 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
   ++s.tick;
 
-  Block* block = s.pools[static_cast<int>(pool)].best_fit(stream, size);
+  Block* block = s.free_blocks.best_fit(stream, size);
   if (block) s.pool_erase(block);
-  else block = s.new_segment(size, stream, pool);
+  else block = s.new_arena(size, stream);
   if (!block) s.out_of_memory(size, stream);
   s.split(block, size);
 
@@ -595,7 +682,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
     if (released_cache) ++s.stats.num_alloc_retries;
     block = nullptr;
     if (s.may_spill_allocation() && s.mode() == SpillMode::kPinnedFallback) {
-      block = s.allocate_pinned_fallback(size, stream, pool);
+      block = s.allocate_pinned_fallback(size, stream);
       spilled = block != nullptr;
     }
     if (!block) s.out_of_memory(size, stream);
@@ -605,6 +692,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
 
   block->allocated = true;
   block->requested = bytes;
+  block->size_class = pool;
   s.allocated.emplace(block->address, block);
   const auto block_bytes = static_cast<std::int64_t>(block->size);
   s.stats.allocation.increase(pool, 1);
@@ -613,6 +701,11 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   s.stats.active.increase(pool, 1);
   s.stats.active_bytes.increase(pool, block_bytes);
   if (spilled) ++s.stats.num_spilled_allocations;
+  if (s.device_bytes() > s.effective_cap()) {
+    // Placed over the cap in colder pages' stead: they move at the next safe point.
+    s.stats.pending_spill_bytes = static_cast<std::int64_t>(s.device_bytes() - s.effective_cap());
+    pending_migrations_.store(true, std::memory_order_release);
+  }
   return block->address;
 }
 
@@ -629,7 +722,7 @@ void CachingAllocator::free(DevicePtr address) {
   Block* block = it->second;
   s.allocated.erase(it);
   block->allocated = false;
-  const PoolKind pool = block->segment->pool;
+  const PoolKind pool = block->size_class;
   s.stats.allocation.decrease(pool, 1);
   s.stats.allocated_bytes.decrease(pool, static_cast<std::int64_t>(block->size));
   s.stats.requested_bytes.decrease(pool, static_cast<std::int64_t>(block->requested));
@@ -664,6 +757,7 @@ void CachingAllocator::empty_cache() {
   std::lock_guard lock(s.mutex);
   s.synchronize_waiting();
   s.release_cached_pages(nullptr);
+  s.trim_spill_targets();
   // Whole free segments give their address range back too.
   for (auto it = s.segments.begin(); it != s.segments.end();) {
     Segment& segment = *it->second;
@@ -696,6 +790,12 @@ bool CachingAllocator::is_device_resident(DevicePtr address) const {
   if (address >= segment.base + segment.size || segment.pinned_fallback) return false;
   const Page& page = segment.pages[(address - segment.base) / s.page_bytes];
   return page.handle && page.handle.where == Residency::kDevice;
+}
+
+void CachingAllocator::mark_iteration() {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  s.cold_before = s.tick + 1;
 }
 
 std::size_t CachingAllocator::host_bytes_of(DevicePtr address) const {
@@ -734,6 +834,7 @@ void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
     const Residency device = Residency::kDevice;
     s.release_cached_pages(&device);  // cache goes first: it costs no copy
   }
+  s.trim_spill_targets();
   s.mark_pending(pending_migrations_);
 }
 
@@ -755,6 +856,7 @@ void CachingAllocator::restore_all() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.spill_everything = false;
+  s.trim_spill_targets();
   s.mark_pending(pending_migrations_);
 }
 

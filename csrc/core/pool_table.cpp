@@ -13,9 +13,9 @@ PoolTable::PoolTable(Backend& backend) : backend_(backend) {}
 PoolTable::~PoolTable() = default;
 
 AllocatorOptions PoolTable::pool_options() {
-  AllocatorOptions options;
-  options.growth_slack = -1;  // never unmap cached pages to grow: graphs replay freed blocks
-  return options;
+  // The defaults: pages are unmapped only under pressure, never to grow, so
+  // a graph's freed blocks keep the pages it replays.
+  return AllocatorOptions{};
 }
 
 PoolTable::Pool& PoolTable::create_or_incref_locked(PoolId id) {

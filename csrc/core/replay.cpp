@@ -61,6 +61,10 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
 
   for (std::size_t index = 0; index < ops.size(); ++index) {
     const ReplayOp& op = ops[index];
+    // An allocation over the cap (in a colder page's stead) flags pages to
+    // move; a job moves them at its next safe point, the next op's entry.
+    // The trace's next op stands for that.
+    if (allocator.has_pending_migrations()) allocator.apply_pending_migrations();
     switch (op.kind) {
       case ReplayOpKind::kAlloc: {
         if (trace.live.count(op.id) != 0) {
@@ -126,6 +130,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
       case ReplayOpKind::kIteration: {
         // The end of a step is a safe point: marked pages move here.
         allocator.apply_pending_migrations();
+        allocator.mark_iteration();
         const std::int64_t maps = allocator.stats().num_device_alloc;
         result.maps_per_iteration.push_back(maps - maps_at_mark);
         result.host_touched_bytes_per_iteration.push_back(host_touched);

@@ -27,6 +27,7 @@ struct Block {
   DevicePtr address = 0;
   std::size_t size = 0;          // bytes, a multiple of the rounding
   std::size_t requested = 0;     // bytes the caller asked for; 0 unless allocated
+  PoolKind size_class = PoolKind::kLarge;  // of the request, for the statistics; set when allocated
   bool allocated = false;
   bool in_pool = false;
   Block* prev = nullptr;
@@ -43,12 +44,12 @@ struct Block {
 struct Page {
   PageHandle handle;             // empty when unmapped
   std::uint32_t live_blocks = 0;
-  std::uint64_t last_use = 0;    // allocator tick of the last allocation touching it
+  std::uint64_t last_use = 0;    // allocator tick of the last allocation or free on its blocks: its heat
 };
 
-// A reserved address range owned by one stream and one pool. A pinned
-// fallback segment is a single pinned-host allocation with one block and no
-// pages.
+// A reserved address range owned by one stream: an arena, or a pinned
+// fallback segment (a single pinned-host allocation with one block and no
+// pages). Arenas count as PoolKind::kLarge in the statistics.
 struct Segment {
   DevicePtr base = 0;
   std::size_t size = 0;

@@ -12,24 +12,25 @@ MigrationPlan plan_migrations(const std::vector<PageCandidate>& live_pages, std:
   for (const PageCandidate& page : live_pages) {
     (page.where == Residency::kDevice ? device : host).push_back(&page);
   }
-  if (device_bytes > cap) {
-    std::sort(device.begin(), device.end(), [](const PageCandidate* a, const PageCandidate* b) {
-      return std::tie(a->last_use, a->id) < std::tie(b->last_use, b->id);
-    });
-    for (const PageCandidate* page : device) {
-      if (device_bytes <= cap) break;
-      plan.to_host.push_back(page->id);
-      device_bytes -= std::min<std::uint64_t>(device_bytes, page_bytes);
-    }
-    return plan;
-  }
+  std::sort(device.begin(), device.end(), [](const PageCandidate* a, const PageCandidate* b) {
+    return std::tie(a->last_use, a->id) < std::tie(b->last_use, b->id);
+  });
   std::sort(host.begin(), host.end(), [](const PageCandidate* a, const PageCandidate* b) {
     return std::make_tuple(b->last_use, a->id) < std::make_tuple(a->last_use, b->id);
   });
-  for (const PageCandidate* page : host) {
-    if (cap - device_bytes < page_bytes) break;
-    plan.to_device.push_back(page->id);
+  std::size_t coldest = 0, hottest = 0;  // next device page to spill, next host page to restore
+  while (device_bytes > cap && coldest < device.size()) {
+    plan.to_host.push_back(device[coldest++]->id);
+    device_bytes -= std::min<std::uint64_t>(device_bytes, page_bytes);
+  }
+  while (device_bytes <= cap && cap - device_bytes >= page_bytes && hottest < host.size()) {
+    plan.to_device.push_back(host[hottest++]->id);
     device_bytes += page_bytes;
+  }
+  while (coldest < device.size() && hottest < host.size() &&
+         host[hottest]->last_use > device[coldest]->last_use) {
+    plan.to_host.push_back(device[coldest++]->id);
+    plan.to_device.push_back(host[hottest++]->id);
   }
   return plan;
 }

@@ -126,6 +126,8 @@ COTENANT_TORCH_BINDINGS(allocator) {
   m.def("spill_all", [](int device) { main_allocator(device).spill_all(); }, py::arg("device"));
   m.def("restore_all", [](int device) { main_allocator(device).restore_all(); }, py::arg("device"));
   m.def("has_pending_migrations", [] { return CotenantCudaAllocator::instance().has_pending_migrations(); });
+  m.def("mark_iteration", [] { CotenantCudaAllocator::instance().mark_iteration(); },
+        "The end of one step of the job's loop: cache idle since the last mark may be released to grow.");
   m.def("safe_point", [] {
     if (!CotenantCudaAllocator::instance().installed()) return std::size_t{0};
     py::gil_scoped_release release;  // other threads' ops may need the GIL to finish

@@ -216,6 +216,14 @@ bool CotenantCudaAllocator::has_pending_migrations() const {
   return false;
 }
 
+void CotenantCudaAllocator::mark_iteration() {
+  const int count = device_count_.load(std::memory_order_relaxed);
+  for (int d = 0; d < count && d < static_cast<int>(devices_.size()); ++d) {
+    DeviceAllocators* state = devices_[d].load(std::memory_order_acquire);
+    if (state != nullptr) state->main->mark_iteration();
+  }
+}
+
 void CotenantCudaAllocator::run_safe_point_at_op_entry() {
   const std::int64_t now = steady_now_ns();
   if (now < next_op_entry_attempt_ns_.load(std::memory_order_relaxed)) return;

@@ -76,6 +76,9 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
 
   // True when some device has pages waiting for a safe point (lock-free).
   bool has_pending_migrations() const;
+  // The end of one step of the job's loop, on every device's main
+  // allocator (CachingAllocator::mark_iteration).
+  void mark_iteration();
   // Pauses launches, synchronizes and applies pending page moves on every
   // device. Skips (returns 0) during CUDA graph capture, when another thread
   // is already doing it, or when other threads' ops did not drain in time.

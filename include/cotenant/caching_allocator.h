@@ -2,23 +2,34 @@
 // a device-memory cap that can move at any time and spills to host instead of
 // failing.
 //
-// What it does, in the terms PyTorch users know:
-//  - best-fit over a small-block pool (<= 1 MiB requests, 2 MiB segments) and a
-//    large-block pool, block splitting, coalescing with free neighbours;
+// Placement (docs/allocator.md, "Placement"):
+//  - each stream has an arena: a reserved address range as large as the
+//    device (address space costs nothing until a page is mapped), tiled by
+//    blocks; requests of every size share it, by address-ordered best fit,
+//    split to the rounded size, coalesced with free neighbours on free;
+//  - pages are mapped when a block first needs them and stay mapped when its
+//    blocks are freed, so a loop that repeats its allocations maps nothing
+//    once warm. Pages are unmapped only under pressure: a lower cap, a full
+//    device, empty_cache(), release_cached_pages();
 //  - stream-ordered reuse: a block freed on stream S is reusable by S at once;
 //    if it was used on other streams (record_stream), it is reusable only after
-//    events recorded on those streams at free time have completed;
-//  - empty_cache() releases every page not touched by a live block (whole free
-//    segments release their address range too).
+//    events recorded on those streams at free time have completed.
+//  Statistics split allocations by PyTorch's size classes (small_pool for
+//  requests up to 1 MiB); segments and reserved bytes are the arenas', all
+//  counted in large_pool.
 //
-// The cap bounds device-resident bytes. An allocation whose new pages do not
-// fit under it, even after releasing cached pages, gets host pages (spill);
-// only when host memory also fails is there an OutOfMemoryError. Lowering the
-// cap releases cache, then marks live pages to move to the host, coldest
-// first; raising it marks host pages to come back, hottest first. Marked pages
-// move in apply_pending_migrations(), which the caller runs at a safe point
-// (no kernel in flight on these pages). A page keeps its address and its
-// bytes across moves.
+// The cap bounds device-resident bytes at every safe point. Temperature
+// decides where a page lives: a page's heat is the time of the last
+// allocation or free on its blocks. An allocation that finds no room under
+// the cap still gets device pages when as many colder live device pages can
+// move out at the next safe point; only otherwise are its pages placed on the
+// host (spill), and only when host memory also fails is there an
+// OutOfMemoryError. Lowering the cap releases cache, then marks live pages to
+// move to the host, coldest first; raising it marks host pages to come back,
+// hottest first; a host page hotter than a device page swaps places with it.
+// Marked pages move in apply_pending_migrations(), which the caller runs at a
+// safe point (no kernel in flight on these pages). A page keeps its address
+// and its bytes across moves.
 //
 // Thread safety: every public method may be called from any thread.
 // has_pending_migrations() is lock-free so it can be polled on a hot path.
@@ -40,17 +51,10 @@ inline constexpr std::uint64_t kNoCap = std::numeric_limits<std::uint64_t>::max(
 
 struct AllocatorOptions {
   std::size_t round_bytes = 512;                 // every size rounds up to this
-  std::size_t small_request_max = 1u << 20;      // requests up to this use the small pool
-  std::size_t small_segment_bytes = 2u << 20;    // small-pool segment size
-  std::size_t large_segment_bytes = 20u << 20;   // segment for mid-sized large requests
-  std::size_t large_segment_threshold = 10u << 20;  // requests from here get their own segment
-  // When an allocation needs new pages and reserved bytes would exceed
-  // max(peak allocated bytes, allocated bytes + the new block) *
-  // (1 + growth_slack), cached pages
-  // (mapped, touched by no live block) are released first, coldest first, so
-  // that memory is reused instead of hoarded. Steady-state loops reuse their
-  // cached blocks and never reach this path. Negative disables it.
-  double growth_slack = 0.05;
+  std::size_t small_request_max = 1u << 20;      // the small_pool statistics count requests up to this
+  // Address space reserved per arena; 0: the device's total memory. A
+  // request larger than an arena gets an arena of its own size.
+  std::size_t arena_bytes = 0;
   // false: an allocation that cannot fit under the cap raises OutOfMemoryError
   // instead of spilling (what a user who wants a hard cap asks for).
   bool spill_to_host = true;
@@ -98,6 +102,12 @@ class CachingAllocator {
   void record_stream(DevicePtr address, StreamId stream);
   // Releases cached pages (see class comment).
   void empty_cache();
+
+  // The end of one step of the job's loop (cotenant.iteration(), an
+  // optimizer step): cached pages no allocation or free touched since the
+  // previous mark are cold, and growth past the peak of live bytes releases
+  // them instead of mapping more (docs/allocator.md, "Placement").
+  void mark_iteration();
 
   // Size of the live allocation at `address` (rounded), or 0 if none.
   std::size_t allocation_size(DevicePtr address) const;

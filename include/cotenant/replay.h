@@ -4,9 +4,10 @@
 // A trace is a sequence of operations on allocation ids (the trace's own
 // names for its blocks, e.g. the addresses of a PyTorch memory snapshot):
 // alloc id size stream / free id / record_stream id stream / cap bytes /
-// empty_cache / iteration. Cap and iteration operations are the safe points:
-// pending page migrations are applied there, as the torch layer does when
-// the process is quiet. An iteration op marks the end of one step of the
+// empty_cache / iteration. Cap and iteration operations are safe points, and
+// so is the op after one that left pages waiting to move (a job's next op
+// entry): pending page migrations are applied there, as the torch layer
+// does when the process is quiet. An iteration op marks the end of one step of the
 // job's loop (cotenant.iteration() in a real job); the per-iteration figures
 // count from one mark to the next.
 //

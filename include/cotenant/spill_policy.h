@@ -26,8 +26,11 @@ struct MigrationPlan {
 
 // Over the cap: spill device pages, coldest first, until device_bytes is at
 // most the cap. Under it: restore host pages, hottest first, while each one
-// still fits under the cap. Never both. Ties go to the lower id, so plans are
-// reproducible. `cap` == UINT64_MAX means no cap.
+// still fits under the cap. Then, while the hottest host page left is hotter
+// than the coldest device page left, the two swap places (one page each
+// way), so that the cap holds the hottest pages. Apply to_host before
+// to_device. Ties go to the lower id, so plans are reproducible. `cap` ==
+// UINT64_MAX means no cap.
 MigrationPlan plan_migrations(const std::vector<PageCandidate>& live_pages, std::uint64_t device_bytes,
                               std::uint64_t cap, std::size_t page_bytes);
 

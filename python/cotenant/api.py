@@ -436,6 +436,7 @@ def _install_optimizer_safe_point() -> None:
     last_step = [None]  # time.perf_counter() of the previous step's end
 
     def after_step(optimizer, args, kwargs):  # noqa: ARG001 (torch's hook signature)
+        _C.mark_iteration()
         if _C.has_pending_migrations():
             _C.safe_point()
         if _state.job_channel:

@@ -261,6 +261,7 @@ class _IterationContext:
     def __exit__(self, *exc: Any) -> None:
         if _state.role == "guaranteed":
             _extension().iteration_boundary()
+        _mark_allocator_iteration()
 
 
 def gate() -> _GateContext:
@@ -270,6 +271,14 @@ def gate() -> _GateContext:
 
 def iteration() -> _IterationContext:
     return _IterationContext()
+
+
+def _mark_allocator_iteration() -> None:
+    """Tells the capped allocator a step ended (idle cache may go to grow)."""
+    from cotenant import api
+
+    if api.is_enabled():
+        _extension().mark_iteration()
 
 
 def set_share(value: Any) -> float:

@@ -13,23 +13,26 @@ TEST_CASE("zero_byte_allocation_returns_null_and_counts_nothing", "[allocator]")
   CHECK(allocator.stats().allocation.all.current == 0);
 }
 
-TEST_CASE("sizes_round_to_512_bytes_and_split_small_and_large_pools", "[allocator]") {
+TEST_CASE("sizes_round_to_512_bytes_and_the_statistics_split_by_size_class", "[allocator]") {
   SimulatedBackend device(device_config(256 * kMiB));
   CachingAllocator allocator(device);
   const DevicePtr small = allocator.allocate(1000, 0);
   const DevicePtr large = allocator.allocate(3 * kMiB, 0);
   CHECK(allocator.allocation_size(small) == 1024);
   CHECK(allocator.allocation_size(large) == 3 * kMiB);
+  CHECK(large == small + 1024);  // one arena per stream, address-ordered
   const AllocatorStats stats = allocator.stats();
   CHECK(stats.allocated_bytes.small_pool.current == 1024);
   CHECK(stats.allocated_bytes.large_pool.current == 3 * kMiB);
+  CHECK(stats.allocation.small_pool.current == 1);
   CHECK(stats.requested_bytes.all.current == 1000 + 3 * kMiB);
-  CHECK(stats.segment.small_pool.current == 1);
+  // The arena is one segment as large as the device; only the pages the
+  // two blocks touch are mapped: [0, 3 MiB + 1 KiB) spans two 2 MiB pages.
+  CHECK(stats.segment.all.current == 1);
   CHECK(stats.segment.large_pool.current == 1);
-  // Pages are mapped only as blocks need them: a 20 MiB segment holding a
-  // 3 MiB block maps two 2 MiB pages.
+  CHECK(allocator.snapshot().front().size == 256 * kMiB);
+  CHECK(stats.reserved_bytes.all.current == 4 * kMiB);
   CHECK(stats.reserved_bytes.large_pool.current == 4 * kMiB);
-  CHECK(stats.reserved_bytes.small_pool.current == 2 * kMiB);
 }
 
 TEST_CASE("freed_block_is_reused_at_once_by_its_stream", "[allocator]") {
@@ -219,25 +222,49 @@ TEST_CASE("destroying_the_allocator_returns_every_page_and_range", "[allocator]"
   CHECK(calls.map == calls.unmap);
 }
 
-TEST_CASE("growing_past_live_bytes_plus_slack_reuses_cached_pages_instead_of_mapping_more", "[allocator]") {
+TEST_CASE("a_larger_request_reuses_the_mapped_pages_of_a_freed_block_below_it", "[allocator]") {
   SimulatedBackend device(device_config(1 * kGiB));
-  CachingAllocator allocator(device);  // growth_slack 5%
-  const DevicePtr a = allocator.allocate(12 * kMiB, 0);   // own segment
-  allocator.free(a);                                       // 12 MiB cached
-  const DevicePtr b = allocator.allocate(14 * kMiB, 0);   // does not fit the cached block
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(12 * kMiB, 0);
+  allocator.free(a);                                       // 6 pages cached
+  const auto maps_before = device.calls().map;
+  const DevicePtr b = allocator.allocate(14 * kMiB, 0);   // larger: extends the same range
+  CHECK(b == a);
+  CHECK(device.calls().map - maps_before == 1);           // one new page, six reused
+  CHECK(device.calls().unmap == 0);
   const AllocatorStats stats = allocator.stats();
-  CHECK(stats.allocated_bytes.all.current == 14 * kMiB);
-  // Without the reclaim this would be 26 MiB mapped for 14 MiB live.
-  CHECK(stats.reserved_bytes.all.current <= static_cast<std::int64_t>(14 * kMiB * 105 / 100 + 2 * kMiB));
-  CHECK(device.device_bytes_in_use() == static_cast<std::size_t>(stats.reserved_bytes.all.current));
+  CHECK(stats.reserved_bytes.all.current == static_cast<std::int64_t>(14 * kMiB));
   fill(device, b, 3, 14 * kMiB);
   CHECK(holds(device, b, 3, 14 * kMiB));
-  // The freed block's range is still reserved and maps again on reuse.
-  const DevicePtr c = allocator.allocate(12 * kMiB, 0);
-  CHECK(c == a);
+  const DevicePtr c = allocator.allocate(12 * kMiB, 0);   // placed right after b
+  CHECK(c == b + 14 * kMiB);
   fill(device, c, 4, 12 * kMiB);
   CHECK(holds(device, c, 4, 12 * kMiB));
   CHECK(holds(device, b, 3, 14 * kMiB));
+}
+
+TEST_CASE("a_loop_with_iteration_marks_releases_only_cache_idle_since_the_last_mark_to_grow", "[allocator]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  // Iteration 1 leaves 8 MiB cached that the next iteration never touches.
+  const DevicePtr keep = allocator.allocate(2 * kMiB, 0);
+  const DevicePtr idle = allocator.allocate(8 * kMiB, 0);
+  const DevicePtr keep_too = allocator.allocate(2 * kMiB, 0);
+  allocator.free(idle);
+  allocator.mark_iteration();
+  // Iteration 2 needs 16 MiB: the idle cache goes instead of piling up.
+  const DevicePtr big = allocator.allocate(16 * kMiB, 0);
+  CHECK(device.calls().unmap == 4);
+  CHECK(allocator.stats().reserved_bytes.all.current == static_cast<std::int64_t>(20 * kMiB));
+  allocator.free(big);
+  allocator.mark_iteration();
+  // Iteration 3 repeats iteration 2: its cache is warm, nothing maps or unmaps.
+  const auto maps = device.calls().map, unmaps = device.calls().unmap;
+  CHECK(allocator.allocate(16 * kMiB, 0) == big);
+  CHECK(device.calls().map == maps);
+  CHECK(device.calls().unmap == unmaps);
+  allocator.free(keep);
+  allocator.free(keep_too);
 }
 
 TEST_CASE("steady_state_reuse_maps_no_new_pages", "[allocator]") {
@@ -274,20 +301,21 @@ TEST_CASE("releasing_many_cached_pages_synchronizes_the_device_once", "[allocato
 
 TEST_CASE("cached_pages_stay_while_the_device_cannot_synchronize", "[allocator]") {
   // During a CUDA graph capture nothing may synchronize the device: cache
-  // that would be released (to grow, or by empty_cache) stays mapped.
+  // that empty_cache would release stays mapped.
   SimulatedBackend device(device_config(256 * kMiB));
   CachingAllocator allocator(device);
   const DevicePtr first = allocator.allocate(12 * kMiB, 0);
+  const DevicePtr second = allocator.allocate(2 * kMiB, 0);
   allocator.free(first);
   device.refuse_synchronization(true);
   const auto unmaps_before = device.calls().unmap;
-  const DevicePtr second = allocator.allocate(16 * kMiB, 0);  // past the growth slack: would release the cache
   allocator.empty_cache();
   CHECK(device.calls().unmap == unmaps_before);
-  CHECK(device.calls().refused_synchronization >= 2);
+  CHECK(device.calls().refused_synchronization >= 1);
   CHECK(allocator.is_device_resident(first));
   device.refuse_synchronization(false);
   allocator.empty_cache();
-  CHECK(allocator.stats().reserved_bytes.all.current == static_cast<std::int64_t>(16 * kMiB));
+  CHECK(allocator.stats().reserved_bytes.all.current == static_cast<std::int64_t>(2 * kMiB));
+  CHECK_FALSE(allocator.is_device_resident(first));
   allocator.free(second);
 }

@@ -9,28 +9,75 @@
 using namespace cotenant;
 using namespace cotenant::testing;
 
-TEST_CASE("allocation_over_the_cap_spills_to_host_instead_of_failing", "[cap]") {
+TEST_CASE("an_allocation_with_no_colder_page_to_displace_spills_to_host_instead_of_failing", "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
   CachingAllocator allocator(device);
   allocator.set_memory_cap(8 * kMiB);
-  const DevicePtr first = allocator.allocate(6 * kMiB, 0);
-  const DevicePtr second = allocator.allocate(6 * kMiB, 0);
+  const DevicePtr only = allocator.allocate(12 * kMiB, 0);  // no other live page is colder
   const AllocatorStats stats = allocator.stats();
   CHECK(stats.device_resident_bytes.current == 8 * kMiB);
   CHECK(stats.host_resident_bytes.current == 4 * kMiB);
   CHECK(stats.num_spilled_allocations == 1);
+  CHECK_FALSE(allocator.has_pending_migrations());
   CHECK(device.device_bytes_in_use() == 8 * kMiB);
-  fill(device, second, 5, 6 * kMiB);  // host-backed memory is addressable like device memory
-  CHECK(holds(device, second, 5, 6 * kMiB));
-  CHECK(allocator.is_device_resident(first));
-  CHECK_FALSE(allocator.is_device_resident(second + 4 * kMiB));
+  fill(device, only, 5, 12 * kMiB);  // host-backed memory is addressable like device memory
+  CHECK(holds(device, only, 5, 12 * kMiB));
+  CHECK(allocator.is_device_resident(only));
+  CHECK_FALSE(allocator.is_device_resident(only + 8 * kMiB));
+}
+
+TEST_CASE("an_allocation_over_the_cap_takes_device_pages_and_a_colder_page_moves_out_at_the_safe_point",
+          "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(8 * kMiB);
+  const DevicePtr cold = allocator.allocate(6 * kMiB, 0);
+  fill(device, cold, 1, 6 * kMiB);
+  const DevicePtr hot = allocator.allocate(4 * kMiB, 0);  // one page fits, one goes over
+  AllocatorStats stats = allocator.stats();
+  CHECK(stats.num_spilled_allocations == 0);
+  CHECK(stats.device_resident_bytes.current == 10 * kMiB);
+  // The host page the spill needs is taken now, so the safe point cannot fail.
+  CHECK(stats.host_resident_bytes.current == 2 * kMiB);
+  CHECK(device.host_bytes_in_use() == 2 * kMiB);
+  CHECK(stats.pending_spill_bytes == 2 * kMiB);
+  CHECK(allocator.has_pending_migrations());
+  fill(device, hot, 2, 4 * kMiB);
+
+  CHECK(allocator.apply_pending_migrations() == 2 * kMiB);
+  stats = allocator.stats();
+  CHECK(stats.device_resident_bytes.current == 8 * kMiB);
+  CHECK(stats.host_resident_bytes.current == 2 * kMiB);
+  CHECK(device.device_bytes_in_use() == 8 * kMiB);
+  CHECK(device.host_bytes_in_use() == 2 * kMiB);
+  CHECK_FALSE(allocator.is_device_resident(cold));        // its first page was the coldest
+  CHECK(allocator.is_device_resident(cold + 2 * kMiB));
+  CHECK(allocator.host_bytes_of(cold) == 2 * kMiB);
+  CHECK(allocator.host_bytes_of(hot) == 0);
+  CHECK(holds(device, cold, 1, 6 * kMiB));
+  CHECK(holds(device, hot, 2, 4 * kMiB));
+}
+
+TEST_CASE("spill_targets_not_needed_any_more_are_given_back", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(8 * kMiB);
+  const DevicePtr cold = allocator.allocate(8 * kMiB, 0);
+  for (int i = 0; i < 10; ++i) {
+    // Goes over the cap, then is freed before any safe point: its spill is
+    // no longer owed, and the held host page is reused, not piled up.
+    allocator.free(allocator.allocate(2 * kMiB, 0));
+    CHECK(device.host_bytes_in_use() <= 2 * kMiB);
+  }
+  allocator.empty_cache();
+  CHECK(device.host_bytes_in_use() == 0);
+  CHECK(allocator.stats().host_resident_bytes.current == 0);
+  allocator.free(cold);
 }
 
 TEST_CASE("allocation_over_the_cap_releases_cache_before_spilling", "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
-  AllocatorOptions options;
-  options.growth_slack = -1;  // keep the cache until the cap needs it
-  CachingAllocator allocator(device, options);
+  CachingAllocator allocator(device);
   const DevicePtr cached = allocator.allocate(4 * kMiB, 7);  // another stream's pool
   allocator.free(cached);
   allocator.set_memory_cap(16 * kMiB);
@@ -93,12 +140,16 @@ TEST_CASE("raising_cap_restores_hottest_host_pages_first", "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
   CachingAllocator allocator(device);
   allocator.set_memory_cap(4 * kMiB);
-  const DevicePtr on_device = allocator.allocate(4 * kMiB, 1);
-  const DevicePtr older = allocator.allocate(4 * kMiB, 2);   // spilled at birth
-  const DevicePtr newer = allocator.allocate(4 * kMiB, 3);   // spilled at birth, hotter
+  // Each allocation displaces the coldest live page at the next safe point.
+  const DevicePtr older = allocator.allocate(4 * kMiB, 1);
+  const DevicePtr newer = allocator.allocate(4 * kMiB, 2);
+  allocator.apply_pending_migrations();
+  const DevicePtr newest = allocator.allocate(4 * kMiB, 3);
+  allocator.apply_pending_migrations();
   fill(device, older, 8, 4 * kMiB);
   fill(device, newer, 9, 4 * kMiB);
   CHECK(allocator.stats().host_resident_bytes.current == 8 * kMiB);
+  CHECK(allocator.is_device_resident(newest));
 
   allocator.set_memory_cap(8 * kMiB);
   CHECK(allocator.stats().pending_restore_bytes == 4 * kMiB);
@@ -108,7 +159,34 @@ TEST_CASE("raising_cap_restores_hottest_host_pages_first", "[cap]") {
   CHECK(allocator.stats().restored_bytes == 4 * kMiB);
   CHECK(holds(device, newer, 9, 4 * kMiB));
   CHECK(holds(device, older, 8, 4 * kMiB));
-  CHECK(allocator.is_device_resident(on_device));
+  CHECK(allocator.is_device_resident(newest));
+}
+
+TEST_CASE("a_host_page_hotter_than_a_device_page_swaps_with_it_at_the_safe_point", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(4 * kMiB);
+  const DevicePtr cold = allocator.allocate(4 * kMiB, 0);
+  allocator.spill_all();
+  allocator.apply_pending_migrations();
+  allocator.restore_all();                 // nothing comes back yet: no safe point
+  const DevicePtr other = allocator.allocate(4 * kMiB, 1);  // fills the cap on the device
+  allocator.apply_pending_migrations();    // restores nothing: the cap is full
+  CHECK_FALSE(allocator.is_device_resident(cold));
+  // A free and allocation on the host block's page make it the hottest.
+  allocator.free(cold);
+  const DevicePtr hot = allocator.allocate(4 * kMiB, 0);
+  CHECK(hot == cold);
+  CHECK_FALSE(allocator.is_device_resident(hot));
+  fill(device, hot, 6, 4 * kMiB);
+  fill(device, other, 7, 4 * kMiB);
+  allocator.set_memory_cap(4 * kMiB);      // re-plans: the hot host page swaps with the colder device page
+  CHECK(allocator.apply_pending_migrations() == 8 * kMiB);
+  CHECK(allocator.is_device_resident(hot));
+  CHECK_FALSE(allocator.is_device_resident(other));
+  CHECK(holds(device, hot, 6, 4 * kMiB));
+  CHECK(holds(device, other, 7, 4 * kMiB));
+  CHECK(allocator.stats().device_resident_bytes.current == 4 * kMiB);
 }
 
 TEST_CASE("spill_all_moves_every_live_page_to_host_and_restore_all_brings_them_back", "[cap]") {

@@ -117,9 +117,9 @@ struct Harness {
   static AllocatorOptions make_options() {
     AllocatorOptions options;
     options.small_request_max = 32 * kKiB;
-    options.small_segment_bytes = kPage;
-    options.large_segment_bytes = 640 * kKiB;
-    options.large_segment_threshold = 320 * kKiB;
+    // Arenas of 20 pages, so that a stream fills one and opens more, and a
+    // large request gets an arena of its own size.
+    options.arena_bytes = 20 * kPage;
     // The uncapped phases fill the small device: spill then too, so that
     // "out of memory although host memory is plentiful" stays checkable.
     options.spill_without_cap = true;
@@ -206,6 +206,9 @@ struct Harness {
         block.stream = streams[r() % 2];
         DevicePtr address = 0;
         try {
+          // An allocation is part of an op: no safe point runs meanwhile (an
+          // allocation may go over the cap until the next one).
+          std::shared_lock op(safe_point);
           address = allocator.allocate(block.requested, block.stream);
         } catch (const OutOfMemoryError&) {
           std::lock_guard lock(model.mutex);

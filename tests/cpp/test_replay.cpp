@@ -103,15 +103,56 @@ TEST_CASE("replay_cap_below_live_bytes_spills_at_the_cap_op_and_restores_when_ra
   CHECK(result.final_stats.host_resident_bytes.current == 0);
 }
 
-TEST_CASE("replay_initial_cap_places_over_cap_allocations_on_the_host", "[replay]") {
+TEST_CASE("replay_under_a_cap_keeps_the_newest_allocations_on_the_device", "[replay]") {
   auto config = small_device();
   config.initial_cap = 4 * kMiB;
   std::vector<ReplayOp> ops;
   for (std::uint64_t id = 1; id <= 4; ++id) ops.push_back(ReplayOp::alloc(id, 2 * kMiB));
+  ops.push_back(ReplayOp::iteration());
+  for (std::uint64_t id = 3; id <= 4; ++id) ops.push_back(ReplayOp::free(id));
+  for (std::uint64_t id = 3; id <= 4; ++id) ops.push_back(ReplayOp::alloc(id, 2 * kMiB));
+  ops.push_back(ReplayOp::iteration());
   const auto result = cotenant::replay(ops, config);
   CHECK(result.num_ooms == 0);
-  CHECK(result.peak_device_resident_bytes <= static_cast<std::int64_t>(4 * kMiB));
-  CHECK(result.final_stats.host_resident_bytes.current >= static_cast<std::int64_t>(4 * kMiB));
+  CHECK(result.num_spilled_allocations == 0);
+  // Over the cap by at most the page placed since the last safe point.
+  CHECK(result.peak_device_resident_bytes <= static_cast<std::int64_t>(6 * kMiB));
+  CHECK(result.final_stats.device_resident_bytes.current == static_cast<std::int64_t>(4 * kMiB));
+  CHECK(result.final_stats.host_resident_bytes.current == static_cast<std::int64_t>(4 * kMiB));
+  CHECK(result.spilled_bytes == static_cast<std::int64_t>(4 * kMiB));  // ids 1 and 2, once each
+  // Ids 3 and 4 live on the device: frees and allocations touch no host page.
+  REQUIRE(result.host_touched_bytes_per_iteration.size() == 2);
+  CHECK(result.host_touched_bytes_per_iteration[1] == 0);
+}
+
+TEST_CASE("replay_pins_zero_page_maps_per_iteration_once_a_repeated_loop_is_warm", "[replay]") {
+  // A training step's shape: weights live throughout; activations grow
+  // through the forward pass, shrink through the backward pass.
+  std::vector<ReplayOp> ops;
+  std::uint64_t next = 1000;
+  const std::uint64_t sizes[] = {3 * kMiB, 700 * 1024, 12 * kMiB, 4096, 25 * kMiB, 9 * kMiB, 1536};
+  for (std::uint64_t id = 1; id <= 8; ++id) ops.push_back(ReplayOp::alloc(id, id * 1'000'000));
+  for (int step = 0; step < 10; ++step) {
+    std::vector<std::uint64_t> live;
+    for (std::uint64_t size : sizes) {
+      ops.push_back(ReplayOp::alloc(next, size + static_cast<std::uint64_t>(step % 2) * 512));
+      live.push_back(next++);
+    }
+    for (auto it = live.rbegin(); it != live.rend(); ++it) {
+      ops.push_back(ReplayOp::free(*it));
+      ops.push_back(ReplayOp::alloc(next, 64 * 1024));  // a gradient
+      ops.push_back(ReplayOp::free(next++));
+    }
+    ops.push_back(ReplayOp::iteration());
+  }
+  const auto result = cotenant::replay(ops, small_device(1024 * kMiB));
+  REQUIRE(result.maps_per_iteration.size() == 10);
+  CHECK(result.maps_per_iteration.front() > 0);
+  for (std::size_t i = 1; i < result.maps_per_iteration.size(); ++i) CHECK(result.maps_per_iteration[i] == 0);
+  CHECK(result.steady_maps_per_iteration == 0.0);
+  CHECK(result.num_page_unmaps == 0);
+  CHECK(result.maps_per_peak_page == Approx(1.0));
+  CHECK(result.fragmentation <= 1.05);
 }
 
 TEST_CASE("replay_counts_an_oom_and_skips_the_free_of_the_failed_allocation", "[replay]") {

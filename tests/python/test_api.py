@@ -478,6 +478,9 @@ def test_the_optimizer_safe_point_hooks_into_torch_optimizer_steps(monkeypatch):
     calls = []
 
     class Extension:
+        def mark_iteration(self):
+            calls.append("iteration")
+
         def has_pending_migrations(self):
             calls.append("poll")
             return True
@@ -497,7 +500,7 @@ def test_the_optimizer_safe_point_hooks_into_torch_optimizer_steps(monkeypatch):
     finally:
         api._state.optimizer_hook.remove()
         api._state.optimizer_hook = None
-    assert calls == ["poll", "safe_point"] * 2
+    assert calls == ["iteration", "poll", "safe_point"] * 2
     assert torch.equal(weight.detach(), torch.zeros(3))
 
 

@@ -15,7 +15,7 @@ using namespace cotenant::testing;
 
 #define BOTH_DEVICES SimulatedDevice, FakeCudaDevice
 
-TEMPLATE_TEST_CASE("contract_sizes_round_to_512_bytes_and_split_small_and_large_pools", "[contract]", BOTH_DEVICES) {
+TEMPLATE_TEST_CASE("contract_sizes_round_to_512_bytes_in_one_arena_per_stream", "[contract]", BOTH_DEVICES) {
   TestType device;
   {
     CachingAllocator allocator(device.backend());
@@ -24,11 +24,11 @@ TEMPLATE_TEST_CASE("contract_sizes_round_to_512_bytes_and_split_small_and_large_
     const DevicePtr large = allocator.allocate(3 * kMiB, 0);
     CHECK(allocator.allocation_size(small) == 1024);
     CHECK(allocator.allocation_size(large) == 3 * kMiB);
+    CHECK(large == small + 1024);
     const AllocatorStats stats = allocator.stats();
-    CHECK(stats.segment.small_pool.current == 1);
-    CHECK(stats.segment.large_pool.current == 1);
-    CHECK(stats.reserved_bytes.large_pool.current == 4 * kMiB);
-    CHECK(stats.reserved_bytes.small_pool.current == 2 * kMiB);
+    CHECK(stats.segment.all.current == 1);
+    CHECK(stats.allocated_bytes.small_pool.current == 1024);
+    CHECK(stats.reserved_bytes.all.current == 4 * kMiB);  // two pages mapped of the arena
     device.fill(small, 1, 1000);
     device.fill(large, 2, 3 * kMiB);
     CHECK(device.holds(small, 1, 1000));
@@ -181,19 +181,23 @@ TEMPLATE_TEST_CASE("contract_steady_state_reuse_maps_no_new_pages", "[contract]"
   device.check_clean();
 }
 
-TEMPLATE_TEST_CASE("contract_growing_past_live_bytes_plus_slack_reuses_cached_pages", "[contract]", BOTH_DEVICES) {
+TEMPLATE_TEST_CASE("contract_a_larger_request_reuses_the_mapped_pages_of_a_freed_block_below_it", "[contract]",
+                   BOTH_DEVICES) {
   TestType device;
   {
     CachingAllocator allocator(device.backend());
     const DevicePtr a = allocator.allocate(12 * kMiB, 0);
     allocator.free(a);
+    const std::size_t pages_before = device.pages_created();
     const DevicePtr b = allocator.allocate(14 * kMiB, 0);
+    CHECK(b == a);
+    CHECK(device.pages_created() - pages_before == 1);
     const AllocatorStats stats = allocator.stats();
-    CHECK(stats.reserved_bytes.all.current <= static_cast<std::int64_t>(14 * kMiB * 105 / 100 + 2 * kMiB));
+    CHECK(stats.reserved_bytes.all.current == static_cast<std::int64_t>(14 * kMiB));
     CHECK(device.device_bytes_in_use() == static_cast<std::size_t>(stats.reserved_bytes.all.current));
     device.fill(b, 3, 14 * kMiB);
     const DevicePtr c = allocator.allocate(12 * kMiB, 0);
-    CHECK(c == a);
+    CHECK(c == b + 14 * kMiB);
     device.fill(c, 4, 12 * kMiB);
     CHECK(device.holds(c, 4, 12 * kMiB));
     CHECK(device.holds(b, 3, 14 * kMiB));
@@ -201,22 +205,48 @@ TEMPLATE_TEST_CASE("contract_growing_past_live_bytes_plus_slack_reuses_cached_pa
   device.check_clean();
 }
 
-TEMPLATE_TEST_CASE("contract_allocation_over_the_cap_spills_to_host_instead_of_failing", "[contract][cap]",
+TEMPLATE_TEST_CASE("contract_an_allocation_with_no_colder_page_to_displace_spills_to_host", "[contract][cap]",
                    BOTH_DEVICES) {
   TestType device;
   {
     CachingAllocator allocator(device.backend());
     allocator.set_memory_cap(8 * kMiB);
-    const DevicePtr first = allocator.allocate(6 * kMiB, 0);
-    const DevicePtr second = allocator.allocate(6 * kMiB, 0);
+    const DevicePtr only = allocator.allocate(12 * kMiB, 0);
     const AllocatorStats stats = allocator.stats();
     CHECK(stats.device_resident_bytes.current == 8 * kMiB);
     CHECK(stats.host_resident_bytes.current == 4 * kMiB);
     CHECK(device.device_bytes_in_use() == 8 * kMiB);
-    device.fill(second, 5, 6 * kMiB);  // host-backed memory is addressable like device memory
-    CHECK(device.holds(second, 5, 6 * kMiB));
-    CHECK(allocator.is_device_resident(first));
-    CHECK_FALSE(allocator.is_device_resident(second + 4 * kMiB));
+    device.fill(only, 5, 12 * kMiB);  // host-backed memory is addressable like device memory
+    CHECK(device.holds(only, 5, 12 * kMiB));
+    CHECK(allocator.is_device_resident(only));
+    CHECK_FALSE(allocator.is_device_resident(only + 8 * kMiB));
+  }
+  device.check_clean();
+}
+
+TEMPLATE_TEST_CASE("contract_an_allocation_over_the_cap_displaces_a_colder_page_at_the_safe_point",
+                   "[contract][cap]", BOTH_DEVICES) {
+  TestType device;
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(8 * kMiB);
+    const DevicePtr cold = allocator.allocate(6 * kMiB, 0);
+    device.fill(cold, 1, 6 * kMiB);
+    const DevicePtr hot = allocator.allocate(4 * kMiB, 0);
+    CHECK(allocator.stats().device_resident_bytes.current == 10 * kMiB);
+    CHECK(allocator.has_pending_migrations());
+    device.fill(hot, 2, 4 * kMiB);
+    CHECK(allocator.apply_pending_migrations() == 2 * kMiB);
+    CHECK(allocator.stats().device_resident_bytes.current == 8 * kMiB);
+    CHECK(device.device_bytes_in_use() == 8 * kMiB);
+    CHECK_FALSE(allocator.is_device_resident(cold));
+    CHECK(allocator.is_device_resident(hot + 2 * kMiB));
+    CHECK(device.holds(cold, 1, 6 * kMiB));
+    CHECK(device.holds(hot, 2, 4 * kMiB));
+    // A spill owed and then not needed gives its held host page back.
+    allocator.free(allocator.allocate(2 * kMiB, 0));
+    allocator.empty_cache();
+    CHECK(allocator.stats().host_resident_bytes.current == 2 * kMiB);
   }
   device.check_clean();
 }

@@ -36,9 +36,9 @@ constexpr std::size_t kPage = 64 * kKiB;
 AllocatorOptions scaled_options() {
   AllocatorOptions options;
   options.small_request_max = 32 * kKiB;
-  options.small_segment_bytes = kPage;
-  options.large_segment_bytes = 640 * kKiB;
-  options.large_segment_threshold = 320 * kKiB;
+  // Arenas of 20 pages, so that a stream fills one and opens more, and a
+  // large request gets an arena of its own size.
+  options.arena_bytes = 20 * kPage;
   return options;
 }
 
