@@ -46,6 +46,7 @@ struct CachingAllocator::State {
   mutable std::mutex mutex;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments;  // by base address
   BlockPool free_blocks;                                   // best fit over every arena
+  BlockPool pinned_free;                                   // freed pinned fallback segments, kept
   std::unordered_map<DevicePtr, Block*> allocated;         // live blocks by address
   std::vector<Block*> waiting;                             // freed, held back by events
   std::vector<EventHandle> spare_events;
@@ -425,23 +426,47 @@ struct CachingAllocator::State {
   void retire(Block* block) {
     stats.active.decrease(block->size_class, 1);
     stats.active_bytes.decrease(block->size_class, static_cast<std::int64_t>(block->size));
-    Segment& segment = *block->segment;
-    if (segment.pinned_fallback) {
+    if (block->segment->pinned_fallback) {
+      // Kept pinned for the next over-cap allocation: pinning costs far more
+      // than an allocation should (empty_cache() gives it back).
+      block->used_on.clear();
+      block->requested = 0;
+      block->in_pool = true;
+      pinned_free.insert(block);
+      return;
+    }
+    make_free(block);
+  }
+
+  // Gives back every cached pinned fallback segment. The backend waits for
+  // work that may still read it before freeing pinned memory.
+  void release_pinned_cache() {
+    for (auto it = segments.begin(); it != segments.end();) {
+      Segment& segment = *it->second;
+      ++it;
+      if (!segment.pinned_fallback || !segment.first->in_pool) continue;
+      pinned_free.erase(segment.first);
       backend.free_pinned_host(segment.base, segment.size);
       const auto bytes = static_cast<std::int64_t>(segment.size);
       stats.host_resident_bytes.decrease(bytes);
       stats.pinned_fallback_bytes.decrease(bytes);
       stats.reserved_bytes.decrease(segment.pool, bytes);
       delete_segment(segment);
-      return;
     }
-    make_free(block);
   }
 
   // Over-cap memory in pinned fallback mode: a pinned host allocation that
   // kernels reach directly, as one block in a segment of its own.
+  // A cached one of the stream's if one fits without wasting more than the
+  // request; sizes round up to a page so that freed ones fit again.
   Block* allocate_pinned_fallback(std::size_t size, StreamId stream) {
+    if (Block* cached = pinned_free.best_fit(stream, size); cached && cached->size <= 2 * size) {
+      pinned_free.erase(cached);
+      cached->in_pool = false;
+      return cached;
+    }
     const PoolKind pool = PoolKind::kLarge;
+    size = round_up(size, page_bytes);
     const DevicePtr base = backend.allocate_pinned_host(size);
     if (base == 0) return nullptr;
     Block* block = add_segment(base, size, stream, pool, /*pinned_fallback=*/true);
@@ -758,6 +783,7 @@ void CachingAllocator::empty_cache() {
   s.synchronize_waiting();
   s.release_cached_pages(nullptr);
   s.trim_spill_targets();
+  s.release_pinned_cache();
   // Whole free segments give their address range back too.
   for (auto it = s.segments.begin(); it != s.segments.end();) {
     Segment& segment = *it->second;
