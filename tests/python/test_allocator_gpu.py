@@ -525,3 +525,24 @@ def test_a_kernel_on_one_gpu_reads_and_writes_another_gpus_pages():
         print(json.dumps({"equal": torch.equal(back, a * 2)}))
     """)
     assert out["equal"]
+
+
+def test_tensors_alive_at_interpreter_exit_are_freed_without_terminating():
+    # A tensor's deleter runs in destructors, at interpreter exit too: a free
+    # that fails there must be reported, not call std::terminate.
+    script = textwrap.dedent("""
+        import torch, cotenant
+        cotenant.enable()
+        cotenant.set_memory_cap("64MiB")
+        keep = [torch.randn(1024, 1024, device="cuda") for _ in range(24)]  # 96 MiB: some on the host
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            keep[0].add_(1)
+        keep[0].record_stream(side)
+        print("ok", flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert "terminate called" not in result.stderr
