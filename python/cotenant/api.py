@@ -253,6 +253,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         _state.enabled, _state.device, _state.role = True, index, role
         _install_optimizer_safe_point()
         _count_graph_replays_as_ops()
+        _count_triton_launches_as_ops()
         cap_bytes = None
         if memory_cap is not None:
             cap_bytes = set_memory_cap(memory_cap, index)
@@ -471,6 +472,66 @@ def _count_graph_replays_as_ops() -> None:
 
     replay._cotenant_counted = True
     torch.cuda.CUDAGraph.replay = replay
+
+
+_TRITON_LAUNCHER = "torch._inductor.runtime.triton_heuristics"
+
+
+def _count_triton_launches_as_ops() -> None:
+    """The Triton kernels of torch.compile launch outside ATen: each launch
+    counts as one op, as a graph replay does, so a safe point on another thread
+    waits for it and it waits while pages move. The launcher module is patched
+    when torch.compile first imports it (importing it here would cost every
+    job most of a second)."""
+    _after_import(_TRITON_LAUNCHER, _patch_triton_launcher)
+
+
+def _patch_triton_launcher(module) -> None:
+    autotuner = getattr(module, "CachingAutotuner", None)
+    original = getattr(autotuner, "run", None)
+    if original is None or getattr(original, "_cotenant_counted", False):
+        return
+    _C = _extension()
+
+    def run(self, *args, **kwargs):
+        _C.begin_explicit_op()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _C.end_explicit_op()
+
+    run._cotenant_counted = True
+    autotuner.run = run
+
+
+def _after_import(name: str, patch) -> None:
+    """Calls patch(module) once `name` is imported: now if it is, else right
+    after its import runs."""
+    import importlib.abc
+    import importlib.util
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, Finder())
 
 
 def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_bytes=None) -> None:

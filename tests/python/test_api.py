@@ -563,3 +563,58 @@ def test_cuda_graph_replays_run_as_one_op(monkeypatch):
     api._count_graph_replays_as_ops()  # once only, however often enable() wires it
     assert Graph().replay() == "replayed"
     assert seen == [1] and _C.ops_in_flight() == 0
+
+
+def test_a_module_imported_later_is_patched_right_after_its_import(tmp_path, monkeypatch):
+    (tmp_path / "cotenant_late_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    api._after_import("cotenant_late_module", lambda module: seen.append(module.VALUE))
+    assert seen == []  # not imported yet: nothing to patch
+    import cotenant_late_module  # noqa: F401
+
+    assert seen == [1]
+    api._after_import("cotenant_late_module", lambda module: seen.append(module.VALUE + 1))
+    assert seen == [1, 2]  # already imported: patched at once
+    sys.modules.pop("cotenant_late_module", None)
+
+
+def test_each_triton_launch_of_torch_compile_counts_as_one_op(monkeypatch):
+    # Inductor's generated code launches every Triton kernel through
+    # CachingAutotuner.run, outside ATen: the launch is bracketed as one op.
+    import types
+
+    calls = []
+
+    class Extension:
+        def begin_explicit_op(self):
+            calls.append("begin")
+
+        def end_explicit_op(self):
+            calls.append("end")
+
+    class CachingAutotuner:
+        def run(self, *args, stream, **kwargs):
+            calls.append(("run", args, stream))
+            if kwargs.get("fail"):
+                raise RuntimeError("launch failed")
+            return "launched"
+
+    module = types.SimpleNamespace(CachingAutotuner=CachingAutotuner)
+    monkeypatch.setattr(api, "_extension", lambda: Extension())
+    api._patch_triton_launcher(module)
+    api._patch_triton_launcher(module)  # a second enable() does not wrap twice
+    assert CachingAutotuner().run(1, 2, stream=7) == "launched"
+    assert calls == ["begin", ("run", (1, 2), 7), "end"]
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        CachingAutotuner().run(stream=0, fail=True)
+    assert calls == ["begin", ("run", (), 0), "end"]  # the op ends even when the launch fails
+
+
+def test_the_real_triton_launcher_is_the_one_patched():
+    # Names the real module and class, so a rename in torch fails here, not silently.
+    import importlib
+
+    module = importlib.import_module(api._TRITON_LAUNCHER)
+    assert callable(getattr(module.CachingAutotuner, "run", None))
