@@ -16,6 +16,7 @@ A trace is either
       {"op": "record_stream", "id": 1, "stream": 7}
       {"op": "cap", "bytes": "6GiB"}          (null removes the cap)
       {"op": "empty_cache"}
+      {"op": "iteration"}                      (the end of one step of the job's loop)
       {"op": "meta", ...}                      (ignored: where the trace came from)
 
 Sizes are ints of bytes or strings such as "6GiB" (the one size parser,
@@ -24,8 +25,11 @@ skipped.
 
 The tool prints peak allocated and reserved bytes, fragmentation (peak
 reserved / peak allocated), bytes spilled to the host and restored, page
-migrations, and nanoseconds per alloc and per free measured inside the C++
-allocator. Errors in a trace name the file and line; the exit code is 2.
+migrations, driver page maps and unmaps, the per-iteration figures of a trace
+with iteration marks, and nanoseconds per alloc and per free measured inside
+the C++ allocator. For a snapshot whose trace has segment events it prints
+PyTorch's own allocator beside cotenant's (see ``Trace.pytorch``). Errors in
+a trace name the file and line; the exit code is 2.
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ class Trace:
     format: str  # "jsonl" or "snapshot"
     ops: List[Op] = field(default_factory=list)
     origins: List[str] = field(default_factory=list)  # "line 17", "device trace entry 3", ...
+    # A snapshot's figures for PyTorch's own allocator over the same trace
+    # (see ``_pytorch_figures``); None for JSON lines, which record no segments.
+    pytorch: Optional[Dict[str, Any]] = None
 
     def add(self, op: Op, origin: str) -> None:
         self.ops.append(op)
@@ -220,12 +227,15 @@ def _load_jsonl(path: str, data: bytes) -> Trace:
             trace.add(("cap", cap), where)
         elif op == "empty_cache":
             trace.add(("empty_cache",), where)
+        elif op == "iteration":
+            trace.add(("iteration",), where)
         elif op == "meta":
             continue
         else:
             raise TraceError(
                 path, where,
-                f"unknown op {json.dumps(op)}; the ops are alloc, free, record_stream, cap, empty_cache, meta",
+                f"unknown op {json.dumps(op)}; the ops are alloc, free, record_stream, cap, empty_cache, "
+                "iteration, meta",
             )
     if not seen_record:
         raise TraceError(path, None, f"the file holds no operations; {_NOT_A_TRACE}")
@@ -267,61 +277,294 @@ def snapshot_ops(snapshot: Dict[str, Any], path: str = "<snapshot>", device: Opt
       events; ``free_requested`` is ignored because the block is not reusable
       yet;
     * ``segment_alloc``, ``segment_free``, ``segment_map``, ``segment_unmap``:
-      ignored, they are PyTorch's allocator's own decisions, which cotenant's
-      replaces; ``snapshot`` and ``oom`` markers are ignored too.
+      not replayed, they are PyTorch's allocator's own decisions, which
+      cotenant's replaces; they give PyTorch's figures (``Trace.pytorch``);
+      ``snapshot`` and ``oom`` markers are ignored.
 
-    The trace is a ring buffer (``max_entries``): a block freed in it but
-    allocated before it began is allocated at the start of the replay, with
-    the size its free reports.
+    Nothing in a snapshot marks the iterations of the job's loop, so a
+    snapshot's replay has no iteration ops.
+
+    The trace is a ring buffer (``max_entries``), so it may begin mid-run. A
+    block freed in it but allocated before it began is allocated at the start
+    of the replay, with the size its free reports. When the snapshot's segment
+    list (the state at the dump) agrees with the trace's end, the blocks live
+    at the dump that the trace never mentions were live all through it: they
+    are allocated at the start too, with their requested sizes.
     """
+    events = _device_trace(snapshot, path, device)
+    blocks = _walk_blocks(events, path)
+    if not blocks.body:
+        raise TraceError(path, None, "the snapshot's device trace has no alloc or free actions")
+    segments = _walk_segments(events, path)
+    dump = _dump_state(snapshot, device if device is not None else _first_traced_device(snapshot))
+    live_all_through = _blocks_live_all_through(dump, blocks, segments) if dump else None
+    for size, stream in live_all_through or ():
+        blocks.allocated_before(size, stream, "the snapshot's segment list (a block live at the dump, "
+                                              "allocated before the trace began)")
+
+    trace = Trace(path=path, format="snapshot")
+    for op, where in blocks.prologue + blocks.body:
+        trace.add(op, where)
+    live_before = sum(op[2] for op, _ in blocks.prologue)
+    trace.pytorch = _pytorch_figures(segments, dump, live_all_through is not None, live_before,
+                                    _peak_live_bytes(trace.ops))
+    return trace
+
+
+def _first_traced_device(snapshot: Dict[str, Any]) -> int:
+    return next((i for i, t in enumerate(snapshot.get("device_traces") or []) if t), 0)
+
+
+def _device_trace(snapshot: Dict[str, Any], path: str, device: Optional[int]) -> List[Any]:
     traces = snapshot.get("device_traces") or []
     if device is None:
-        device = next((i for i, t in enumerate(traces) if t), 0)
+        device = _first_traced_device(snapshot)
     if device >= len(traces) or not traces[device]:
         raise TraceError(path, None, "the snapshot's device trace is empty: record it with "
                          "torch.cuda.memory._record_memory_history() before the work you want to replay")
     events = traces[device]
-
-    trace = Trace(path=path, format="snapshot")
-    live: Dict[int, int] = {}    # address -> id of the block living there
-    freed: Dict[int, int] = {}   # address -> id of the last block freed there
-    prologue: List[Tuple[Op, str]] = []
-    body: List[Tuple[Op, str]] = []
-    next_id = 1
     for index, event in enumerate(events):
-        where = f"device trace entry {index}"
         if not isinstance(event, dict) or "action" not in event:
-            raise TraceError(path, where, f'an entry without an "action"; {_NOT_A_TRACE}')
+            raise TraceError(path, f"device trace entry {index}", f'an entry without an "action"; {_NOT_A_TRACE}')
+    return events
+
+
+def _stream_of(record: Dict[str, Any]) -> int:
+    stream = record.get("stream", 0)
+    return stream if isinstance(stream, int) and stream >= 0 else 0
+
+
+@dataclass
+class _BlockWalk:
+    """A device trace's alloc and free actions as replay ops, followed by address."""
+
+    prologue: List[Tuple[Op, str]] = field(default_factory=list)  # blocks allocated before the trace began
+    body: List[Tuple[Op, str]] = field(default_factory=list)
+    live: Dict[int, Tuple[int, int]] = field(default_factory=dict)  # address -> (id, requested bytes)
+    freed: Dict[int, int] = field(default_factory=dict)  # address -> id of the last block freed there
+    next_id: int = 1
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def allocated_before(self, size: int, stream: int, where: str) -> int:
+        block_id = self.new_id()
+        self.prologue.append((("alloc", block_id, size, stream), where))
+        return block_id
+
+
+def _walk_blocks(events: List[Dict[str, Any]], path: str) -> _BlockWalk:
+    walk = _BlockWalk()
+    for index, event in enumerate(events):
         action = event["action"]
         if action not in ("alloc", "free_completed", "free"):
             continue
+        where = f"device trace entry {index}"
         address, size = event.get("addr"), event.get("size")
         if not isinstance(address, int) or not isinstance(size, int) or size < 0:
             raise TraceError(path, where, f'"{action}" needs an integer "addr" and "size"')
-        stream = event.get("stream", 0)
-        stream = stream if isinstance(stream, int) and stream >= 0 else 0
         if action == "alloc":
-            live[address] = next_id
-            body.append((("alloc", next_id, size, stream), where))
-            next_id += 1
-        elif address in live:
-            body.append((("free", live.pop(address)), where))
-            freed[address] = body[-1][0][1]
-        elif address in freed:
+            block_id = walk.new_id()
+            walk.live[address] = (block_id, size)
+            walk.body.append((("alloc", block_id, size, _stream_of(event)), where))
+        elif address in walk.live:
+            block_id, _ = walk.live.pop(address)
+            walk.body.append((("free", block_id), where))
+            walk.freed[address] = block_id
+        elif address in walk.freed:
             # A second free of the same block: let the replay refuse it with this entry's position.
-            body.append((("free", freed[address]), where))
+            walk.body.append((("free", walk.freed[address]), where))
         else:
-            # Allocated before the ring buffer's window: it was live from the start.
-            prologue.append((("alloc", next_id, size, stream),
-                             f"{where} (a block allocated before the trace began)"))
-            body.append((("free", next_id), where))
-            freed[address] = next_id
-            next_id += 1
-    for op, where in prologue + body:
-        trace.add(op, where)
-    if not trace.ops:
-        raise TraceError(path, None, "the snapshot's device trace has no alloc or free actions")
-    return trace
+            block_id = walk.allocated_before(size, _stream_of(event),
+                                             f"{where} (a block allocated before the trace began)")
+            walk.body.append((("free", block_id), where))
+            walk.freed[address] = block_id
+    return walk
+
+
+# How each segment action changes PyTorch's reserved bytes: segment_alloc and
+# segment_free are cudaMalloc and cudaFree of a whole segment; segment_map and
+# segment_unmap map and unmap pages of an expandable segment.
+_SEGMENT_ACTIONS = {"segment_alloc": +1, "segment_free": -1, "segment_map": +1, "segment_unmap": -1}
+
+
+@dataclass
+class _SegmentWalk:
+    """PyTorch's reserved bytes over a device trace, relative to its start.
+
+    Reserved bytes hold the live ones at every moment, so the trace also
+    bounds what was reserved when it began: at least ``-lowest_bytes``, and at
+    least the bytes live then plus ``live_excess_bytes``.
+    """
+
+    counts: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(_SEGMENT_ACTIONS, 0))
+    net_bytes: int = 0          # reserved at the trace's end minus at its start
+    lowest_bytes: int = 0       # the least reserved minus at the start (0 or less)
+    highest_bytes: int = 0      # the most reserved minus at the start (0 or more)
+    live_excess_bytes: int = 0  # the most that live bytes grew beyond reserved ones since the start (0 or more)
+
+    def least_start_reserve(self, live_at_start: int) -> int:
+        return max(-self.lowest_bytes, live_at_start + self.live_excess_bytes)
+
+
+def _walk_segments(events: List[Dict[str, Any]], path: str) -> _SegmentWalk:
+    walk = _SegmentWalk()
+    live_bytes = 0  # live now minus at the start, in requested sizes as the trace records them
+    for index, event in enumerate(events):
+        action = event["action"]
+        if action == "alloc":
+            live_bytes += event["size"]
+        elif action in ("free_completed", "free"):
+            live_bytes -= event["size"]
+        elif action in _SEGMENT_ACTIONS:
+            size = event.get("size")
+            if not isinstance(size, int) or size < 0:
+                raise TraceError(path, f"device trace entry {index}", f'"{action}" needs an integer "size"')
+            walk.counts[action] += 1
+            walk.net_bytes += _SEGMENT_ACTIONS[action] * size
+            walk.lowest_bytes = min(walk.lowest_bytes, walk.net_bytes)
+            walk.highest_bytes = max(walk.highest_bytes, walk.net_bytes)
+        walk.live_excess_bytes = max(walk.live_excess_bytes, live_bytes - walk.net_bytes)
+    return walk
+
+
+# Block states in a segment list that the trace has not seen a free_completed for.
+_LIVE_BLOCK_STATES = ("active_allocated", "active_pending_free")
+
+
+@dataclass
+class _DumpState:
+    """One device at the dump, from the snapshot's segment list."""
+
+    reserved_bytes: int  # the sum of its segments' sizes (mapped bytes, for expandable segments)
+    live_blocks: Dict[int, Tuple[int, int]]  # address -> (requested bytes, stream)
+
+
+def _dump_state(snapshot: Dict[str, Any], device: int) -> Optional[_DumpState]:
+    """None when the snapshot has no segment list, or one not shaped as torch writes it."""
+    segments = snapshot.get("segments")
+    if not isinstance(segments, list):
+        return None
+    state = _DumpState(reserved_bytes=0, live_blocks={})
+    try:
+        for segment in segments:
+            if segment.get("device", device) != device:
+                continue
+            state.reserved_bytes += int(segment["total_size"])
+            address = int(segment["address"])
+            for block in segment.get("blocks", []):
+                address = int(block.get("address", address))
+                if block.get("state") in _LIVE_BLOCK_STATES:
+                    requested = int(block.get("requested_size", block["size"]))
+                    state.live_blocks[address] = (requested, _stream_of(segment))
+                address += int(block["size"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    return state
+
+
+def _blocks_live_all_through(dump: _DumpState, blocks: _BlockWalk,
+                             segments: _SegmentWalk) -> Optional[List[Tuple[int, int]]]:
+    """The blocks live at the dump that the trace never mentions, as (requested
+    bytes, stream): allocated before it began and live all through it. None
+    when the segment list cannot be the state at the trace's end.
+
+    It is when recording was still on at the dump (the documented order:
+    ``_dump_snapshot`` before ``_record_memory_history(enabled=None)``). The
+    checks: each block live at the trace's end is live at the dump with the
+    same requested size; no block live at the dump sits where the trace freed
+    a block and allocated none after; and the reserved bytes this implies at
+    the trace's start are enough for what the trace shows (never negative,
+    never below the live bytes).
+    """
+    for address, (_, size) in blocks.live.items():
+        if address not in dump.live_blocks or dump.live_blocks[address][0] != size:
+            return None
+    unseen = []
+    for address, (size, stream) in sorted(dump.live_blocks.items()):
+        if address in blocks.freed and address not in blocks.live:
+            return None
+        if address not in blocks.live:
+            unseen.append((size, stream))
+    live_at_start = sum(op[2] for op, _ in blocks.prologue) + sum(size for size, _ in unseen)
+    if dump.reserved_bytes - segments.net_bytes < segments.least_start_reserve(live_at_start):
+        return None
+    return unseen
+
+
+def _peak_live_bytes(ops: Iterable[Op]) -> int:
+    """The most bytes allocated and not yet freed at once, in the sizes the ops
+    ask for: what a job needs, whichever allocator serves it."""
+    sizes: Dict[int, int] = {}
+    live = peak = 0
+    for op in ops:
+        if op[0] == "alloc":
+            sizes[op[1]] = op[2]
+            live += op[2]
+            peak = max(peak, live)
+        elif op[0] == "free":
+            live -= sizes.pop(op[1], 0)
+    return peak
+
+
+def _pytorch_figures(segments: _SegmentWalk, dump: Optional[_DumpState], dump_agrees: bool, live_before: int,
+                    peak_live: int) -> Dict[str, Any]:
+    """PyTorch's own allocator over a snapshot's trace, from its segment events.
+
+    ``peak_reserved_bytes`` is the most PyTorch held from the driver at once
+    (segments, or mapped pages of expandable segments) within the trace,
+    counting what was reserved when it began; ``fragmentation`` is that over
+    ``peak_live_bytes``, the most bytes allocated and not yet freed at once in
+    the replay's ops (requested sizes, as the trace records them), so that
+    cotenant's figure over the same peak compares on equal terms.
+
+    ``start`` says what was reserved when the trace began: "empty" (nothing:
+    the trace covers the run from its start), "reconstructed" (the segment
+    list at the dump less what the trace's segment events added), or
+    "unknown" (no usable segment list: the least reserve the trace implies,
+    so the peak is a lower bound over the traced window).
+    """
+    if not any(segments.counts.values()):
+        return {"available": False,
+                "reserved_at_dump_bytes": dump.reserved_bytes if dump else None,
+                "reason": "no segment events in the snapshot's trace (segment_alloc/free, or segment_map/unmap "
+                          "with expandable segments): PyTorch's own reserved bytes over it are unknown"}
+    if dump_agrees:
+        start_reserved = dump.reserved_bytes - segments.net_bytes
+        start = "empty" if start_reserved == 0 and live_before == 0 else "reconstructed"
+    else:
+        start_reserved = segments.least_start_reserve(live_before)
+        start = "unknown"
+    peak_reserved = start_reserved + segments.highest_bytes
+    return {
+        "available": True,
+        "start": start,
+        "start_note": _start_note(start, dump, start_reserved, live_before),
+        "start_reserved_bytes": start_reserved,
+        "start_live_bytes": live_before,
+        "reserved_at_dump_bytes": dump.reserved_bytes if dump else None,
+        "peak_reserved_bytes": peak_reserved,
+        "peak_live_bytes": peak_live,
+        "fragmentation": peak_reserved / peak_live if peak_live else 0.0,
+        "num_cuda_mallocs": segments.counts["segment_alloc"],
+        "num_cuda_frees": segments.counts["segment_free"],
+        "num_segment_maps": segments.counts["segment_map"],
+        "num_segment_unmaps": segments.counts["segment_unmap"],
+    }
+
+
+def _start_note(start: str, dump: Optional[_DumpState], start_reserved: int, live_before: int) -> str:
+    size = _core().format_size
+    if start == "empty":
+        return "the trace begins with nothing reserved: it covers the run from its start"
+    if start == "reconstructed":
+        return (f"the trace begins mid-run, with {size(start_reserved)} reserved and {size(live_before)} live: "
+                "reconstructed from the segment list at the dump; both sides replay those live blocks")
+    why = ("the snapshot has no segment list" if dump is None
+           else "the segment list at the dump does not match the trace's end (recording stopped before the dump?)")
+    return (f"{why}, so what was reserved before the trace began is unknown: PyTorch's peak is over the "
+            f"traced window, from the least reserve the trace implies ({size(start_reserved)}), a lower bound")
 
 
 # ---- cap schedules --------------------------------------------------------------
@@ -405,32 +648,157 @@ def replay_trace(
     result["granularity_bytes"] = core.parse_size(granularity) if isinstance(granularity, str) else granularity
     result["initial_cap_bytes"] = core.parse_size(cap) if isinstance(cap, str) else cap
     result["cap_schedule"] = [[index, bytes_] for index, bytes_ in cap_schedule]
+    result["pytorch"] = _beside_pytorch(trace.pytorch, result)
     return result
 
 
+def _beside_pytorch(pytorch: Optional[Dict[str, Any]], result: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """PyTorch's figures, with cotenant's peak reserved over the same peak of
+    live bytes (``cotenant_fragmentation``) to compare with PyTorch's."""
+    if pytorch is None or not pytorch["available"]:
+        return pytorch
+    live = pytorch["peak_live_bytes"]
+    return {**pytorch, "cotenant_fragmentation": result["peak_reserved_bytes"] / live if live else 0.0}
+
+
+@dataclass
+class _Row:
+    """One line of the report table."""
+
+    name: str
+    value: str                     # cotenant's figure
+    pytorch: Optional[str] = None  # PyTorch's figure beside it, where the trace gives one
+    note: str = ""                 # what the figure means
+    spans: bool = False            # a line of its own, outside the cotenant / PyTorch columns
+
+
 def format_table(result: Dict[str, Any]) -> str:
-    core = _core()
-    size = core.format_size
+    """The report of one replay: cotenant's figures, and PyTorch's beside them
+    when the trace is a snapshot with segment events."""
+    pytorch = result.get("pytorch")
+    side_by_side = bool(pytorch and pytorch["available"])
+    rows = _figure_rows(result, pytorch if side_by_side else None)
+    if pytorch and not side_by_side:
+        rows.append(_Row("PyTorch", _no_segment_events_line(pytorch), spans=True))
+    return _render(rows, side_by_side)
+
+
+def _figure_rows(result: Dict[str, Any], pytorch: Optional[Dict[str, Any]]) -> List[_Row]:
+    size = _core().format_size
     cap = result.get("initial_cap_bytes")
     rows = [
-        ("trace", f'{result["trace"]} ({result["format"]}, {result["num_ops"]} ops)'),
-        ("device", f'{size(result["device_capacity_bytes"])}, {size(result["granularity_bytes"])} pages, '
-                   f'cap {size(cap) if cap else "none"}'
-                   + (f', {len(result["cap_schedule"])} scheduled cap changes' if result["cap_schedule"] else "")),
-        ("peak allocated", size(result["peak_allocated_bytes"])),
-        ("peak reserved", size(result["peak_reserved_bytes"])),
-        ("fragmentation", f'{result["fragmentation"]:.3f}  (peak reserved / peak allocated)'),
-        ("peak on device", size(result["peak_device_resident_bytes"])),
-        ("host allocations", f'{result["num_spilled_allocations"]}  (placed on the host: the cap was full)'),
-        ("bytes spilled", size(result["spilled_bytes"])),
-        ("bytes restored", size(result["restored_bytes"])),
-        ("migrations", str(result["num_migrations"])),
-        ("ns/alloc", f'{result["ns_per_alloc"]:.0f}  ({result["num_allocs"]} allocs)'),
-        ("ns/free", f'{result["ns_per_free"]:.0f}  ({result["num_frees"]} frees)'),
-        ("OOMs", str(result["num_ooms"])),
+        _Row("trace", f'{result["trace"]} ({result["format"]}, {result["num_ops"]} ops)', spans=True),
+        _Row("device", f'{size(result["device_capacity_bytes"])}, {size(result["granularity_bytes"])} pages, '
+                       f'cap {size(cap) if cap else "none"}'
+                       + (f', {len(result["cap_schedule"])} scheduled cap changes' if result["cap_schedule"] else ""),
+             spans=True),
     ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    rows += _peak_rows(result, pytorch) + _spill_rows(result) + _driver_rows(result, pytorch)
+    rows += _iteration_rows(result) + [
+        _Row("ns/alloc", f'{result["ns_per_alloc"]:.0f}', note=f'({result["num_allocs"]} allocs)'),
+        _Row("ns/free", f'{result["ns_per_free"]:.0f}', note=f'({result["num_frees"]} frees)'),
+        _Row("OOMs", str(result["num_ooms"])),
+    ]
+    return rows + ([_Row("PyTorch start", pytorch["start_note"], spans=True)] if pytorch else [])
+
+
+def _peak_rows(result: Dict[str, Any], pytorch: Optional[Dict[str, Any]]) -> List[_Row]:
+    size = _core().format_size
+    fragmentation = _Row("fragmentation", f'{result["fragmentation"]:.3f}', note="(peak reserved / peak allocated)")
+    if not pytorch:
+        return [_Row("peak allocated", size(result["peak_allocated_bytes"])),
+                _Row("peak reserved", size(result["peak_reserved_bytes"])), fragmentation]
+    live = size(pytorch["peak_live_bytes"])
+    return [
+        _Row("", "cotenant", "PyTorch"),
+        _Row("peak live", live, live, "(requested bytes not yet freed, from the trace: the same for both)"),
+        _Row("peak allocated", size(result["peak_allocated_bytes"]), note="(cotenant's blocks, rounded up to 512 B)"),
+        _Row("peak reserved", size(result["peak_reserved_bytes"]), _pytorch_peak(pytorch)),
+        _Row("reserved / live", f'{pytorch["cotenant_fragmentation"]:.3f}', f'{pytorch["fragmentation"]:.3f}',
+             "(peak reserved / peak live: fragmentation on equal terms; lower is better)"),
+        fragmentation,
+    ]
+
+
+def _spill_rows(result: Dict[str, Any]) -> List[_Row]:
+    size = _core().format_size
+    return [
+        _Row("peak on device", size(result["peak_device_resident_bytes"])),
+        _Row("host allocations", str(result["num_spilled_allocations"]),
+             note="(placed on the host when made: no room under the cap)"),
+        _Row("bytes spilled", size(result["spilled_bytes"])),
+        _Row("bytes restored", size(result["restored_bytes"])),
+        _Row("migrations", str(result["num_migrations"])),
+    ]
+
+
+def _driver_rows(result: Dict[str, Any], pytorch: Optional[Dict[str, Any]]) -> List[_Row]:
+    if pytorch:
+        maps_note, unmaps_note = ("(driver allocations: a page each for cotenant, a call each for PyTorch)",
+                                  "(driver releases, counted the same way)")
+    else:
+        maps_note, unmaps_note = "(pages the driver mapped for allocations)", "(pages unmapped and released)"
+    return [
+        _Row("page maps", str(result["num_page_maps"]), pytorch and _pytorch_calls(pytorch, "maps"), maps_note),
+        _Row("page unmaps", str(result["num_page_unmaps"]), pytorch and _pytorch_calls(pytorch, "unmaps"), unmaps_note),
+        _Row("maps per peak page", f'{result["maps_per_peak_page"]:.2f}',
+             note="(page maps / pages of peak reserved; 1 is the least, lower is better)"),
+    ]
+
+
+def _iteration_rows(result: Dict[str, Any]) -> List[_Row]:
+    marks = result["num_iterations"]
+    if marks < 2:
+        why = "(the trace has no iteration marks)" if marks == 0 else "(steady figures need 2 iteration marks)"
+        return [_Row("iterations", str(marks), note=why)]
+    host_bytes = _core().format_size(int(round(result["steady_host_touched_bytes_per_iteration"])))
+    return [
+        _Row("iterations", str(marks), note=f"(steady figures: the mean over the last {max(1, marks // 2)})"),
+        _Row("maps per iteration", f'{result["steady_maps_per_iteration"]:.2f}', note="(steady; 0 is the target)"),
+        _Row("host bytes per iteration", host_bytes,
+             note="(steady: live bytes on host pages that allocs and frees touched; lower is better)"),
+    ]
+
+
+def _pytorch_peak(pytorch: Dict[str, Any]) -> str:
+    peak = _core().format_size(pytorch["peak_reserved_bytes"])
+    return f"{peak} or more" if pytorch["start"] == "unknown" else peak
+
+
+def _pytorch_calls(pytorch: Dict[str, Any], kind: str) -> str:
+    """PyTorch's driver calls: cudaMalloc / cudaFree of whole segments, and
+    maps / unmaps of ranges of expandable segments."""
+    whole, ranges = (("num_cuda_mallocs", "num_segment_maps") if kind == "maps"
+                     else ("num_cuda_frees", "num_segment_unmaps"))
+    parts = []
+    if pytorch[whole] or not pytorch[ranges]:
+        parts.append(f'{pytorch[whole]} {"cudaMalloc" if kind == "maps" else "cudaFree"}')
+    if pytorch[ranges]:
+        parts.append(f"{pytorch[ranges]} {kind if pytorch[ranges] != 1 else kind[:-1]}")
+    return " + ".join(parts)
+
+
+def _no_segment_events_line(pytorch: Dict[str, Any]) -> str:
+    at_dump = pytorch.get("reserved_at_dump_bytes")
+    held = f"; it held {_core().format_size(at_dump)} reserved at the dump" if at_dump is not None else ""
+    return pytorch["reason"] + held
+
+
+def _render(rows: List[_Row], side_by_side: bool) -> str:
+    width = max(len(row.name) for row in rows)
+    if not side_by_side:
+        return "\n".join(f"{row.name:<{width}}  {row.value}" + (f"  {row.note}" if row.note else "") for row in rows)
+    columned = [row for row in rows if not row.spans]
+    value_width = max(len(row.value) for row in columned)
+    pytorch_width = max(len(row.pytorch or "") for row in columned)
+    lines = []
+    for row in rows:
+        if row.spans:
+            lines.append(f"{row.name:<{width}}  {row.value}")
+        else:
+            lines.append(f"{row.name:<{width}}  {row.value:<{value_width}}  {row.pytorch or '':<{pytorch_width}}  "
+                         f"{row.note}".rstrip())
+    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
