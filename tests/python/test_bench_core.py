@@ -1,0 +1,72 @@
+"""benchmarks/bench_core.py: the project's targets, the verdict per trace, and
+the result file's figures (a short run: the pair measurement shrunk)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_core.py")
+
+
+@pytest.fixture(scope="module")
+def bench_core():
+    spec = importlib.util.spec_from_file_location("bench_core", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_targets_are_the_issues(bench_core):
+    assert bench_core.TARGETS == {"fragmentation": 1.05, "maps_per_peak_page": 2.0,
+                                  "steady_maps_per_iteration": 0.0, "alloc_free_pair_ns": 300.0}
+
+
+def figures(fragmentation=1.0, maps_per_peak_page=1.0, steady_maps_per_iteration=0.0, ns_per_alloc=100.0,
+            ns_per_free=100.0):
+    return {"fragmentation": fragmentation, "maps_per_peak_page": maps_per_peak_page,
+            "steady_maps_per_iteration": steady_maps_per_iteration, "ns_per_alloc": ns_per_alloc,
+            "ns_per_free": ns_per_free}
+
+
+@pytest.mark.parametrize("changed, target, met", [
+    ({"fragmentation": 1.05}, "fragmentation", True),
+    ({"fragmentation": 1.0501}, "fragmentation", False),
+    ({"maps_per_peak_page": 2.0}, "maps_per_peak_page", True),
+    ({"maps_per_peak_page": 2.01}, "maps_per_peak_page", False),
+    ({"steady_maps_per_iteration": 0.0}, "steady_maps_per_iteration", True),
+    ({"steady_maps_per_iteration": 0.125}, "steady_maps_per_iteration", False),
+    ({"steady_maps_per_iteration": None}, "steady_maps_per_iteration", None),  # no iteration marks
+    ({"ns_per_alloc": 200.0, "ns_per_free": 100.0}, "alloc_free_pair_ns", True),
+    ({"ns_per_alloc": 200.0, "ns_per_free": 100.5}, "alloc_free_pair_ns", False),
+])
+def test_each_target_is_an_upper_bound_on_its_figure(bench_core, changed, target, met):
+    verdicts = bench_core.trace_targets_met(figures(**changed))
+    assert verdicts[target] is met
+    assert all(v is True for name, v in verdicts.items() if name != target)
+
+
+def test_a_trace_without_iteration_marks_does_not_fail_the_steady_state_target(bench_core):
+    trace = {"targets_met": bench_core.trace_targets_met(figures(steady_maps_per_iteration=None))}
+    assert bench_core.all_met({"alloc_free": {"target_met": True}, "traces": {"t": trace}})
+    missed = {"targets_met": bench_core.trace_targets_met(figures(maps_per_peak_page=3.0))}
+    assert not bench_core.all_met({"alloc_free": {"target_met": True}, "traces": {"t": trace, "u": missed}})
+    assert not bench_core.all_met({"alloc_free": {"target_met": False}, "traces": {"t": trace}})
+
+
+def test_a_short_run_writes_every_figure_and_verdict_per_trace(bench_core, tmp_path, capsys):
+    out = tmp_path / "core.json"
+    assert bench_core.main(["--pairs", "200", "--working-set", "16", "--repeats", "1", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["targets"] == bench_core.TARGETS
+    assert figures["alloc_free"]["target_met"] in (True, False)
+    assert len(figures["traces"]) == len(bench_core.TRACES) >= 3
+    for name, trace in figures["traces"].items():
+        for key in ("num_page_maps", "num_page_unmaps", "maps_per_peak_page", "steady_maps_per_iteration",
+                    "steady_host_touched_bytes_per_iteration"):
+            assert key in trace, (name, key)
+        assert trace["targets_met"] == bench_core.trace_targets_met(trace)
+    assert figures["all_targets_met"] == bench_core.all_met(figures)
+    printed = capsys.readouterr().out
+    assert "targets met" in printed and "maps/peak page <= 2" in printed
