@@ -22,10 +22,15 @@
 #   GPU_CHECK_ALLOCATOR_ARGS  bench_allocator.py's arguments (default --quick; "" for the full run,
 #                             which takes longer than one 10-minute device call)
 #   GPU_CHECK_BENCH_SECONDS   measured seconds per co-location run (default 6)
+#   GPU_CHECK_SNAPSHOT_SECONDS  seconds of recording for record_snapshots.py, both workloads (default 60)
+#   GPU_CHECK_SNAPSHOT_ARGS   its extra arguments (e.g. --expandable-segments, --steps 10)
 #
 # Measured on one H100 (2026-11): build 1 min; the gpu tests 75 s with -n 4;
 # bench_allocator.py --quick 3 min; colocate.py with 6 s runs about 4 min.
-# So `build tests` and `build bench` each fit one device call.
+# So `build tests` and `build bench` each fit one device call. The snapshot
+# step (record_snapshots.py, then a replay of each) adds about 1.5 min to
+# bench (estimated, not yet measured), close to the 10-minute limit of one
+# call: when the build is up to date, run `bench` alone.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -110,6 +115,22 @@ if has_phase bench; then
   timeout "${GPU_CHECK_COLOCATE_TIMEOUT:-280}" "$PYTHON" benchmarks/colocate.py --seconds "${GPU_CHECK_BENCH_SECONDS:-6}" \
       --warmup-steps 3 --out "$ROOT/benchmarks/results" 2>&1 | grep -v "enable_nested_tensor\|model = torch.nn" | tee -a "$LOG"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=(colocate)
+  say "bench: PyTorch memory snapshots (PyTorch's own allocator) replayed through cotenant"
+  # Two real training loops recorded with PyTorch's caching allocator, cotenant
+  # off; the replay of each puts PyTorch's figures beside cotenant's.
+  snapshots=$(cd "$OUT" && pwd)/snapshots
+  # shellcheck disable=SC2086
+  timeout "${GPU_CHECK_SNAPSHOT_TIMEOUT:-180}" "$PYTHON" benchmarks/record_snapshots.py --out "$snapshots" \
+      --seconds "${GPU_CHECK_SNAPSHOT_SECONDS:-60}" ${GPU_CHECK_SNAPSHOT_ARGS:-} 2>&1 | tee -a "$LOG"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=(record_snapshots)
+  for snapshot in "$snapshots"/*.pickle; do
+    [[ -e $snapshot ]] || continue
+    # From outside the tree, so the installed package is the one imported.
+    (cd / && "$PYTHON" -m cotenant.replay "$snapshot") 2>&1 | tee -a "$LOG"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=("replay:$(basename "$snapshot")")
+    (cd / && "$PYTHON" -m cotenant.replay --json "$snapshot") >"${snapshot%.pickle}.replay.json" 2>>"$LOG" \
+      || failed+=("replay-json:$(basename "$snapshot")")
+  done
   # The newest result of each benchmark travels with the log.
   for name in allocator colocate; do
     newest=$(ls -t "$ROOT"/benchmarks/results/"$name"-*.json 2>/dev/null | head -1)
