@@ -325,6 +325,8 @@ COTENANT_CORE_BINDINGS(core) {
       .def("mode", [](const CachingAllocator& self) { return std::string(spill_mode_name(self.mode())); })
       .def("stats", [](const CachingAllocator& self) { return self.stats().as_map(); },
            "Statistics under torch.cuda.memory_stats() key names, plus cotenant's residency figures.")
+      .def("check_invariants", &CachingAllocator::check_invariants,
+           "Recomputes the allocator's books from its blocks and pages; raises Error naming a broken invariant.")
       .def("reset_peak_stats", &CachingAllocator::reset_peak_stats)
       .def("reset_accumulated_stats", &CachingAllocator::reset_accumulated_stats)
       .def("snapshot", [](const CachingAllocator& self) { return snapshot_list(self.snapshot()); },

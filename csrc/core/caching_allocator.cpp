@@ -640,6 +640,95 @@ struct CachingAllocator::State {
     return moved;
   }
 
+  // ---- invariants ---------------------------------------------------------
+
+  // The allocator's books, recomputed from the blocks and pages and compared
+  // with what the fast paths keep incrementally. Throws Error naming the
+  // first invariant that does not hold.
+  void check_invariants() const {
+    auto fail = [](const std::string& what) {
+      throw Error(fmt::format("allocator invariant broken: {}", what));
+    };
+    const auto page = static_cast<std::int64_t>(page_bytes);
+    std::int64_t device_mapped = 0, host_mapped = 0, pinned = 0, allocated_bytes = 0, allocated_count = 0;
+    std::size_t cached[2] = {0, 0}, free_count = 0, pinned_free_count = 0;
+    for (const auto& [base, segment] : segments) {
+      if (segment->base != base) fail(fmt::format("segment {:#x} is filed under {:#x}", segment->base, base));
+      DevicePtr expected = segment->base;
+      std::vector<std::uint32_t> live(segment->pages.size(), 0);
+      const Block* previous = nullptr;
+      for (const Block* block = segment->first; block; block = block->next) {
+        if (block->segment != segment.get()) fail(fmt::format("block {:#x} names another segment", block->address));
+        if (block->prev != previous) fail(fmt::format("block {:#x}: prev link broken", block->address));
+        if (block->address != expected) fail(fmt::format("blocks of segment {:#x} leave a gap or overlap at {:#x}", base, expected));
+        if (block->size == 0 || block->size % options.round_bytes != 0) {
+          fail(fmt::format("block {:#x} has size {}, not a positive multiple of {}", block->address, block->size, options.round_bytes));
+        }
+        const bool waiting_now = std::find(waiting.begin(), waiting.end(), block) != waiting.end();
+        if (int(block->allocated) + int(block->in_pool) + int(waiting_now) != 1) {
+          fail(fmt::format("block {:#x} is not in exactly one of allocated, free, waiting", block->address));
+        }
+        const auto it = allocated.find(block->address);
+        if (block->allocated != (it != allocated.end() && it->second == block)) {
+          fail(fmt::format("block {:#x}: allocated flag and the live map disagree", block->address));
+        }
+        if (block->in_pool && previous && previous->in_pool && !segment->pinned_fallback) {
+          fail(fmt::format("free blocks {:#x} and {:#x} are neighbours: they should have merged", previous->address, block->address));
+        }
+        if (block->in_pool) ++(segment->pinned_fallback ? pinned_free_count : free_count);
+        if (block->allocated) {
+          allocated_bytes += static_cast<std::int64_t>(block->size);
+          ++allocated_count;
+        }
+        if (!segment->pinned_fallback && !block->in_pool) {
+          const auto [first, last] = page_range(*block);
+          for (std::size_t i = first; i <= last; ++i) ++live[i];
+        }
+        expected = block->address + block->size;
+        previous = block;
+      }
+      if (expected != segment->base + segment->size) fail(fmt::format("blocks of segment {:#x} do not cover it", base));
+      if (segment->pinned_fallback) {
+        pinned += static_cast<std::int64_t>(segment->size);
+        continue;
+      }
+      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+        const Page& p = segment->pages[i];
+        if (p.live_blocks != live[i]) {
+          fail(fmt::format("page {} of segment {:#x} counts {} live blocks, {} overlap it", i, base, p.live_blocks, live[i]));
+        }
+        if (p.live_blocks > 0 && !p.handle) fail(fmt::format("page {} of segment {:#x} holds live blocks but is not mapped", i, base));
+        if (!p.handle) continue;
+        (p.handle.where == Residency::kDevice ? device_mapped : host_mapped) += page;
+        if (p.live_blocks == 0) cached[static_cast<int>(p.handle.where)] += page_bytes;
+      }
+    }
+    for (PageHandle target : spill_targets) {
+      if (target.where != Residency::kHost) fail("a spill target is not a host page");
+    }
+    const auto targets = static_cast<std::int64_t>(spill_targets.size()) * page;
+    if (free_count != free_blocks.size() || pinned_free_count != pinned_free.size()) {
+      fail("free blocks and the free pools disagree in number");
+    }
+    if (cached[0] != cached_bytes[0] || cached[1] != cached_bytes[1]) fail("the cached byte counters drifted");
+    if (stats.device_resident_bytes.current != device_mapped) fail("device_resident_bytes is not the mapped device pages");
+    if (stats.host_resident_bytes.current != host_mapped + pinned + targets) {
+      fail("host_resident_bytes is not the mapped host pages, pinned fallback memory and spill targets");
+    }
+    if (stats.pinned_fallback_bytes.current != pinned) fail("pinned_fallback_bytes is not the pinned segments");
+    if (stats.reserved_bytes.all.current != device_mapped + host_mapped + pinned + targets) {
+      fail("reserved_bytes is not device plus host memory held");
+    }
+    if (stats.allocated_bytes.all.current != allocated_bytes || stats.allocation.all.current != allocated_count ||
+        allocated.size() != static_cast<std::size_t>(allocated_count)) {
+      fail("allocated bytes or count drifted from the live blocks");
+    }
+    if (stats.active.all.current != allocated_count + static_cast<std::int64_t>(waiting.size())) {
+      fail("active count is not allocated plus waiting blocks");
+    }
+    if (stats.segment.all.current != static_cast<std::int64_t>(segments.size())) fail("segment count drifted");
+  }
+
   void release_everything() {
     synchronize_waiting();
     release_spill_targets();
@@ -899,6 +988,11 @@ std::size_t CachingAllocator::apply_pending_migrations() {
 }
 
 SpillMode CachingAllocator::mode() const { return state_->mode(); }
+
+void CachingAllocator::check_invariants() const {
+  std::lock_guard lock(state_->mutex);
+  state_->check_invariants();
+}
 
 AllocatorStats CachingAllocator::stats() const {
   std::lock_guard lock(state_->mutex);

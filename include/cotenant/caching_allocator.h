@@ -136,6 +136,12 @@ class CachingAllocator {
 
   SpillMode mode() const;
   AllocatorStats stats() const;
+  // Recomputes the books from the blocks and pages (blocks tile their
+  // segment, each in exactly one state, no free neighbours, live counts per
+  // page, every live page mapped, residency and reserved bytes, counts) and
+  // throws Error naming the first broken invariant. O(pages): for tests and
+  // the sanitizer builds, not for a hot path.
+  void check_invariants() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot() const;

@@ -198,6 +198,7 @@ struct Harness {
     std::map<DevicePtr, LiveBlock> mine;
     for (int op = 0; op < ops; ++op) {
       lock_step.worker_reaches(index, op);
+      check_invariants();
       const int action = static_cast<int>(r() % 100);
       if (action < 45 || mine.empty()) {
         LiveBlock block;
@@ -290,6 +291,7 @@ struct Harness {
         std::lock_guard lock(model.mutex);
         const auto synchronized_before = device.calls().synchronize_device;
         allocator.apply_pending_migrations();
+        check_invariants();
         // A safe point that moved pages synchronized the device: every
         // stream's work is done, so held-back ranges may be reused.
         if (device.calls().synchronize_device != synchronized_before) model.held.clear();
@@ -301,6 +303,16 @@ struct Harness {
         }
       }
       std::this_thread::yield();
+    }
+  }
+
+  // The allocator's own books, after every step of every thread.
+  void check_invariants() {
+    try {
+      allocator.check_invariants();
+    } catch (const std::exception& e) {
+      std::lock_guard lock(model.mutex);
+      model.violations.push_back(e.what());
     }
   }
 

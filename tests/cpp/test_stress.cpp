@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include <random>
+#include <mutex>
+#include <string>
 #include <thread>
 
 #include "test_helpers.h"
@@ -20,6 +22,8 @@ TEST_CASE("concurrent_allocation_free_and_cap_changes_leave_consistent_books", "
   allocator.set_memory_cap(128 * kMiB);
   constexpr int kThreads = 6;
   std::atomic<int> running{kThreads};
+  std::mutex broken_mutex;
+  std::string broken;  // the first invariant a thread saw broken
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
@@ -39,6 +43,12 @@ TEST_CASE("concurrent_allocation_free_and_cap_changes_leave_consistent_books", "
         } else if (action == 17) {
           (void)allocator.stats();
           (void)allocator.snapshot();
+          try {
+            allocator.check_invariants();
+          } catch (const std::exception& e) {
+            std::lock_guard lock(broken_mutex);
+            if (broken.empty()) broken = e.what();
+          }
         } else if (action == 18) {
           device.complete_stream(50 + static_cast<StreamId>(t));
         } else if (t == 0) {
@@ -53,6 +63,8 @@ TEST_CASE("concurrent_allocation_free_and_cap_changes_leave_consistent_books", "
     });
   }
   for (auto& thread : threads) thread.join();
+  INFO(broken);
+  CHECK(broken.empty());
   device.synchronize_device();
   allocator.empty_cache();
   const AllocatorStats stats = allocator.stats();

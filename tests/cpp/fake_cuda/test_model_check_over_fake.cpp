@@ -189,6 +189,7 @@ TEST_CASE("model_check_over_fake_cuda_single_thread", "[fake_cuda][model]") {
   for (int op = 0; op < 1500; ++op) {
     harness.step(live, next_seed);
     if (op % 40 == 39) harness.safe_point(op % 80 == 79);
+    CHECK_NOTHROW(harness.allocator->check_invariants());
     if (live.size() > 40) {
       harness.erase_live(live.begin()->first);
       harness.allocator->free(live.begin()->first);
@@ -238,6 +239,11 @@ TEST_CASE("model_check_over_fake_cuda_threads_with_safe_points", "[fake_cuda][mo
           h.allocator->free(it->first);
           live.erase(it);
         }
+        try {
+          h.allocator->check_invariants();
+        } catch (const std::exception& e) {
+          h.note(e.what());
+        }
       }
       std::shared_lock<std::shared_mutex> kernel(safe_point);
       for (const auto& [address, block] : live) {
@@ -253,6 +259,11 @@ TEST_CASE("model_check_over_fake_cuda_threads_with_safe_points", "[fake_cuda][mo
       {
         std::unique_lock<std::shared_mutex> exclusive(safe_point);
         harness.safe_point(harness.rng() % 2 == 0);
+        try {
+          harness.allocator->check_invariants();
+        } catch (const std::exception& e) {
+          harness.note(e.what());
+        }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
