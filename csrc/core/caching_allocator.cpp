@@ -156,21 +156,42 @@ struct CachingAllocator::State {
   }
 
   // Releases mapped pages no live block touches, on `where` (or both when
-  // null). Address ranges stay reserved. Returns the bytes released.
+  // null), at least `limit` bytes of them where there are (the coldest), all
+  // by default. Address ranges stay reserved. Returns the bytes released.
   // One device synchronize covers the whole batch; none when the device
   // cannot synchronize now (graph capture): then nothing is released.
-  std::size_t release_cached_pages(const Residency* where) {
-    std::size_t released = 0;
-    if (where ? cached_of(*where) == 0 : cached_bytes[0] + cached_bytes[1] == 0) return 0;
+  std::size_t release_cached_pages(const Residency* where, std::size_t limit = SIZE_MAX) {
+    const std::size_t available = where ? cached_of(*where) : cached_bytes[0] + cached_bytes[1];
+    if (available == 0 || limit == 0) return 0;
     if (!backend.synchronize_for_unmap()) return 0;
+    std::size_t released = 0;
+    if (limit >= available) {
+      for (auto& [base, segment] : segments) {
+        for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+          const Page& page = segment->pages[i];
+          if (!page.handle || page.live_blocks != 0) continue;
+          if (where && page.handle.where != *where) continue;
+          unmap_page(*segment, i, /*synchronized=*/true);
+          released += page_bytes;
+        }
+      }
+      return released;
+    }
+    // Part of the cache: the coldest pages, so what a loop reuses soonest stays.
+    struct Cached { std::uint64_t last_use; Segment* segment; std::size_t index; };
+    std::vector<Cached> cached;
     for (auto& [base, segment] : segments) {
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
         const Page& page = segment->pages[i];
-        if (!page.handle || page.live_blocks != 0) continue;
-        if (where && page.handle.where != *where) continue;
-        unmap_page(*segment, i, /*synchronized=*/true);
-        released += page_bytes;
+        if (!page.handle || page.live_blocks != 0 || (where && page.handle.where != *where)) continue;
+        cached.push_back({page.last_use, segment.get(), i});
       }
+    }
+    std::sort(cached.begin(), cached.end(), [](const Cached& a, const Cached& b) { return a.last_use < b.last_use; });
+    for (const Cached& page : cached) {
+      if (released >= limit) break;
+      unmap_page(*page.segment, page.index, /*synchronized=*/true);
+      released += page_bytes;
     }
     return released;
   }
@@ -182,15 +203,17 @@ struct CachingAllocator::State {
   // place; else on the host. Returns an empty handle when the allocation
   // cannot be placed here: the host is exhausted too, spilling is off, or
   // (pinned fallback mode) the caller must take pinned memory instead.
-  PageHandle create_page_for_allocation(std::size_t own_device_bytes, bool* released_cache) {
+  PageHandle create_page_for_allocation(std::size_t own_device_bytes, std::size_t needed_bytes,
+                                        bool* released_cache) {
     const Residency device = Residency::kDevice;
     if (!device_has_room_for_a_page()) {
-      if (release_cached_pages(&device) > 0) *released_cache = true;
+      // Enough cache for the rest of this allocation, in one batch.
+      if (release_cached_pages(&device, needed_bytes) > 0) *released_cache = true;
     }
     if (device_has_room_for_a_page()) {
       if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
       // The device itself is full (other processes): free our cache and retry.
-      if (release_cached_pages(&device) > 0) {
+      if (release_cached_pages(&device, needed_bytes) > 0) {
         *released_cache = true;
         if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
       }
@@ -302,7 +325,8 @@ struct CachingAllocator::State {
       }
       for (std::size_t i = first; i <= last; ++i) {
         if (segment.pages[i].handle) continue;
-        PageHandle handle = create_page_for_allocation(own_device_bytes, released_cache);
+        PageHandle handle = create_page_for_allocation(own_device_bytes, unmapped * page_bytes, released_cache);
+        --unmapped;
         if (handle && handle.where == Residency::kDevice) own_device_bytes += page_bytes;
         if (!handle) {
           for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
@@ -621,7 +645,7 @@ struct CachingAllocator::State {
     // goes always (a block reusing it would run on the host needlessly).
     const Residency host = Residency::kHost, device = Residency::kDevice;
     release_cached_pages(&host);
-    if (device_bytes() > effective_cap()) release_cached_pages(&device);
+    if (device_bytes() > effective_cap()) release_cached_pages(&device, device_bytes() - effective_cap());
     std::vector<LivePage> pages;
     const MigrationPlan moves = plan(&pages);
     if (moves.empty()) return 0;
@@ -947,7 +971,7 @@ void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
   s.stats.memory_cap = bytes;
   if (s.device_bytes() > bytes) {
     const Residency device = Residency::kDevice;
-    s.release_cached_pages(&device);  // cache goes first: it costs no copy
+    s.release_cached_pages(&device, s.device_bytes() - bytes);  // cache goes first: it costs no copy
   }
   s.trim_spill_targets();
   s.mark_pending(pending_migrations_);
