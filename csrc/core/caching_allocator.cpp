@@ -1003,11 +1003,10 @@ std::size_t CachingAllocator::apply_pending_migrations() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   const std::size_t moved = s.apply_migrations();
+  // Whatever could not move now (no host or device page to be had) stays
+  // pending, and the next safe point retries it; a caller polling the flag
+  // on a hot path backs off between retries (the torch layer does).
   s.mark_pending(pending_migrations_);
-  // Whatever could not move now (no host or device page to be had) waits for
-  // a later safe point, but does not keep the flag up: a caller polling it on
-  // a hot path would otherwise stop at every op.
-  pending_migrations_.store(false, std::memory_order_release);
   return moved;
 }
 

@@ -28,6 +28,9 @@ constexpr c10::MempoolId_t kDefaultPool{0, 0};
 // and how long it then leaves the job alone after it gave up.
 constexpr std::chrono::microseconds kOpEntryDrainTimeout{5'000};
 constexpr std::chrono::nanoseconds kOpEntryRetryBackoff{std::chrono::milliseconds(20)};
+// Pages that could not move (no host or device page to be had) stay pending;
+// retries back off from kOpEntryRetryBackoff, doubling up to this.
+constexpr std::chrono::nanoseconds kOpEntryRetryBackoffMax{std::chrono::seconds(1)};
 
 std::int64_t steady_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -227,10 +230,17 @@ void CotenantCudaAllocator::mark_iteration() {
 void CotenantCudaAllocator::run_safe_point_at_op_entry() {
   const std::int64_t now = steady_now_ns();
   if (now < next_op_entry_attempt_ns_.load(std::memory_order_relaxed)) return;
-  run_safe_point(kOpEntryDrainTimeout);
-  if (has_pending_migrations()) {
-    next_op_entry_attempt_ns_.store(now + kOpEntryRetryBackoff.count(), std::memory_order_relaxed);
+  const std::size_t moved = run_safe_point(kOpEntryDrainTimeout);
+  if (!has_pending_migrations()) {
+    op_entry_backoff_ns_.store(kOpEntryRetryBackoff.count(), std::memory_order_relaxed);
+    return;
   }
+  // Still pending: the ops did not drain, or a move found no page. Retry
+  // later, and later still while retries move nothing.
+  std::int64_t backoff = op_entry_backoff_ns_.load(std::memory_order_relaxed);
+  next_op_entry_attempt_ns_.store(now + backoff, std::memory_order_relaxed);
+  backoff = moved > 0 ? kOpEntryRetryBackoff.count() : std::min<std::int64_t>(2 * backoff, kOpEntryRetryBackoffMax.count());
+  op_entry_backoff_ns_.store(backoff, std::memory_order_relaxed);
 }
 
 std::size_t CotenantCudaAllocator::run_safe_point(std::chrono::microseconds drain_timeout) {

@@ -181,6 +181,7 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   std::mutex safe_point_mutex_;
   // steady_clock nanoseconds before which the op-entry safe point does not retry.
   std::atomic<std::int64_t> next_op_entry_attempt_ns_{0};
+  std::atomic<std::int64_t> op_entry_backoff_ns_{20'000'000};  // the next retry's delay
 };
 
 }  // namespace cotenant::torch_ext

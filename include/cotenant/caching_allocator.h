@@ -131,7 +131,8 @@ class CachingAllocator {
   }
   // Moves every marked page, re-planned against the current cap. Call it
   // with no kernel in flight that touches this allocator's memory. Returns
-  // the bytes moved.
+  // the bytes moved. Pages that found no page to move to stay marked, and
+  // has_pending_migrations() stays true until a later call moves them.
   std::size_t apply_pending_migrations();
 
   SpillMode mode() const;

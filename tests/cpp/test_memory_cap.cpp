@@ -365,3 +365,26 @@ TEST_CASE("setting_the_cap_from_another_thread_is_safe_while_allocating", "[cap]
   for (DevicePtr p : live) allocator.free(p);
   CHECK(allocator.stats().allocated_bytes.all.current == 0);
 }
+
+TEST_CASE("a_partial_move_stays_pending_and_the_next_safe_point_finishes_it", "[cap]") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 2 * kMiB;  // room for one page on the host
+  SimulatedBackend device(config);
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(4 * kMiB, 0);
+  const DevicePtr b = allocator.allocate(4 * kMiB, 0);
+  fill(device, a, 1, 4 * kMiB);
+  fill(device, b, 2, 4 * kMiB);
+  allocator.set_memory_cap(2 * kMiB);
+  CHECK(allocator.apply_pending_migrations() == 2 * kMiB);  // one page out, then the host is full
+  CHECK(allocator.has_pending_migrations());
+  CHECK(allocator.stats().pending_spill_bytes == 4 * kMiB);
+  CHECK(allocator.apply_pending_migrations() == 0);  // still no host page: still pending
+  CHECK(allocator.has_pending_migrations());
+  allocator.free(a);  // its host page becomes cache, released at the next safe point
+  CHECK(allocator.apply_pending_migrations() == 2 * kMiB);
+  CHECK_FALSE(allocator.has_pending_migrations());
+  CHECK(allocator.stats().device_resident_bytes.current == 2 * kMiB);
+  CHECK(holds(device, b, 2, 4 * kMiB));
+  allocator.check_invariants();
+}
