@@ -15,8 +15,10 @@ Each job runs alone first (solo), then both together under each mode:
   priority         guaranteed on the highest-priority stream, opportunistic on the lowest
   cotenant-0.25    cotenant's gate with the opportunistic share fixed at 0.25
   cotenant-0.5     ... at 0.5
-  cotenant-auto    cotenant's gate with the share moved by AIMD from the guaranteed
-                   job's iteration time over its solo time
+  cotenant-auto    cotenant's gate under a real `cotenant coordinator` on a private
+                   socket: the coordinator's own policy (its solo-baseline
+                   warm-up and AIMD, coordinator/policy.py) sets the share
+                   through the opportunistic job's block, exactly as in use
 
 Figures, per mode as "<mode>.<name>" and cotenant-auto also under the plain names:
   guaranteed_throughput_ratio      iterations/s together over solo (target >= 0.97)
@@ -182,27 +184,6 @@ def targets_met(figures: Dict[str, float], mode: str = AUTO_MODE) -> Dict[str, b
         or figures.get(f"{other}.guaranteed_throughput_ratio", 0.0) < TARGETS["guaranteed_throughput_ratio"][1]
         for other in others)
     return met
-
-
-def aimd_share(share: float, slowdown: float, target_slowdown: float = 1.03, increase: float = 0.05,
-               decrease: float = 0.5) -> float:
-    """One step of the share controller: additive increase while the guaranteed job's
-    iteration time stays within target_slowdown of its solo time, multiplicative
-    decrease when it does not (as TGS and AntMan do)."""
-    if math.isnan(slowdown):
-        return share
-    if slowdown > target_slowdown:
-        return max(0.0, share * decrease)
-    return min(1.0, share + increase)
-
-
-def controller_baseline_s(guaranteed_workload: str, solo_summary: Dict[str, float]) -> float:
-    """The solo iteration time the auto share controller compares the published one with.
-    Training jobs publish optimizer-step to optimizer-step (gap included); the inference
-    loop publishes `with cotenant.iteration():` spans (the request only, no gap)."""
-    if guaranteed_workload.endswith("infer-gaps"):
-        return solo_summary["compute_p50_s"]
-    return solo_summary["p50_s"]
 
 
 def overhead_figures(plain_guaranteed: Dict[str, float], tracked_guaranteed: Dict[str, float],
@@ -392,12 +373,15 @@ class Mps:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _run(args, mode: str, roles: Dict[str, str], gap_s: float, extra_env: Optional[Dict[str, str]] = None,
-         solo_guaranteed_p50_s: float = math.nan) -> Dict[str, Any]:
+def _run(args, mode: str, roles: Dict[str, str], gap_s: float,
+         extra_env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Runs the given roles together (one role: solo) and returns each role's summary."""
     sync_dir = tempfile.mkdtemp(prefix="cotenant-colocate-")
     segment = f"/cotenant-colocate-{os.getpid()}-{mode}"
     env = {**os.environ, **(extra_env or {}), "COTENANT_GPU_SEGMENT": segment}
+    coordinator = None
+    if mode == AUTO_MODE and "opportunistic" in roles:
+        coordinator, env["COTENANT_SOCKET"] = start_coordinator(sync_dir)
     processes = {}
     for role, workload in roles.items():
         out = open(os.path.join(sync_dir, f"{role}.json"), "w")
@@ -411,8 +395,6 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float, extra_env: Option
                     raise RuntimeError(f"the {role} worker of mode {mode} exited with {p.returncode} before starting")
             time.sleep(0.05)
         open(os.path.join(sync_dir, "go"), "w").close()
-        if mode == AUTO_MODE and "opportunistic" in roles:
-            _auto_share_controller(processes["guaranteed"][0], segment, solo_guaranteed_p50_s)
         results = {}
         for role, (p, out) in processes.items():
             p.wait()
@@ -428,6 +410,9 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float, extra_env: Option
             if p.poll() is None:
                 p.kill()
             out.close()
+        if coordinator is not None:
+            coordinator.terminate()
+            coordinator.wait(10)
         shutil.rmtree(sync_dir, ignore_errors=True)
         try:
             from cotenant import _core
@@ -437,21 +422,19 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float, extra_env: Option
             pass
 
 
-def _auto_share_controller(guaranteed, segment_name: str, solo_p50_s: float, period_s: float = 0.5) -> None:
-    """Moves the opportunistic share by AIMD from the guaranteed job's published iteration
-    times, through the per-GPU segment (what the coordinator does when one runs)."""
-    from cotenant import _core
-
-    segment = _core.GpuPeerSegment.open(segment_name, 0)
-    share = 0.5
-    while guaranteed.poll() is None:
-        time.sleep(period_s)
-        view = segment.view()
-        ewma_ns = view["guaranteed"]["iterations"]["ewma_ns"]
-        slowdown = (ewma_ns / 1e9) / solo_p50_s if ewma_ns and solo_p50_s > 0 else math.nan
-        share = aimd_share(share, slowdown)
-        for job in view["opportunistic"]:
-            segment.set_share(job["slot"], share)
+def start_coordinator(directory: str, timeout_s: float = 30.0):
+    """Starts the product's coordinator (`python -m cotenant.cli coordinator`) on a
+    private socket in `directory`; returns (process, socket path) once it serves."""
+    socket_path = os.path.join(directory, "coordinator.sock")
+    process = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", socket_path],
+                               stdout=subprocess.DEVNULL, stderr=open(os.path.join(directory, "coordinator.log"), "w"))
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(socket_path):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the coordinator did not start (see {directory}/coordinator.log)")
+        time.sleep(0.05)
+    return process, socket_path
 
 
 def _plot(figures: Dict[str, float], modes: Sequence[str], path: str, title: str) -> None:
@@ -500,8 +483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if mps is not None and not mps.start():
                 runs[mode] = {"skipped": mps.reason}
                 continue
-            runs[mode] = _run(args, mode, pair, gap_s, mps.env if mps else None,
-                              controller_baseline_s(guaranteed_workload, solo["guaranteed"]))
+            runs[mode] = _run(args, mode, pair, gap_s, mps.env if mps else None)
         except RuntimeError as error:
             runs[mode] = {"skipped": str(error)}
         finally:

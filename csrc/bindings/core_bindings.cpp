@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cotenant/cap.h"
 #include "cotenant/caching_allocator.h"
 #include "cotenant/errors.h"
 #include "cotenant/replay.h"
@@ -71,15 +72,32 @@ std::uint64_t size_argument(const py::handle& value, const char* what) {
               std::string(py::str(py::type::of(value).attr("__name__"))));
 }
 
-// None -> kNoCap; otherwise a positive size.
-std::uint64_t cap_argument(const py::handle& value) {
-  if (value.is_none()) return kNoCap;
-  const std::uint64_t bytes = size_argument(value, "a memory cap");
-  if (bytes == 0) {
-    throw Error("a memory cap of 0 bytes is refused; to move everything to the host use spill_all(), "
-                "and to remove the cap pass None");
+// Any cap a Python caller may give, through the one parser: None, a Cap, an
+// int of bytes, a float fraction of the device in (0, 1], or a string
+// ("6GiB", "0.5", "50%", "none").
+Cap cap_from_python(const py::handle& value) {
+  if (value.is_none()) return Cap::none();
+  if (py::isinstance<Cap>(value)) return value.cast<Cap>();
+  if (py::isinstance<py::bool_>(value)) {
+    throw Error("a memory cap must be a size, a fraction of the device or None, not a bool");
   }
-  return bytes;
+  if (py::isinstance<py::int_>(value)) {
+    const py::int_ number = py::reinterpret_borrow<py::int_>(value);
+    if (number < py::int_(0)) {
+      throw Error("a memory cap cannot be negative (got " + std::string(py::str(value)) +
+                  " bytes); give a positive size such as \"6GiB\", or None for no cap");
+    }
+    return Cap::of_bytes(number.cast<std::uint64_t>());
+  }
+  if (py::isinstance<py::float_>(value)) return Cap::of_fraction(value.cast<double>());
+  if (py::isinstance<py::str>(value)) return Cap::parse(value.cast<std::string>());
+  throw Error("a memory cap must be bytes (int), a size string such as \"6GiB\", a fraction of the device such "
+              "as 0.5, or None; got " + std::string(py::str(py::type::of(value).attr("__name__"))));
+}
+
+// A cap as the allocator takes it (a word), resolved on a device of `total` bytes.
+std::uint64_t cap_argument(const py::handle& value, std::uint64_t device_total_bytes = 0) {
+  return cap_from_python(value).to_word(device_total_bytes);
 }
 
 py::object cap_value(std::uint64_t bytes) {
@@ -239,7 +257,31 @@ COTENANT_CORE_BINDINGS(core) {
       "A trace operation makes no sense for the trace so far; .op_index is its 0-based position.");
   py::register_exception_translator(&translate_core_exceptions);
 
-  m.attr("NO_CAP") = py::none();
+  py::class_<Cap>(m, "Cap",
+                  "A memory cap: bytes, a fraction of the device, or none. Cap(value) reads None, an int of "
+                  "bytes, a float fraction in (0, 1], or a string (\"6GiB\", \"0.5\", \"50%\", \"none\"); the "
+                  "one parser for caps everywhere (API, CLI, environment, coordinator).")
+      .def(py::init([](const py::object& value) { return cap_from_python(value); }), py::arg("value") = py::none())
+      .def_property_readonly("is_none", &Cap::is_none)
+      .def_property_readonly("is_fraction", &Cap::is_fraction)
+      .def_property_readonly("bytes", [](const Cap& cap) -> py::object {
+        if (auto bytes = cap.bytes()) return py::int_(*bytes);
+        return py::none();
+      }, "The cap in bytes for a byte cap; None for a fraction or no cap.")
+      .def_property_readonly("fraction", [](const Cap& cap) -> py::object {
+        if (cap.is_fraction()) return py::float_(cap.fraction());
+        return py::none();
+      })
+      .def("resolve", [](const Cap& cap, std::uint64_t device_total_bytes) -> py::object {
+        if (auto bytes = cap.resolve(device_total_bytes)) return py::int_(*bytes);
+        return py::none();
+      }, py::arg("device_total_bytes") = 0,
+      "Bytes on a device of this size, or None for no cap (a fraction of 1 is no cap). A fraction needs the size.")
+      .def_property_readonly("text", &Cap::to_text, "Exact text that Cap() reads back (for the environment).")
+      .def("__str__", &Cap::to_string)
+      .def("__repr__", [](const Cap& cap) { return "Cap('" + cap.to_text() + "')"; })
+      .def("__eq__", [](const Cap& a, const py::object& b) { return py::isinstance<Cap>(b) && a == b.cast<Cap>(); })
+      .def("__hash__", [](const Cap& cap) { return std::hash<std::string>()(cap.to_text()); });
 
   m.def("parse_size", [](const std::string& text) { return parse_size(text); }, py::arg("text"),
         "Bytes in a size like \"6GiB\", \"512MiB\", \"1.5GB\" or \"4096\"; raises Error otherwise.");
@@ -313,8 +355,10 @@ COTENANT_CORE_BINDINGS(core) {
       .def("allocation_size", &CachingAllocator::allocation_size, py::arg("address"))
       .def("is_device_resident", &CachingAllocator::is_device_resident, py::arg("address"))
       .def("set_memory_cap",
-           [](CachingAllocator& self, const py::object& cap) { self.set_memory_cap(cap_argument(cap)); },
-           py::arg("cap"), "Sets the device-resident bound (int bytes or \"6GiB\"); None removes it.")
+           [](CachingAllocator& self, const py::object& cap) {
+             self.set_memory_cap(cap_argument(cap, self.backend().device_total_bytes()));
+           },
+           py::arg("cap"), "Sets the device-resident bound (anything Cap() reads); None removes it.")
       .def("memory_cap", [](const CachingAllocator& self) { return cap_value(self.memory_cap()); },
            "The cap in bytes, or None when there is none.")
       .def("spill_all", &CachingAllocator::spill_all)
@@ -341,7 +385,7 @@ COTENANT_CORE_BINDINGS(core) {
         config.device = device_config(device_capacity, granularity, host_capacity, host_pages_mappable, true);
         config.allocator.spill_to_host = spill_to_host;
         config.allocator.spill_without_cap = spill_without_cap;
-        config.initial_cap = cap_argument(cap);
+        config.initial_cap = cap_argument(cap, config.device.device_capacity);
         std::vector<ReplayOp> converted;
         if (py::hasattr(ops, "__len__")) converted.reserve(py::len(ops));
         for (const py::handle item : ops) converted.push_back(replay_op(item, converted.size()));

@@ -82,9 +82,7 @@ class ManualInFlightWork final : public InFlightWork {
 class ManualPeerState final : public PeerState {
  public:
   bool guaranteed_busy() const override { return busy.load(); }
-  double published_share() const override { return share.load(); }
   std::atomic<bool> busy{false};
-  std::atomic<double> share{1.0};
 };
 
 // The gate with the Python objects it reads kept alive for its lifetime.
@@ -97,19 +95,7 @@ struct GateHandle {
 
 py::dict stats_dict(const LaunchGateStats& s) {
   py::dict d;
-  d["admitted_ops"] = s.admitted_ops;
-  d["waits_closed"] = s.waits_closed;
-  d["waits_in_flight_bound"] = s.waits_in_flight_bound;
-  d["waits_paused"] = s.waits_paused;
-  d["waits_guaranteed_busy"] = s.waits_guaranteed_busy;
-  d["waits_share_spent"] = s.waits_share_spent;
-  d["waited_ns"] = s.waited_ns;
-  d["busy_ns_in_window"] = s.busy_ns_in_window;
-  d["in_flight"] = s.in_flight;
-  d["launching"] = s.launching;
-  d["waiting"] = s.waiting;
-  d["share"] = s.share;
-  d["closed"] = s.closed;
+  for_each_field(s, [&d](const char* name, const auto& value) { d[name] = value; });
   return d;
 }
 
@@ -130,15 +116,12 @@ py::dict view_dict(const shm::GpuSegmentView& v) {
   g["ops_in_flight"] = v.guaranteed.ops_in_flight;
   g["heartbeat_ns"] = v.guaranteed.heartbeat_ns;
   g["last_activity_ns"] = v.guaranteed.last_activity_ns;
-  g["iterations"] = iterations_dict(v.guaranteed.iterations);
   py::list opportunistic;
   for (const auto& o : v.opportunistic) {
     py::dict d;
     d["slot"] = o.slot;
     d["pid"] = o.pid;
     d["live"] = o.live;
-    d["share"] = o.share;
-    d["share_from_coordinator"] = o.share_from_coordinator;
     d["admitted_ops"] = o.admitted_ops;
     d["waiting_ops"] = o.waiting_ops;
     d["heartbeat_ns"] = o.heartbeat_ns;
@@ -148,8 +131,7 @@ py::dict view_dict(const shm::GpuSegmentView& v) {
   py::dict d;
   d["device"] = v.device;
   d["generation"] = v.generation;
-  d["default_share"] = v.default_share;
-  d["coordinator_pid"] = v.coordinator_pid;
+  d["gpu_uuid"] = v.gpu_uuid;
   d["guaranteed"] = g;
   d["opportunistic"] = opportunistic;
   return d;
@@ -165,7 +147,7 @@ struct BusyTrackerHandle {
   std::unique_ptr<BusyTracker> tracker;
 };
 struct IterationTrackerHandle {
-  std::unique_ptr<SegmentGuaranteedSink> sink;
+  py::object clock_owner;
   std::unique_ptr<IterationTracker> tracker;
 };
 
@@ -202,21 +184,18 @@ COTENANT_CORE_BINDINGS(launch_gate) {
   py::class_<ManualPeerState>(m, "ManualPeerState", "A guaranteed peer whose state Python sets.")
       .def(py::init<>())
       .def_property("busy", [](const ManualPeerState& p) { return p.busy.load(); },
-                    [](ManualPeerState& p, bool busy) { p.busy = busy; })
-      .def_property("share", [](const ManualPeerState& p) { return p.share.load(); },
-                    [](ManualPeerState& p, double share) { p.share = share; });
+                    [](ManualPeerState& p, bool busy) { p.busy = busy; });
 
   py::class_<GpuPeerSegment>(m, "GpuPeerSegment",
                              "The per-GPU shared-memory segment where the jobs of one GPU meet.")
       .def_static("open",
-                  [](const std::string& name, std::uint32_t device, double stale_after_s, double default_share) {
+                  [](const std::string& name, std::uint32_t device, double stale_after_s, const std::string& gpu_uuid) {
                     GpuPeerSegmentOptions options;
                     options.stale_after_ns = static_cast<Nanoseconds>(stale_after_s * 1e9);
-                    options.default_share = default_share;
+                    options.gpu_uuid = gpu_uuid;
                     return GpuPeerSegment::open(name, device, options);
                   },
-                  py::arg("name"), py::arg("device"), py::arg("stale_after_s") = 3.0,
-                  py::arg("default_share") = 1.0)
+                  py::arg("name"), py::arg("device"), py::arg("stale_after_s") = 3.0, py::arg("gpu_uuid") = "")
       .def_static("default_name",
                   [](std::uint32_t device, std::optional<std::uint32_t> uid) {
                     return GpuPeerSegment::default_name(device, uid ? *uid : ::getuid());
@@ -241,31 +220,18 @@ COTENANT_CORE_BINDINGS(launch_gate) {
         s.heartbeat(pid_or_self(pid));
       }, py::arg("pid") = py::none())
       .def("reclaim_crashed", &GpuPeerSegment::reclaim_crashed)
-      .def("set_share", &GpuPeerSegment::set_share, py::arg("slot"), py::arg("share"),
-           py::arg("from_coordinator") = true)
-      .def("share", &GpuPeerSegment::share, py::arg("slot"))
-      .def("set_default_share", &GpuPeerSegment::set_default_share, py::arg("share"))
-      .def("set_coordinator_pid", &GpuPeerSegment::set_coordinator_pid, py::arg("pid"))
       .def("publish_activity",
            [](GpuPeerSegment& s, bool busy, std::uint32_t ops_in_flight, std::optional<Nanoseconds> at) {
              s.publish_activity(busy, ops_in_flight, at ? *at : MonotonicClock::instance().now_ns());
            },
            py::arg("busy"), py::arg("ops_in_flight") = 0, py::arg("last_activity_ns") = py::none())
-      .def("publish_iterations",
-           [](GpuPeerSegment& s, std::uint64_t iterations, Nanoseconds last_ns, Nanoseconds ewma_ns,
-              Nanoseconds p99_ns) {
-             s.publish_iterations(IterationStats{iterations, last_ns, ewma_ns, p99_ns});
-           },
-           py::arg("iterations"), py::arg("last_ns"), py::arg("ewma_ns"), py::arg("p99_ns"))
-      .def("guaranteed_iterations", [](const GpuPeerSegment& s) { return iterations_dict(s.guaranteed_iterations()); })
       .def("guaranteed_busy", &GpuPeerSegment::guaranteed_busy)
       .def("view", [](const GpuPeerSegment& s) { return view_dict(s.view()); },
            "Everything the segment holds, as dicts (held opportunistic slots only).");
 
   py::class_<SegmentPeerState>(m, "SegmentPeerState",
-                               "The gate's view of a segment for one opportunistic slot.")
-      .def(py::init<const GpuPeerSegment&, std::size_t>(), py::arg("segment"), py::arg("slot"),
-           py::keep_alive<1, 2>());
+                               "The gate's view of a segment: is the guaranteed job busy?")
+      .def(py::init<const GpuPeerSegment&>(), py::arg("segment"), py::keep_alive<1, 2>());
 
   py::class_<GateHandle>(m, "LaunchGate", "The launch gate's logic (see launch_gate.h).")
       .def(py::init([](py::object clock, py::object work, py::object peer, bool admission_control,
@@ -306,8 +272,13 @@ COTENANT_CORE_BINDINGS(launch_gate) {
       .def("try_admit", [](GateHandle& h) { return h.gate->try_admit(); })
       .def("launched", [](GateHandle& h) { h.gate->launched(); })
       .def("abandoned", [](GateHandle& h) { h.gate->abandoned(); })
-      .def("set_share", [](GateHandle& h, double share) { h.gate->set_share(share); }, py::arg("share"))
+      .def("set_share", [](GateHandle& h, double share) { h.gate->set_share(share); }, py::arg("share"),
+           "The job's own share.")
       .def_property_readonly("share", [](GateHandle& h) { return h.gate->share(); })
+      .def("set_coordinator_share", [](GateHandle& h, double share) { h.gate->set_coordinator_share(share); },
+           py::arg("share"), "The coordinator's share; admission uses min(own, coordinator's).")
+      .def_property_readonly("coordinator_share", [](GateHandle& h) { return h.gate->coordinator_share(); })
+      .def_property_readonly("effective_share", [](GateHandle& h) { return h.gate->effective_share(); })
       .def("set_max_in_flight", [](GateHandle& h, std::size_t k) { h.gate->set_max_in_flight(k); }, py::arg("k"))
       .def_property_readonly("max_in_flight", [](GateHandle& h) { return h.gate->max_in_flight(); })
       .def("close", [](GateHandle& h) { h.gate->close(); }, py::call_guard<py::gil_scoped_release>(),
@@ -367,18 +338,19 @@ COTENANT_CORE_BINDINGS(launch_gate) {
       .def_property_readonly("markers_recorded", [](BusyTrackerHandle& h) { return h.tracker->markers_recorded(); });
 
   py::class_<IterationTrackerHandle>(m, "IterationTracker",
-                                     "The guaranteed job's iteration times, publishing to a segment.")
-      .def(py::init([](GpuPeerSegment& segment, py::object clock) {
+                                     "A job's iteration times: its one measurement (last, EWMA, p99).")
+      .def(py::init([](py::object clock) {
              auto h = std::make_unique<IterationTrackerHandle>();
-             h->sink = std::make_unique<SegmentGuaranteedSink>(segment);
+             h->clock_owner = clock;
              Clock& c = clock.is_none() ? static_cast<Clock&>(MonotonicClock::instance())
                                         : static_cast<Clock&>(clock.cast<ManualClock&>());
-             h->tracker = std::make_unique<IterationTracker>(c, *h->sink);
+             h->tracker = std::make_unique<IterationTracker>(c);
              return h;
            }),
-           py::arg("segment"), py::arg("clock") = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+           py::arg("clock") = py::none())
       .def("boundary", [](IterationTrackerHandle& h) { h.tracker->boundary(); })
       .def("begin", [](IterationTrackerHandle& h) { h.tracker->begin(); })
+      .def("record", [](IterationTrackerHandle& h, Nanoseconds took) { h.tracker->record(took); }, py::arg("ns"))
       .def("stats", [](IterationTrackerHandle& h) { return iterations_dict(h.tracker->stats()); });
 }
 

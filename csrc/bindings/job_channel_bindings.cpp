@@ -19,6 +19,7 @@
 #include "cotenant/caching_allocator.h"
 #include "cotenant/errors.h"
 #include "cotenant/job_channel.h"
+#include "cotenant/job_process.h"
 #include "cotenant/shm/job_block.h"
 #include "cotenant/shm/shm_region.h"
 #include "registry.h"
@@ -33,21 +34,23 @@ using shm::JobCommand;
 using shm::JobControl;
 using shm::JobIdentity;
 using shm::JobReport;
+using shm::JobRole;
+using shm::JobState;
 using shm::ShmRegion;
 
-// None <-> no cap, as everywhere in the Python API.
+// None <-> no cap, as everywhere in the Python API (Cap's word form inside).
 py::object cap_to_python(std::uint64_t cap) {
-  return cap == shm::kUnlimitedCap ? py::none() : py::object(py::int_(cap));
+  return cap == kNoCap ? py::none() : py::object(py::int_(cap));
 }
 std::uint64_t cap_from_python(const py::object& cap) {
-  if (cap.is_none()) return shm::kUnlimitedCap;
+  if (cap.is_none()) return kNoCap;
   if (py::isinstance<py::bool_>(cap) || !py::isinstance<py::int_>(cap)) {
-    throw Error("a memory cap must be an int of bytes or None, not " +
+    throw Error("a memory cap in the job block must be an int of bytes or None (resolve fractions and size "
+                "strings with cotenant._core.Cap first), not " +
                 std::string(py::str(py::type::of(cap).attr("__name__"))));
   }
   auto value = cap.cast<long long>();
-  if (value <= 0) throw Error("a memory cap must be at least 1 byte; use None for no cap");
-  return static_cast<std::uint64_t>(value);
+  return Cap::of_bytes(value <= 0 ? 0 : static_cast<std::uint64_t>(value)).to_word();
 }
 double share_from_python(double share) {
   if (!std::isfinite(share) || share < 0.0 || share > 1.0) {
@@ -64,69 +67,63 @@ JobCommand command_from_name(const std::string& name) {
   throw Error("'" + name + "' is not a job command: use spill_all, restore_all, suspend or resume");
 }
 
+// One field to Python: caps as int-or-None, enums by name.
+py::object field_to_python(const char* name, std::uint64_t value) {
+  if (std::string_view(name).find("memory_cap") != std::string_view::npos) return cap_to_python(value);
+  return py::int_(value);
+}
+py::object field_to_python(const char*, std::uint32_t value) { return py::int_(value); }
+py::object field_to_python(const char*, double value) { return py::float_(value); }
+py::object field_to_python(const char*, JobRole value) { return py::str(shm::job_role_name(value)); }
+py::object field_to_python(const char*, JobState value) { return py::str(shm::job_state_name(value)); }
+py::object field_to_python(const char*, JobCommand value) { return py::str(shm::job_command_name(value)); }
+
+template <typename Record>
+py::dict record_dict(const Record& record) {
+  py::dict d;
+  shm::for_each_field(record, [&d](const char* name, const auto& value) { d[name] = field_to_python(name, value); });
+  return d;
+}
+
 py::dict identity_dict(const JobIdentity& identity) {
   py::dict d;
   d["job_id"] = identity.job_id;
   d["name"] = identity.name;
   d["role"] = shm::job_role_name(identity.role);
   d["device"] = identity.device;
+  d["gpu_uuid"] = identity.gpu_uuid;
   d["pid"] = identity.pid;
+  d["pid_start_ticks"] = identity.pid_start_ticks;
   d["uid"] = identity.uid;
   d["created_ns"] = identity.created_ns;
   return d;
 }
 
-py::dict control_dict(const JobControl& control) {
-  py::dict d;
-  d["memory_cap"] = cap_to_python(control.memory_cap);
-  d["share"] = control.share;
-  d["command"] = shm::job_command_name(control.command);
-  d["command_sequence"] = control.command_sequence;
-  return d;
-}
-
-py::dict report_dict(const JobReport& r) {
-  py::dict d;
-  d["pid"] = r.pid;
-  d["uid"] = r.uid;
-  d["role"] = shm::job_role_name(r.role);
-  d["device"] = r.device;
-  d["state"] = shm::job_state_name(r.state);
-  d["device_bytes"] = r.device_bytes;
-  d["host_bytes"] = r.host_bytes;
-  d["allocated_bytes"] = r.allocated_bytes;
-  d["cached_bytes"] = r.cached_bytes;
-  d["reserved_bytes"] = r.reserved_bytes;
-  d["peak_allocated_bytes"] = r.peak_allocated_bytes;
-  d["spilled_bytes"] = r.spilled_bytes;
-  d["restored_bytes"] = r.restored_bytes;
-  d["pending_migration_bytes"] = r.pending_migration_bytes;
-  d["iteration_last_us"] = r.iteration_last_us;
-  d["iteration_ewma_us"] = r.iteration_ewma_us;
-  d["iteration_count"] = r.iteration_count;
-  d["applied_memory_cap"] = cap_to_python(r.applied_memory_cap);
-  d["applied_share"] = r.applied_share;
-  d["applied_command_sequence"] = r.applied_command_sequence;
-  d["apply_errors"] = r.apply_errors;
-  d["heartbeat_ns"] = r.heartbeat_ns;
-  return d;
-}
+py::dict control_dict(const JobControl& control) { return record_dict(control); }
+py::dict report_dict(const JobReport& report) { return record_dict(report); }
 
 // The coordinator's handle on one block.
 class PyJobBlock {
  public:
-  explicit PyJobBlock(ShmRegion region) : region_(std::move(region)) {}
+  PyJobBlock(ShmRegion region, const JobControl& control) : region_(std::move(region)), control_(control) {}
 
   static std::unique_ptr<PyJobBlock> create(const std::string& name, std::uint64_t job_id,
                                             const std::string& job_name, const std::string& role,
                                             std::uint32_t device, std::uint64_t pid, std::uint64_t uid,
-                                            const py::object& memory_cap, double share) {
+                                            const py::object& memory_cap, double share, const std::string& gpu_uuid,
+                                            std::uint64_t pid_start_ticks, std::uint64_t owner_token) {
+    if (job_name.size() >= shm::kJobNameBytes) {
+      throw Error("a job name holds at most " + std::to_string(shm::kJobNameBytes - 1) + " bytes; '" + job_name +
+                  "' has " + std::to_string(job_name.size()) + " (UTF-8)");
+    }
     JobIdentity identity;
     identity.job_id = job_id;
     identity.name = job_name;
     identity.role = shm::parse_job_role(role);
     identity.device = device;
+    identity.gpu_uuid = gpu_uuid;
     identity.pid = pid;
+    identity.pid_start_ticks = pid_start_ticks;
     identity.uid = uid;
     identity.created_ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -134,15 +131,23 @@ class PyJobBlock {
     JobControl control;
     control.memory_cap = cap_from_python(memory_cap);
     control.share = share_from_python(share);
-    auto block = std::make_unique<PyJobBlock>(ShmRegion::create(name, shm::kJobBlockBytes));
-    shm::initialize_job_block(block->block(), identity, control);
+    auto block = std::make_unique<PyJobBlock>(ShmRegion::create(name, shm::kJobBlockBytes), control);
+    shm::initialize_job_block(block->block(), identity, control, owner_token);
     return block;
   }
 
+  // Adopts an existing block. The control values are read once, here (a
+  // section left mid-update gives the defaults; the caller rewrites them
+  // from its own state); from then on this handle owns them.
   static std::unique_ptr<PyJobBlock> open(const std::string& name) {
-    auto block = std::make_unique<PyJobBlock>(ShmRegion::open(name, 0));
-    shm::check_job_block(block->block(), block->region_.size());
-    return block;
+    ShmRegion region = ShmRegion::open(name, 0);
+    shm::check_job_block(*static_cast<JobBlock*>(region.data()), region.size());
+    JobControl control;
+    try {
+      control = shm::read_control(*static_cast<JobBlock*>(region.data()), std::chrono::milliseconds(0));
+    } catch (const Error&) {
+    }
+    return std::make_unique<PyJobBlock>(std::move(region), control);
   }
 
   JobBlock& block() {
@@ -153,21 +158,24 @@ class PyJobBlock {
     if (name_.empty()) name_ = region_.name();
     return name_;
   }
+  const JobControl& control() const { return control_; }
 
+  // The coordinator's writes: from its own copy, never from what is in the
+  // block (which a job could have left mid-update).
   void set_control(const py::object& memory_cap, const py::object& share) {
-    auto& b = block();
-    JobControl control = shm::read_control(b);
+    JobControl control = control_;
     if (!memory_cap.is(py::ellipsis())) control.memory_cap = cap_from_python(memory_cap);
     if (!share.is(py::ellipsis())) control.share = share_from_python(share.cast<double>());
-    shm::write_control(b, control);
+    shm::write_control(block(), control);
+    control_ = control;
   }
 
   std::uint64_t send_command(const std::string& name) {
-    auto& b = block();
-    JobControl control = shm::read_control(b);
+    JobControl control = control_;
     control.command = command_from_name(name);
     ++control.command_sequence;
-    shm::write_control(b, control);
+    shm::write_control(block(), control);
+    control_ = control;
     return control.command_sequence;
   }
 
@@ -183,6 +191,7 @@ class PyJobBlock {
 
  private:
   ShmRegion region_;
+  JobControl control_;
   std::string name_;
 };
 
@@ -190,9 +199,9 @@ class PyJobBlock {
 // Python hook waiting for the GIL cannot deadlock the stop.
 class PyJobChannel {
  public:
-  PyJobChannel(const std::string& block_name, JobChannelHooks hooks, std::uint64_t poll_interval_us,
-               bool uses_python_hooks)
-      : uses_python_hooks_(uses_python_hooks) {
+  PyJobChannel(const std::string& block_name, std::unique_ptr<SimulatedJobProcess> process, JobChannelHooks hooks,
+               std::uint64_t poll_interval_us, bool uses_python_hooks)
+      : process_(std::move(process)), uses_python_hooks_(uses_python_hooks) {
     JobChannelOptions options;
     options.poll_interval = std::chrono::microseconds(poll_interval_us);
     channel_ = std::make_unique<JobChannel>(block_name, std::move(hooks), options);
@@ -213,8 +222,13 @@ class PyJobChannel {
     }
     channel_.reset();  // destroys the hooks (Python objects) with the GIL held
   }
+  SimulatedJobProcess& process() {
+    if (!process_) throw Error("this job channel has no simulated job process (pass allocator=...)");
+    return *process_;
+  }
 
  private:
+  std::unique_ptr<SimulatedJobProcess> process_;  // outlives channel_ (declared first)
   std::unique_ptr<JobChannel> channel_;
   bool uses_python_hooks_;
 };
@@ -227,6 +241,17 @@ std::function<void(Args...)> python_hook(const py::object& callable) {
   return [shared](Args... args) {
     py::gil_scoped_acquire gil;
     (*shared)(args...);
+  };
+}
+
+// The suspend hook: a callable returning False means "did not take effect".
+std::function<bool(bool)> python_suspend_hook(const py::object& callable) {
+  if (callable.is_none()) return {};
+  auto shared = std::make_shared<py::object>(callable);
+  return [shared](bool suspended) {
+    py::gil_scoped_acquire gil;
+    py::object result = (*shared)(suspended);
+    return result.is_none() || result.cast<bool>();
   };
 }
 
@@ -245,14 +270,22 @@ COTENANT_CORE_BINDINGS(job_channel) {
                          "out; the job's report in).")
       .def_static("create", &PyJobBlock::create, py::arg("name"), py::kw_only(), py::arg("job_id"),
                   py::arg("job_name"), py::arg("role"), py::arg("device"), py::arg("pid"), py::arg("uid"),
-                  py::arg("memory_cap") = py::none(), py::arg("share") = 1.0,
+                  py::arg("memory_cap") = py::none(), py::arg("share") = 1.0, py::arg("gpu_uuid") = "",
+                  py::arg("pid_start_ticks") = 0, py::arg("owner_token") = 0,
                   "Creates the block (refuses an existing name) with its identity and initial control.")
       .def_static("open", &PyJobBlock::open, py::arg("name"),
                   "Opens an existing block; raises Error if it is not a block of this version.")
       .def_property_readonly("name", &PyJobBlock::name)
       .def("identity", [](PyJobBlock& self) { return identity_dict(shm::read_identity(self.block())); })
-      .def("control", [](PyJobBlock& self) { return control_dict(shm::read_control(self.block())); })
-      .def("report", [](PyJobBlock& self) { return report_dict(shm::read_report(self.block())); })
+      .def("control", [](PyJobBlock& self) { return control_dict(self.control()); },
+           "The control values this handle wrote (the coordinator's own copy).")
+      .def("report", [](PyJobBlock& self) -> py::object {
+             std::optional<JobReport> report = shm::try_read_report(self.block());
+             if (!report) return py::none();
+             return report_dict(*report);
+           },
+           "The job's report, or None while its writer is mid-update (never waits).")
+      .def("owner_token", [](PyJobBlock& self) { return shm::read_owner_token(self.block()); })
       .def("heartbeat_ns", [](PyJobBlock& self) { return shm::read_heartbeat_ns(self.block()); })
       .def("set_control", &PyJobBlock::set_control, py::kw_only(), py::arg("memory_cap") = py::ellipsis(),
            py::arg("share") = py::ellipsis(),
@@ -270,7 +303,11 @@ COTENANT_CORE_BINDINGS(job_channel) {
                        const py::object& on_restore_all, const py::object& on_suspend,
                        std::uint64_t poll_interval_us) {
              JobChannelHooks hooks;
-             if (allocator != nullptr) hooks = JobChannel::simulated_allocator_hooks(*allocator);
+             std::unique_ptr<SimulatedJobProcess> process;
+             if (allocator != nullptr) {
+               process = std::make_unique<SimulatedJobProcess>(*allocator);
+               hooks = job_channel_hooks(*process);
+             }
              bool python_hooks = false;
              auto take = [&python_hooks](auto& slot, auto hook) {
                if (hook) {
@@ -282,17 +319,18 @@ COTENANT_CORE_BINDINGS(job_channel) {
              take(hooks.set_share, python_hook<double>(on_share));
              take(hooks.spill_all, python_hook<>(on_spill_all));
              take(hooks.restore_all, python_hook<>(on_restore_all));
-             take(hooks.set_suspended, python_hook<bool>(on_suspend));
-             return std::make_unique<PyJobChannel>(block_name, std::move(hooks), poll_interval_us, python_hooks);
+             take(hooks.set_suspended, python_suspend_hook(on_suspend));
+             return std::make_unique<PyJobChannel>(block_name, std::move(process), std::move(hooks), poll_interval_us,
+                                                   python_hooks);
            }),
            // The channel's hooks hold the allocator: keep it alive as long.
            py::keep_alive<1, 3>(), py::arg("block_name"), py::kw_only(), py::arg("allocator") = nullptr,
            py::arg("on_cap") = py::none(), py::arg("on_share") = py::none(), py::arg("on_spill_all") = py::none(),
            py::arg("on_restore_all") = py::none(), py::arg("on_suspend") = py::none(),
            py::arg("poll_interval_us") = 2000,
-           "allocator: a CachingAllocator whose cap and statistics the channel drives (migrations apply at "
-           "once, as on the simulated device). on_*: Python callables run with the GIL (they override the "
-           "allocator's hooks).")
+           "allocator: a CachingAllocator the channel drives through a SimulatedJobProcess (the same command "
+           "code a real job runs; migrations apply at once, as on the simulated device). on_*: Python callables "
+           "run with the GIL (they override those hooks; on_suspend may return False for 'not yet').")
       .def("start", [](PyJobChannel& self) { self.channel().start(); })
       .def("stop",
            [](PyJobChannel& self) {
@@ -306,8 +344,13 @@ COTENANT_CORE_BINDINGS(job_channel) {
              return self.channel().poll_once();
            },
            "One apply + publish round on this thread; True if anything was applied.")
-      .def("record_iteration", [](PyJobChannel& self, double us) { self.channel().record_iteration(us); },
-           py::arg("microseconds"))
+      .def("iteration_boundary", [](PyJobChannel& self) { self.process().iteration_tracker().boundary(); },
+           "The simulated job ends one iteration (its IterationTracker measures it).")
+      .def("record_iteration_ns", [](PyJobChannel& self, std::int64_t ns) { self.process().iteration_tracker().record(ns); },
+           py::arg("ns"), "The simulated job ran one iteration that took `ns` nanoseconds.")
+      .def("set_user_share", [](PyJobChannel& self, double share) { self.process().set_user_share(share); },
+           py::arg("share"), "The simulated job's own share (the coordinator's caps it).")
+      .def_property_readonly("launches_paused", [](PyJobChannel& self) { return self.process().launches_paused(); })
       .def_property_readonly("running", [](PyJobChannel& self) { return self.channel().running(); })
       .def_property_readonly("block_name", [](PyJobChannel& self) { return self.channel().block_name(); })
       .def("identity", [](PyJobChannel& self) { return identity_dict(self.channel().identity()); })

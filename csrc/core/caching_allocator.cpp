@@ -52,7 +52,7 @@ struct CachingAllocator::State {
   std::vector<EventHandle> spare_events;
   AllocatorStats stats;
   std::uint64_t cap = kNoCap;
-  bool spill_everything = false;  // spill_all() in force until restore_all()/set_memory_cap()
+  bool spill_everything = false;  // spill_all() in force until restore_all()
   std::uint64_t tick = 0;         // counts allocations; a page's heat is the tick of its last use
   // Bytes of mapped pages no live block touches, by residency: lets the
   // allocation slow path skip a scan for cache when there is none.
@@ -959,16 +959,12 @@ std::size_t CachingAllocator::host_bytes_of(DevicePtr address) const {
 }
 
 void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
-  if (bytes == 0) {
-    throw Error(
-        "a memory cap of 0 bytes would leave the job no device memory; give a positive cap, or call "
-        "spill_all() to move everything to the host");
-  }
+  if (bytes == 0) Cap::of_bytes(0);  // throws the one message for a zero cap
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.cap = bytes;
-  s.spill_everything = false;
   s.stats.memory_cap = bytes;
+  if (s.spill_everything) return;  // everything stays on the host until restore_all()
   if (s.device_bytes() > bytes) {
     const Residency device = Residency::kDevice;
     s.release_cached_pages(&device, s.device_bytes() - bytes);  // cache goes first: it costs no copy
@@ -977,9 +973,16 @@ void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
   s.mark_pending(pending_migrations_);
 }
 
+void CachingAllocator::set_memory_cap(const Cap& cap) { set_memory_cap(cap.to_word(backend_.device_total_bytes())); }
+
 std::uint64_t CachingAllocator::memory_cap() const {
   std::lock_guard lock(state_->mutex);
   return state_->cap;
+}
+
+bool CachingAllocator::spilled_all() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->spill_everything;
 }
 
 void CachingAllocator::spill_all() {
@@ -1020,7 +1023,8 @@ void CachingAllocator::check_invariants() const {
 AllocatorStats CachingAllocator::stats() const {
   std::lock_guard lock(state_->mutex);
   AllocatorStats out = state_->stats;
-  out.memory_cap = state_->spill_everything ? 0 : state_->cap;
+  out.memory_cap = state_->cap;
+  out.spilled_all = state_->spill_everything;
   out.mode = state_->mode();
   return out;
 }

@@ -5,21 +5,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
 
 #include "cotenant/errors.h"
-#include "cotenant/shm/double_bits.h"
 #include "cotenant/shm/gpu_block.h"
 
 namespace cotenant::shm {
 namespace {
-
-double clamp_share(double share) {
-  if (!(share >= 0.0)) return 0.0;
-  return share > 1.0 ? 1.0 : share;
-}
 
 bool pid_exists(std::uint64_t pid) {
   if (pid == 0 || pid > static_cast<std::uint64_t>(INT32_MAX)) return false;
@@ -75,16 +70,9 @@ void clear_guaranteed(GuaranteedSlot& slot) {
   slot.busy.store(0);
   slot.ops_in_flight.store(0);
   slot.last_activity_ns.store(0);
-  slot.iteration_sequence.store(0);
-  slot.iterations.store(0);
-  slot.iteration_last_ns.store(0);
-  slot.iteration_ewma_ns.store(0);
-  slot.iteration_p99_ns.store(0);
 }
 
-void clear_opportunistic(OpportunisticSlot& slot, std::uint64_t default_share_bits) {
-  slot.share_bits.store(default_share_bits);
-  slot.share_from_coordinator.store(0);
+void clear_opportunistic(OpportunisticSlot& slot) {
   slot.admitted_ops.store(0);
   slot.waiting_ops.store(0);
   slot.busy_ns_in_window.store(0);
@@ -92,21 +80,26 @@ void clear_opportunistic(OpportunisticSlot& slot, std::uint64_t default_share_bi
 
 // Writes a fresh block. Callers hold the ObjectLock; magic goes last so a
 // reader that checks it sees a complete block.
-void initialise(GpuBlock& block, std::uint32_t device, double default_share) {
+void initialise(GpuBlock& block, std::uint32_t device, const std::string& gpu_uuid) {
   const std::uint64_t generation = block.magic.load() == kGpuBlockMagic ? block.generation.load() + 1 : 1;
   block.magic.store(0);
   block.version.store(kGpuBlockVersion);
   block.block_bytes.store(sizeof(GpuBlock));
   block.device.store(device);
   block.generation.store(generation);
-  block.default_share_bits.store(double_to_bits(clamp_share(default_share)));
-  block.coordinator_pid.store(0);
+  char uuid[kGpuBlockUuidBytes] = {};
+  std::memcpy(uuid, gpu_uuid.data(), std::min(gpu_uuid.size(), kGpuBlockUuidBytes - 1));
+  for (std::size_t word = 0; word < kGpuBlockUuidBytes / 8; ++word) {
+    std::uint64_t bits;
+    std::memcpy(&bits, uuid + word * 8, 8);
+    block.gpu_uuid[word].store(bits);
+  }
   block.guaranteed.pid.store(0);
   clear_guaranteed(block.guaranteed);
   for (auto& slot : block.opportunistic) {
     slot.pid.store(0);
     slot.heartbeat_ns.store(0);
-    clear_opportunistic(slot, block.default_share_bits.load());
+    clear_opportunistic(slot);
   }
   block.magic.store(kGpuBlockMagic, std::memory_order_release);
 }
@@ -137,26 +130,20 @@ std::vector<FieldLayout> gpu_block_layout() {
   add("block_bytes", &b.block_bytes, &b);
   add("device", &b.device, &b);
   add("generation", &b.generation, &b);
-  add("default_share_bits", &b.default_share_bits, &b);
-  add("coordinator_pid", &b.coordinator_pid, &b);
+  for (std::size_t word = 0; word < kGpuBlockUuidBytes / 8; ++word) {
+    add("gpu_uuid[" + std::to_string(word) + "]", &b.gpu_uuid[word], &b);
+  }
   const GuaranteedSlot& g = b.guaranteed;
   add("guaranteed.pid", &g.pid, &b);
   add("guaranteed.heartbeat_ns", &g.heartbeat_ns, &b);
   add("guaranteed.busy", &g.busy, &b);
   add("guaranteed.ops_in_flight", &g.ops_in_flight, &b);
   add("guaranteed.last_activity_ns", &g.last_activity_ns, &b);
-  add("guaranteed.iteration_sequence", &g.iteration_sequence, &b);
-  add("guaranteed.iterations", &g.iterations, &b);
-  add("guaranteed.iteration_last_ns", &g.iteration_last_ns, &b);
-  add("guaranteed.iteration_ewma_ns", &g.iteration_ewma_ns, &b);
-  add("guaranteed.iteration_p99_ns", &g.iteration_p99_ns, &b);
   for (std::size_t i = 0; i < kMaxOpportunisticJobs; ++i) {
     const OpportunisticSlot& o = b.opportunistic[i];
     const std::string prefix = "opportunistic[" + std::to_string(i) + "].";
     add(prefix + "pid", &o.pid, &b);
     add(prefix + "heartbeat_ns", &o.heartbeat_ns, &b);
-    add(prefix + "share_bits", &o.share_bits, &b);
-    add(prefix + "share_from_coordinator", &o.share_from_coordinator, &b);
     add(prefix + "admitted_ops", &o.admitted_ops, &b);
     add(prefix + "waiting_ops", &o.waiting_ops, &b);
     add(prefix + "busy_ns_in_window", &o.busy_ns_in_window, &b);
@@ -179,14 +166,14 @@ GpuPeerSegment GpuPeerSegment::open(const std::string& name, std::uint32_t devic
 
   SegmentOpening opening = SegmentOpening::kAttached;
   if (found_bytes == 0) {
-    initialise(block, device, options.default_share);
+    initialise(block, device, options.gpu_uuid);
     opening = SegmentOpening::kCreated;
   } else if (block.magic.load(std::memory_order_acquire) != kGpuBlockMagic ||
              block.version.load() != kGpuBlockVersion || block.block_bytes.load() != sizeof(GpuBlock) ||
              block.device.load() != device) {
     // Left by another version, a creator that died before finishing (it
     // held the lock, so nobody saw it half-written), or foreign bytes.
-    initialise(block, device, options.default_share);
+    initialise(block, device, options.gpu_uuid);
     opening = SegmentOpening::kReinitialised;
   }
   GpuPeerSegment segment(std::move(region), opening, options, clock);
@@ -238,7 +225,7 @@ std::size_t GpuPeerSegment::claim_opportunistic(std::uint64_t pid) {
     if (holder != 0 && holder_alive(holder, static_cast<Nanoseconds>(slot.heartbeat_ns.load()))) continue;
     slot.heartbeat_ns.store(static_cast<std::uint64_t>(clock_->now_ns()));
     if (!slot.pid.compare_exchange_strong(holder, pid)) continue;
-    clear_opportunistic(slot, b.default_share_bits.load());
+    clear_opportunistic(slot);
     slot.heartbeat_ns.store(static_cast<std::uint64_t>(clock_->now_ns()));
     return i;
   }
@@ -286,58 +273,11 @@ std::size_t GpuPeerSegment::reclaim_crashed() {
   return reclaimed;
 }
 
-void GpuPeerSegment::set_share(std::size_t slot, double share, bool from_coordinator) {
-  if (slot >= kMaxOpportunisticJobs) {
-    throw Error("opportunistic slot " + std::to_string(slot) + " does not exist; slots are 0 to " +
-                std::to_string(kMaxOpportunisticJobs - 1));
-  }
-  block().opportunistic[slot].share_bits.store(double_to_bits(clamp_share(share)));
-  if (from_coordinator) block().opportunistic[slot].share_from_coordinator.store(1);
-}
-
-double GpuPeerSegment::share(std::size_t slot) const {
-  if (slot >= kMaxOpportunisticJobs) return 0.0;
-  return bits_to_double(block().opportunistic[slot].share_bits.load(std::memory_order_relaxed));
-}
-
-void GpuPeerSegment::set_default_share(double share) {
-  block().default_share_bits.store(double_to_bits(clamp_share(share)));
-}
-
-void GpuPeerSegment::set_coordinator_pid(std::uint64_t pid) { block().coordinator_pid.store(pid); }
-
 void GpuPeerSegment::publish_activity(bool busy, std::uint32_t ops_in_flight, Nanoseconds last_activity_ns) {
   GuaranteedSlot& slot = block().guaranteed;
   slot.ops_in_flight.store(ops_in_flight, std::memory_order_relaxed);
   slot.last_activity_ns.store(static_cast<std::uint64_t>(last_activity_ns), std::memory_order_relaxed);
   slot.busy.store(busy ? 1 : 0, std::memory_order_release);
-}
-
-void GpuPeerSegment::publish_iterations(const IterationStats& stats) {
-  GuaranteedSlot& slot = block().guaranteed;
-  const std::uint64_t sequence = slot.iteration_sequence.load(std::memory_order_relaxed);
-  slot.iteration_sequence.store(sequence + 1);  // odd: being written (seq_cst orders the stores)
-  slot.iterations.store(stats.iterations);
-  slot.iteration_last_ns.store(static_cast<std::uint64_t>(stats.last_ns));
-  slot.iteration_ewma_ns.store(static_cast<std::uint64_t>(stats.ewma_ns));
-  slot.iteration_p99_ns.store(static_cast<std::uint64_t>(stats.p99_ns));
-  slot.iteration_sequence.store(sequence + 2);
-}
-
-IterationStats GpuPeerSegment::guaranteed_iterations() const {
-  const GuaranteedSlot& slot = block().guaranteed;
-  // Bounded: a writer that died mid-write leaves the sequence odd forever;
-  // then the figures are returned as they are.
-  for (int attempt = 0;; ++attempt) {
-    const std::uint64_t before = slot.iteration_sequence.load();
-    if (before % 2 == 1 && attempt < 10'000) continue;
-    IterationStats stats;
-    stats.iterations = slot.iterations.load();
-    stats.last_ns = static_cast<Nanoseconds>(slot.iteration_last_ns.load());
-    stats.ewma_ns = static_cast<Nanoseconds>(slot.iteration_ewma_ns.load());
-    stats.p99_ns = static_cast<Nanoseconds>(slot.iteration_p99_ns.load());
-    if (slot.iteration_sequence.load() == before || attempt >= 10'000) return stats;
-  }
 }
 
 void GpuPeerSegment::report_gate(std::size_t slot_index, const LaunchGateStats& stats) {
@@ -363,8 +303,13 @@ GpuSegmentView GpuPeerSegment::view() const {
   GpuSegmentView out;
   out.device = static_cast<std::uint32_t>(b.device.load());
   out.generation = b.generation.load();
-  out.default_share = bits_to_double(b.default_share_bits.load());
-  out.coordinator_pid = b.coordinator_pid.load();
+  char uuid[kGpuBlockUuidBytes];
+  for (std::size_t word = 0; word < kGpuBlockUuidBytes / 8; ++word) {
+    std::uint64_t bits = b.gpu_uuid[word].load();
+    std::memcpy(uuid + word * 8, &bits, 8);
+  }
+  uuid[kGpuBlockUuidBytes - 1] = '\0';
+  out.gpu_uuid = uuid;
   const GuaranteedSlot& g = b.guaranteed;
   out.guaranteed.pid = g.pid.load();
   out.guaranteed.heartbeat_ns = static_cast<Nanoseconds>(g.heartbeat_ns.load());
@@ -372,7 +317,6 @@ GpuSegmentView GpuPeerSegment::view() const {
   out.guaranteed.busy = g.busy.load() != 0;
   out.guaranteed.ops_in_flight = g.ops_in_flight.load();
   out.guaranteed.last_activity_ns = static_cast<Nanoseconds>(g.last_activity_ns.load());
-  out.guaranteed.iterations = guaranteed_iterations();
   for (std::size_t i = 0; i < kMaxOpportunisticJobs; ++i) {
     const OpportunisticSlot& o = b.opportunistic[i];
     OpportunisticView v;
@@ -381,8 +325,6 @@ GpuSegmentView GpuPeerSegment::view() const {
     if (v.pid == 0) continue;
     v.heartbeat_ns = static_cast<Nanoseconds>(o.heartbeat_ns.load());
     v.live = holder_alive(v.pid, v.heartbeat_ns);
-    v.share = bits_to_double(o.share_bits.load());
-    v.share_from_coordinator = o.share_from_coordinator.load() != 0;
     v.admitted_ops = o.admitted_ops.load();
     v.waiting_ops = o.waiting_ops.load();
     v.busy_ns_in_window = static_cast<Nanoseconds>(o.busy_ns_in_window.load());

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 
 #include "cotenant/errors.h"
 #include "cotenant/shm/double_bits.h"
@@ -28,45 +29,97 @@ void seqlock_write(JobBlock::Word& sequence, WriteFields write_fields) {
   sequence.store(start + 2, std::memory_order_release);
 }
 
-// How long a reader waits for a writer to finish before deciding it died
-// mid-update. A live writer holds the section for nanoseconds; only a
-// descheduled or killed one takes longer.
-constexpr auto kWriterPatience = std::chrono::milliseconds(250);
-
+// Reads one section; returns false (no throw) when `patience` passed while
+// the writer stayed mid-update. A live writer holds the section for
+// nanoseconds; only a descheduled or killed one (or a tampering job) takes
+// longer. Zero patience: a few tries, no waiting.
 template <typename ReadFields>
-void seqlock_read(const JobBlock::Word& sequence, const char* section, ReadFields read_fields) {
+bool seqlock_try_read(const JobBlock::Word& sequence, std::chrono::milliseconds patience, ReadFields read_fields) {
   std::chrono::steady_clock::time_point deadline{};
   for (unsigned attempt = 0;; ++attempt) {
     std::uint64_t before = sequence.load(std::memory_order_acquire);
     if ((before & 1) == 0) {
       read_fields();
       std::atomic_thread_fence(std::memory_order_acquire);
-      if (sequence.load(kRelaxed) == before) return;
+      if (sequence.load(kRelaxed) == before) return true;
     }
+    if (patience.count() == 0 && attempt >= 16) return false;
     if (attempt >= 64) std::this_thread::yield();
-    if ((attempt & 1023) == 1023) {
+    if ((attempt & 63) == 63) {
       auto now = std::chrono::steady_clock::now();
       if (deadline == std::chrono::steady_clock::time_point{}) {
-        deadline = now + kWriterPatience;
+        deadline = now + patience;
       } else if (now > deadline) {
-        throw Error(std::string("the job block's ") + section +
-                    " section stayed mid-update for 250 ms: its writer stopped while writing; "
-                    "the next write repairs it");
+        return false;
       }
     }
   }
 }
 
+template <typename ReadFields>
+void seqlock_read(const JobBlock::Word& sequence, const char* section, std::chrono::milliseconds patience,
+                  ReadFields read_fields) {
+  if (!seqlock_try_read(sequence, patience, read_fields)) {
+    throw Error(std::string("the job block's ") + section + " section stayed mid-update for " +
+                std::to_string(patience.count()) +
+                " ms: its writer stopped while writing; the next write repairs it");
+  }
+}
+
+// Fields to and from their words.
+std::uint64_t to_word(std::uint64_t value) { return value; }
+std::uint64_t to_word(std::uint32_t value) { return value; }
+std::uint64_t to_word(double value) { return double_to_bits(value); }
+template <typename Enum, typename = std::enable_if_t<std::is_enum_v<Enum>>>
+std::uint64_t to_word(Enum value) {
+  return static_cast<std::uint64_t>(value);
+}
+template <typename T>
+T from_word(std::uint64_t word) {
+  if constexpr (std::is_same_v<T, double>) {
+    return bits_to_double(word);
+  } else {
+    return static_cast<T>(word);
+  }
+}
+
+void store_text(JobBlock::Word* words, std::size_t bytes, const std::string& text) {
+  std::string padded(bytes, '\0');
+  std::memcpy(padded.data(), text.data(), std::min(text.size(), bytes - 1));
+  for (std::size_t word = 0; word < bytes / 8; ++word) {
+    std::uint64_t bits;
+    std::memcpy(&bits, padded.data() + word * 8, 8);
+    words[word].store(bits, kRelaxed);
+  }
+}
+
+std::string load_text(const JobBlock::Word* words, std::size_t bytes) {
+  std::string text(bytes, '\0');
+  for (std::size_t word = 0; word < bytes / 8; ++word) {
+    std::uint64_t bits = words[word].load(kRelaxed);
+    std::memcpy(text.data() + word * 8, &bits, 8);
+  }
+  text[bytes - 1] = '\0';
+  text.resize(std::strlen(text.c_str()));
+  return text;
+}
+
 }  // namespace
 
 const char* job_role_name(JobRole role) {
-  return role == JobRole::kGuaranteed ? "guaranteed" : "opportunistic";
+  switch (role) {
+    case JobRole::kGuaranteed: return "guaranteed";
+    case JobRole::kOpportunistic: return "opportunistic";
+    case JobRole::kCapOnly: return "cap_only";
+  }
+  return "unknown";
 }
 
 JobRole parse_job_role(std::string_view text) {
   if (text == "guaranteed") return JobRole::kGuaranteed;
   if (text == "opportunistic") return JobRole::kOpportunistic;
-  throw Error("'" + std::string(text) + "' is not a job role: use 'guaranteed' or 'opportunistic'");
+  if (text == "cap_only") return JobRole::kCapOnly;
+  throw Error("'" + std::string(text) + "' is not a job role: use 'guaranteed', 'opportunistic' or 'cap_only'");
 }
 
 const char* job_command_name(JobCommand command) {
@@ -96,31 +149,27 @@ std::uint64_t monotonic_ns() {
   return static_cast<std::uint64_t>(now.tv_sec) * 1000000000ull + static_cast<std::uint64_t>(now.tv_nsec);
 }
 
-void initialize_job_block(JobBlock& block, const JobIdentity& identity, const JobControl& control) {
+void initialize_job_block(JobBlock& block, const JobIdentity& identity, const JobControl& control,
+                          std::uint64_t owner_token) {
   auto& id = block.identity;
   id.job_id.store(identity.job_id, kRelaxed);
   id.role.store(static_cast<std::uint64_t>(identity.role), kRelaxed);
   id.device.store(identity.device, kRelaxed);
   id.pid.store(identity.pid, kRelaxed);
+  id.pid_start_ticks.store(identity.pid_start_ticks, kRelaxed);
   id.uid.store(identity.uid, kRelaxed);
   id.created_ns.store(identity.created_ns, kRelaxed);
-  char name[kJobNameBytes] = {};
-  std::memcpy(name, identity.name.data(), std::min(identity.name.size(), kJobNameBytes - 1));
-  for (std::size_t word = 0; word < kJobNameBytes / 8; ++word) {
-    std::uint64_t bits;
-    std::memcpy(&bits, name + word * 8, 8);
-    id.name[word].store(bits, kRelaxed);
-  }
+  store_text(id.name, kJobNameBytes, identity.name);
+  store_text(id.gpu_uuid, kGpuUuidBytes, identity.gpu_uuid);
   write_control(block, control);
   JobReport report;
   report.pid = identity.pid;
   report.uid = identity.uid;
   report.role = identity.role;
   report.device = identity.device;
-  report.applied_memory_cap = kUnlimitedCap;
-  report.applied_share = 1.0;
   write_report(block, report);
   block.heartbeat_ns.store(0, kRelaxed);  // 0 = the job has not attached yet
+  block.owner_token.store(owner_token, kRelaxed);
   block.block_bytes.store(sizeof(JobBlock), kRelaxed);
   block.version.store(kJobBlockVersion, kRelaxed);
   block.magic.store(kJobBlockMagic, kRelaxed);
@@ -152,36 +201,32 @@ JobIdentity read_identity(const JobBlock& block) {
   identity.role = static_cast<JobRole>(id.role.load(kRelaxed));
   identity.device = static_cast<std::uint32_t>(id.device.load(kRelaxed));
   identity.pid = id.pid.load(kRelaxed);
+  identity.pid_start_ticks = id.pid_start_ticks.load(kRelaxed);
   identity.uid = id.uid.load(kRelaxed);
   identity.created_ns = id.created_ns.load(kRelaxed);
-  char name[kJobNameBytes];
-  for (std::size_t word = 0; word < kJobNameBytes / 8; ++word) {
-    std::uint64_t bits = id.name[word].load(kRelaxed);
-    std::memcpy(name + word * 8, &bits, 8);
-  }
-  name[kJobNameBytes - 1] = '\0';
-  identity.name = name;
+  identity.name = load_text(id.name, kJobNameBytes);
+  identity.gpu_uuid = load_text(id.gpu_uuid, kGpuUuidBytes);
   return identity;
 }
+
+std::uint64_t read_owner_token(const JobBlock& block) { return block.owner_token.load(kRelaxed); }
 
 void write_control(JobBlock& block, const JobControl& control) {
   auto& c = block.control;
   seqlock_write(c.sequence, [&] {
-    c.memory_cap.store(control.memory_cap, kRelaxed);
-    c.share_bits.store(double_to_bits(control.share), kRelaxed);
-    c.command.store(static_cast<std::uint64_t>(control.command), kRelaxed);
-    c.command_sequence.store(control.command_sequence, kRelaxed);
+#define COTENANT_STORE(type, name, initial) c.name.store(to_word(control.name), kRelaxed);
+    COTENANT_JOB_CONTROL_FIELDS(COTENANT_STORE)
+#undef COTENANT_STORE
   });
 }
 
-JobControl read_control(const JobBlock& block) {
+JobControl read_control(const JobBlock& block, std::chrono::milliseconds patience) {
   const auto& c = block.control;
   JobControl control;
-  seqlock_read(c.sequence, "control", [&] {
-    control.memory_cap = c.memory_cap.load(kRelaxed);
-    control.share = bits_to_double(c.share_bits.load(kRelaxed));
-    control.command = static_cast<JobCommand>(c.command.load(kRelaxed));
-    control.command_sequence = c.command_sequence.load(kRelaxed);
+  seqlock_read(c.sequence, "control", patience, [&] {
+#define COTENANT_LOAD(type, name, initial) control.name = from_word<type>(c.name.load(kRelaxed));
+    COTENANT_JOB_CONTROL_FIELDS(COTENANT_LOAD)
+#undef COTENANT_LOAD
   });
   return control;
 }
@@ -189,58 +234,38 @@ JobControl read_control(const JobBlock& block) {
 void write_report(JobBlock& block, const JobReport& r) {
   auto& b = block.report;
   seqlock_write(b.sequence, [&] {
-    b.pid.store(r.pid, kRelaxed);
-    b.uid.store(r.uid, kRelaxed);
-    b.role.store(static_cast<std::uint64_t>(r.role), kRelaxed);
-    b.device.store(r.device, kRelaxed);
-    b.state.store(static_cast<std::uint64_t>(r.state), kRelaxed);
-    b.device_bytes.store(r.device_bytes, kRelaxed);
-    b.host_bytes.store(r.host_bytes, kRelaxed);
-    b.allocated_bytes.store(r.allocated_bytes, kRelaxed);
-    b.cached_bytes.store(r.cached_bytes, kRelaxed);
-    b.reserved_bytes.store(r.reserved_bytes, kRelaxed);
-    b.peak_allocated_bytes.store(r.peak_allocated_bytes, kRelaxed);
-    b.spilled_bytes.store(r.spilled_bytes, kRelaxed);
-    b.restored_bytes.store(r.restored_bytes, kRelaxed);
-    b.pending_migration_bytes.store(r.pending_migration_bytes, kRelaxed);
-    b.iteration_last_us_bits.store(double_to_bits(r.iteration_last_us), kRelaxed);
-    b.iteration_ewma_us_bits.store(double_to_bits(r.iteration_ewma_us), kRelaxed);
-    b.iteration_count.store(r.iteration_count, kRelaxed);
-    b.applied_memory_cap.store(r.applied_memory_cap, kRelaxed);
-    b.applied_share_bits.store(double_to_bits(r.applied_share), kRelaxed);
-    b.applied_command_sequence.store(r.applied_command_sequence, kRelaxed);
-    b.apply_errors.store(r.apply_errors, kRelaxed);
+#define COTENANT_STORE(type, name, initial) b.name.store(to_word(r.name), kRelaxed);
+    COTENANT_JOB_REPORT_FIELDS(COTENANT_STORE)
+#undef COTENANT_STORE
   });
   block.heartbeat_ns.store(r.heartbeat_ns, std::memory_order_release);
 }
 
-JobReport read_report(const JobBlock& block) {
+namespace {
+bool read_report_fields(const JobBlock& block, std::chrono::milliseconds patience, JobReport& r) {
   const auto& b = block.report;
-  JobReport r;
-  seqlock_read(b.sequence, "report", [&] {
-    r.pid = b.pid.load(kRelaxed);
-    r.uid = b.uid.load(kRelaxed);
-    r.role = static_cast<JobRole>(b.role.load(kRelaxed));
-    r.device = static_cast<std::uint32_t>(b.device.load(kRelaxed));
-    r.state = static_cast<JobState>(b.state.load(kRelaxed));
-    r.device_bytes = b.device_bytes.load(kRelaxed);
-    r.host_bytes = b.host_bytes.load(kRelaxed);
-    r.allocated_bytes = b.allocated_bytes.load(kRelaxed);
-    r.cached_bytes = b.cached_bytes.load(kRelaxed);
-    r.reserved_bytes = b.reserved_bytes.load(kRelaxed);
-    r.peak_allocated_bytes = b.peak_allocated_bytes.load(kRelaxed);
-    r.spilled_bytes = b.spilled_bytes.load(kRelaxed);
-    r.restored_bytes = b.restored_bytes.load(kRelaxed);
-    r.pending_migration_bytes = b.pending_migration_bytes.load(kRelaxed);
-    r.iteration_last_us = bits_to_double(b.iteration_last_us_bits.load(kRelaxed));
-    r.iteration_ewma_us = bits_to_double(b.iteration_ewma_us_bits.load(kRelaxed));
-    r.iteration_count = b.iteration_count.load(kRelaxed);
-    r.applied_memory_cap = b.applied_memory_cap.load(kRelaxed);
-    r.applied_share = bits_to_double(b.applied_share_bits.load(kRelaxed));
-    r.applied_command_sequence = b.applied_command_sequence.load(kRelaxed);
-    r.apply_errors = b.apply_errors.load(kRelaxed);
+  const bool ok = seqlock_try_read(b.sequence, patience, [&] {
+#define COTENANT_LOAD(type, name, initial) r.name = from_word<type>(b.name.load(kRelaxed));
+    COTENANT_JOB_REPORT_FIELDS(COTENANT_LOAD)
+#undef COTENANT_LOAD
   });
   r.heartbeat_ns = block.heartbeat_ns.load(std::memory_order_acquire);
+  return ok;
+}
+}  // namespace
+
+JobReport read_report(const JobBlock& block, std::chrono::milliseconds patience) {
+  JobReport r;
+  if (!read_report_fields(block, patience, r)) {
+    throw Error("the job block's report section stayed mid-update for " + std::to_string(patience.count()) +
+                " ms: its writer stopped while writing; the next write repairs it");
+  }
+  return r;
+}
+
+std::optional<JobReport> try_read_report(const JobBlock& block) {
+  JobReport r;
+  if (!read_report_fields(block, kCoordinatorPatience, r)) return std::nullopt;
   return r;
 }
 

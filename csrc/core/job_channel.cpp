@@ -3,8 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 
-#include "cotenant/caching_allocator.h"
 #include "cotenant/errors.h"
 
 namespace cotenant {
@@ -102,10 +102,11 @@ bool JobChannel::apply_locked(const shm::JobControl& control) {
     report_.applied_memory_cap = control.memory_cap;
     applied = true;
   }
-  double share = std::clamp(control.share, 0.0, 1.0);
+  const double share = std::isfinite(control.share) ? std::clamp(control.share, 0.0, 1.0) : attempted_share_;
   if (share != attempted_share_) {
     attempted_share_ = share;
-    if (hooks_.set_share && !suspended_) guarded([&] { hooks_.set_share(share); });
+    // Without a launch stop, suspension is share 0: keep it until resume.
+    if (hooks_.set_share && (!suspended_ || hooks_.set_suspended)) guarded([&] { hooks_.set_share(share); });
     report_.applied_share = share;
     applied = true;
   }
@@ -119,17 +120,22 @@ bool JobChannel::apply_locked(const shm::JobControl& control) {
         if (hooks_.restore_all) guarded(hooks_.restore_all);
         break;
       case JobCommand::kSuspend:
+        // Launches stop first, so nothing new lands on the device while it
+        // empties; a stop that did not take effect is retried below.
         suspended_ = true;
-        if (hooks_.set_suspended) guarded([&] { hooks_.set_suspended(true); });
-        else if (hooks_.set_share) guarded([&] { hooks_.set_share(0.0); });
+        stop_launches_locked();
         if (hooks_.spill_all) guarded(hooks_.spill_all);
         report_.state = JobState::kSuspended;
         break;
       case JobCommand::kResume:
         if (hooks_.restore_all) guarded(hooks_.restore_all);
         suspended_ = false;
-        if (hooks_.set_suspended) guarded([&] { hooks_.set_suspended(false); });
-        else if (hooks_.set_share) guarded([&] { hooks_.set_share(attempted_share_); });
+        if (hooks_.set_suspended) {
+          guarded([&] { hooks_.set_suspended(false); });
+        } else if (hooks_.set_share) {
+          guarded([&] { hooks_.set_share(attempted_share_); });
+        }
+        launches_stopped_ = false;
         report_.state = JobState::kRunning;
         break;
       default:
@@ -139,7 +145,27 @@ bool JobChannel::apply_locked(const shm::JobControl& control) {
     report_.applied_command_sequence = control.command_sequence;
     applied = true;
   }
+  if (suspended_ && !launches_stopped_) stop_launches_locked();  // retry a stop that did not take
   return applied;
+}
+
+void JobChannel::stop_launches_locked() {
+  if (hooks_.set_suspended) {
+    try {
+      launches_stopped_ = hooks_.set_suspended(true);
+    } catch (...) {
+      ++report_.apply_errors;
+    }
+  } else {
+    if (hooks_.set_share) {
+      try {
+        hooks_.set_share(0.0);
+      } catch (...) {
+        ++report_.apply_errors;
+      }
+    }
+    launches_stopped_ = true;
+  }
 }
 
 void JobChannel::publish_locked() {
@@ -157,24 +183,35 @@ void JobChannel::publish_locked() {
       report_.spilled_bytes = non_negative(stats.spilled_bytes);
       report_.restored_bytes = non_negative(stats.restored_bytes);
       report_.pending_migration_bytes = non_negative(stats.pending_spill_bytes + stats.pending_restore_bytes);
+      report_.num_migrations = non_negative(stats.num_migrations);
     } catch (...) {
       ++report_.apply_errors;
     }
   }
+  if (hooks_.iterations) {
+    try {
+      const IterationStats it = hooks_.iterations();
+      report_.iteration_count = it.iterations;
+      report_.iteration_last_ns = non_negative(it.last_ns);
+      report_.iteration_ewma_ns = non_negative(it.ewma_ns);
+      report_.iteration_p99_ns = non_negative(it.p99_ns);
+    } catch (...) {
+      ++report_.apply_errors;
+    }
+  }
+  if (suspended_) {
+    report_.effective_share = 0.0;
+  } else if (hooks_.effective_share) {
+    try {
+      report_.effective_share = hooks_.effective_share();
+    } catch (...) {
+      ++report_.apply_errors;
+    }
+  } else {
+    report_.effective_share = report_.applied_share;
+  }
   report_.heartbeat_ns = shm::monotonic_ns();
   shm::write_report(*block_, report_);
-}
-
-void JobChannel::record_iteration(double microseconds) {
-  if (!(microseconds >= 0)) return;  // negative or NaN: a clock glitch, not a measurement
-  std::lock_guard<std::mutex> lock(mutex_);
-  report_.iteration_last_us = microseconds;
-  report_.iteration_ewma_us =
-      report_.iteration_count == 0
-          ? microseconds
-          : options_.iteration_ewma_weight * microseconds +
-                (1.0 - options_.iteration_ewma_weight) * report_.iteration_ewma_us;
-  ++report_.iteration_count;
 }
 
 shm::JobControl JobChannel::control() const { return shm::read_control(*block_); }
@@ -182,24 +219,6 @@ shm::JobControl JobChannel::control() const { return shm::read_control(*block_);
 shm::JobReport JobChannel::report() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return report_;
-}
-
-JobChannelHooks JobChannel::simulated_allocator_hooks(CachingAllocator& allocator) {
-  JobChannelHooks hooks;
-  hooks.set_memory_cap = [&allocator](std::uint64_t bytes) {
-    allocator.set_memory_cap(bytes == shm::kUnlimitedCap ? kNoCap : bytes);
-    allocator.apply_pending_migrations();
-  };
-  hooks.spill_all = [&allocator] {
-    allocator.spill_all();
-    allocator.apply_pending_migrations();
-  };
-  hooks.restore_all = [&allocator] {
-    allocator.restore_all();
-    allocator.apply_pending_migrations();
-  };
-  hooks.stats = [&allocator] { return allocator.stats(); };
-  return hooks;
 }
 
 }  // namespace cotenant

@@ -94,7 +94,7 @@ LaunchGate::LaunchGate(Clock& clock, InFlightWork& work, PeerState& peer, Launch
 LaunchGate::~LaunchGate() = default;
 
 double LaunchGate::effective_share_locked() const {
-  return std::min(share_, clamp_share(peer_.published_share()));
+  return std::min(share_, coordinator_share_);
 }
 
 void LaunchGate::poll_locked(Nanoseconds now) {
@@ -191,6 +191,24 @@ double LaunchGate::share() const {
   return share_;
 }
 
+void LaunchGate::set_coordinator_share(double share) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    coordinator_share_ = clamp_share(share);
+  }
+  changed_.notify_all();
+}
+
+double LaunchGate::coordinator_share() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return coordinator_share_;
+}
+
+double LaunchGate::effective_share() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return effective_share_locked();
+}
+
 void LaunchGate::set_max_in_flight(std::size_t k) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -252,7 +270,9 @@ LaunchGateStats LaunchGate::stats() {
   out.in_flight = in_flight_markers_ + launching_;
   out.launching = launching_;
   out.waiting = waiting_;
-  out.share = options_.admission_control ? effective_share_locked() : share_;
+  out.share = effective_share_locked();
+  out.user_share = share_;
+  out.coordinator_share = coordinator_share_;
   out.closed = close_depth_ > 0;
   return out;
 }
@@ -304,32 +324,36 @@ bool BusyTracker::refresh() {
   return busy;
 }
 
-IterationTracker::IterationTracker(Clock& clock, GuaranteedStateSink& sink) : clock_(clock), sink_(sink) {
-  recent_.reserve(kIterationWindow);
-}
+IterationTracker::IterationTracker(Clock& clock) : clock_(clock) { recent_.reserve(kIterationWindow); }
 
 void IterationTracker::boundary() {
   const Nanoseconds now = clock_.now_ns();
   std::lock_guard<std::mutex> lock(mutex_);
-  if (last_boundary_ns_ >= 0) {
-    const Nanoseconds took = std::max<Nanoseconds>(now - last_boundary_ns_, 0);
-    stats_.iterations += 1;
-    stats_.last_ns = took;
-    stats_.ewma_ns = stats_.iterations == 1 ? took : stats_.ewma_ns + (took - stats_.ewma_ns) / 8;
-    if (recent_.size() < kIterationWindow) {
-      recent_.push_back(took);
-    } else {
-      recent_[next_] = took;
-    }
-    next_ = (next_ + 1) % kIterationWindow;
-    // Nearest-rank p99 over the window: one partial sort per iteration.
-    std::vector<Nanoseconds> sorted(recent_);
-    const std::size_t rank = (sorted.size() * 99 + 99) / 100 - 1;  // ceil(0.99 n) - 1
-    std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(rank), sorted.end());
-    stats_.p99_ns = sorted[rank];
-    sink_.publish_iterations(stats_);
-  }
+  if (last_boundary_ns_ >= 0) record_locked(std::max<Nanoseconds>(now - last_boundary_ns_, 0));
   last_boundary_ns_ = now;
+}
+
+void IterationTracker::record(Nanoseconds took) {
+  if (took < 0) return;  // a clock glitch, not a measurement
+  std::lock_guard<std::mutex> lock(mutex_);
+  record_locked(took);
+}
+
+void IterationTracker::record_locked(Nanoseconds took) {
+  stats_.iterations += 1;
+  stats_.last_ns = took;
+  stats_.ewma_ns = stats_.iterations == 1 ? took : stats_.ewma_ns + (took - stats_.ewma_ns) / 8;
+  if (recent_.size() < kIterationWindow) {
+    recent_.push_back(took);
+  } else {
+    recent_[next_] = took;
+  }
+  next_ = (next_ + 1) % kIterationWindow;
+  // Nearest-rank p99 over the window: one partial sort per iteration.
+  std::vector<Nanoseconds> sorted(recent_);
+  const std::size_t rank = (sorted.size() * 99 + 99) / 100 - 1;  // ceil(0.99 n) - 1
+  std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(rank), sorted.end());
+  stats_.p99_ns = sorted[rank];
 }
 
 void IterationTracker::begin() {

@@ -7,7 +7,9 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <type_traits>
 
 #include "../cuda/cuda_backend.h"
 #include "../cuda/cuda_driver.h"
@@ -19,12 +21,8 @@
 #include "op_interceptor.h"
 #include "registry.h"
 
-#if __has_include("cotenant/job_channel.h")
 #include "cotenant/job_channel.h"
-#define COTENANT_HAS_JOB_CHANNEL 1
-#else
-#define COTENANT_HAS_JOB_CHANNEL 0
-#endif
+#include "torch_job_process.h"
 
 namespace py = pybind11;
 
@@ -62,10 +60,14 @@ std::atomic<std::int64_t> counted_op_entries{0};
 int counting_hook_id = -1;
 void count_op_entry(const OpEntry&, void*) { counted_op_entries.fetch_add(1, std::memory_order_relaxed); }
 
-#if COTENANT_HAS_JOB_CHANNEL
 std::mutex channel_mutex;
+std::unique_ptr<TorchJobProcess> job_process;  // outlives job_channel
 std::unique_ptr<JobChannel> job_channel;
-#endif
+
+// None or an int of bytes (a Cap resolved by the Python API).
+std::uint64_t cap_word(const std::optional<std::uint64_t>& bytes) {
+  return bytes ? Cap::of_bytes(*bytes).to_word() : kNoCap;
+}
 
 }  // namespace
 
@@ -103,11 +105,14 @@ COTENANT_TORCH_BINDINGS(allocator) {
     return std::string(d.backend->host_page_kind());
   }, py::arg("device"), "Creates the device's allocator now; returns the host page kind.");
 
-  m.def("set_memory_cap", [](int device, std::uint64_t bytes) {
-    main_allocator(device).set_memory_cap(bytes);
-  }, py::arg("device"), py::arg("bytes"), "kNoCap (2**64-1) removes the cap.");
-  m.def("memory_cap", [](int device) { return main_allocator(device).memory_cap(); }, py::arg("device"));
-  m.attr("NO_CAP") = py::int_(kNoCap);
+  m.def("set_memory_cap", [](int device, std::optional<std::uint64_t> bytes) {
+    main_allocator(device).set_memory_cap(cap_word(bytes));
+  }, py::arg("device"), py::arg("bytes"), "Bytes, or None to remove the cap.");
+  m.def("memory_cap", [](int device) -> py::object {
+    const std::uint64_t cap = main_allocator(device).memory_cap();
+    if (cap == kNoCap) return py::none();
+    return py::int_(cap);
+  }, py::arg("device"), "The cap in bytes, or None.");
 
   m.def("device_total_bytes", [](int device) {
     return installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend->device_total_bytes();
@@ -162,48 +167,42 @@ COTENANT_TORCH_BINDINGS(allocator) {
   m.def("_resume_launches", [] { resume_launches(); });
 
   // ---- the coordinator's job channel ----
-  m.attr("HAS_JOB_CHANNEL") = py::bool_(COTENANT_HAS_JOB_CHANNEL != 0);
-#if COTENANT_HAS_JOB_CHANNEL
+  // What each command does is the core's job_channel_hooks() over a
+  // TorchJobProcess (job_process.h); nothing of it lives here.
   m.def("start_job_channel", [](const std::string& block_name, int device) {
     auto& allocator = installed_allocator();
     auto& main = *allocator.on(static_cast<c10::DeviceIndex>(device)).main;
-    JobChannelHooks hooks;
-    // Cap changes move pages at once from the channel's thread: it is never
-    // inside an op, so it can pause the process's launches itself.
-    hooks.set_memory_cap = [&main, &allocator](std::uint64_t bytes) {
-      main.set_memory_cap(bytes);
-      allocator.run_safe_point();
-    };
-    hooks.spill_all = [&main, &allocator] { main.spill_all(); allocator.run_safe_point(); };
-    hooks.restore_all = [&main, &allocator] { main.restore_all(); allocator.run_safe_point(); };
-    hooks.stats = [&main] { return main.stats(); };
-    // The launch gate's share and suspension (gate_hooks.h): plain C++, no GIL.
-    hooks.set_share = [](double share) { set_process_share(share); };
-    hooks.set_suspended = [](bool suspended) {
-      if (LaunchGate* gate = process_launch_gate()) {
-        if (suspended) gate->close();
-        else gate->reopen();
-      } else {
-        set_process_share(suspended ? 0.0 : 1.0);
-      }
-    };
     py::gil_scoped_release release;  // opening the block may wait on the file system
     std::lock_guard<std::mutex> lock(channel_mutex);
     job_channel.reset();
-    job_channel = std::make_unique<JobChannel>(block_name, std::move(hooks));
+    job_process = std::make_unique<TorchJobProcess>(allocator, main);
+    job_channel = std::make_unique<JobChannel>(block_name, job_channel_hooks(*job_process));
     job_channel->start();
   }, py::arg("block_name"), py::arg("device"),
      "Starts the C++ thread that applies the coordinator's cap, share and commands and publishes stats.");
   m.def("stop_job_channel", [] {
-    py::gil_scoped_release release;  // the channel thread may be waiting for the GIL in set_share
+    py::gil_scoped_release release;  // the channel thread may be waiting for the GIL
     std::lock_guard<std::mutex> lock(channel_mutex);
     job_channel.reset();
+    job_process.reset();
   });
-  m.def("record_iteration", [](double microseconds) {
+  m.def("job_report", []() -> py::object {
     std::lock_guard<std::mutex> lock(channel_mutex);
-    if (job_channel) job_channel->record_iteration(microseconds);
-  }, py::arg("microseconds"));
-#endif
+    if (!job_channel) return py::none();
+    const shm::JobReport report = job_channel->report();
+    py::dict d;
+    shm::for_each_field(report, [&d](const char* name, const auto& value) {
+      using T = std::decay_t<decltype(value)>;
+      if constexpr (std::is_same_v<T, shm::JobRole>) {
+        d[name] = shm::job_role_name(value);
+      } else if constexpr (std::is_same_v<T, shm::JobState>) {
+        d[name] = shm::job_state_name(value);
+      } else {
+        d[name] = value;
+      }
+    });
+    return d;
+  }, "What this job last reported to the coordinator (None without a channel).");
 }
 
 }  // namespace cotenant::torch_ext

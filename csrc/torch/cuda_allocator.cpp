@@ -462,8 +462,7 @@ void CotenantCudaAllocator::setMemoryFraction(double fraction, c10::DeviceIndex 
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
   // Under cotenant the fraction is a memory cap: memory above it spills to
   // the host instead of raising OutOfMemoryError.
-  auto cap = static_cast<std::uint64_t>(fraction * static_cast<double>(d.backend->device_total_bytes()));
-  translate_errors([&] { d.main->set_memory_cap(fraction >= 1.0 ? kNoCap : cap); });
+  translate_errors([&] { d.main->set_memory_cap(Cap::of_fraction(fraction)); });
 }
 
 std::vector<c10_alloc::StreamSegmentSize> CotenantCudaAllocator::getExpandableSegmentSizes(

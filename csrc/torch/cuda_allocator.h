@@ -13,10 +13,8 @@
 // addresses). Allocations on a stream that a beginAllocateToPool filter
 // accepts go to that pool's allocator until endAllocateToPool.
 //
-// Page moves (spill/restore) happen only at safe points: at outermost ATen
-// op entry (through op_interceptor), at optimizer-step boundaries, and when
-// the Python API or the job channel asks; each pauses the process's launches,
-// synchronizes the device, remaps and resumes.
+// Page moves (spill/restore) happen only at safe points: see "The safe
+// point" in include/cotenant/caching_allocator.h.
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>

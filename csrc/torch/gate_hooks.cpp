@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
@@ -127,7 +128,6 @@ struct ProcessGate {
   std::unique_ptr<CudaEventWork> work;
   std::unique_ptr<LaunchGate> gate;                 // opportunistic
   std::unique_ptr<BusyTracker> busy_tracker;        // guaranteed
-  std::unique_ptr<IterationTracker> iteration_tracker;  // guaranteed
   int entry_hook_id = -1;
   std::optional<at::CallbackHandle> exit_callback;
   std::thread pulse;
@@ -138,6 +138,13 @@ std::mutex activation_mutex;
 ProcessGate* active = nullptr;                      // guarded by activation_mutex for writes
 std::atomic<ProcessGate*> active_for_hooks{nullptr};  // read lock-free by hooks
 std::atomic<double> requested_share{1.0};
+std::atomic<double> coordinator_share{1.0};
+
+// The process's one iteration measurement, for every role. Never freed.
+IterationTracker& iteration_tracker() {
+  static auto* tracker = new IterationTracker(MonotonicClock::instance());
+  return *tracker;
+}
 
 // Set in a child forked after activation (DataLoader workers): the child
 // has no pulse thread and must not touch CUDA, and its CPU ops must never
@@ -260,24 +267,24 @@ void activate_gate(const GateActivation& activation) {
                                                                    ::getuid())
                                : activation.segment_name;
   shm::GpuPeerSegmentOptions options;
-  options.default_share = activation.default_share;
+  options.gpu_uuid = activation.gpu_uuid;
   state->segment.emplace(shm::GpuPeerSegment::open(name, static_cast<std::uint32_t>(activation.device), options));
   state->work = std::make_unique<CudaEventWork>(activation.device);
   const auto pid = static_cast<std::uint64_t>(::getpid());
 
   if (activation.role == GateRole::kOpportunistic) {
     state->opportunistic_slot = state->segment->claim_opportunistic(pid);
-    state->peer = std::make_unique<shm::SegmentPeerState>(*state->segment, state->opportunistic_slot);
+    state->peer = std::make_unique<shm::SegmentPeerState>(*state->segment);
     LaunchGateOptions gate_options;
     gate_options.max_in_flight = activation.max_in_flight;
     gate_options.share_window_ns = activation.share_window_ns;
     gate_options.initial_share = requested_share.load();
     state->gate = std::make_unique<LaunchGate>(MonotonicClock::instance(), *state->work, *state->peer, gate_options);
+    state->gate->set_coordinator_share(coordinator_share.load());
   } else {
     state->segment->claim_guaranteed(pid);
     state->sink = std::make_unique<shm::SegmentGuaranteedSink>(*state->segment);
     state->busy_tracker = std::make_unique<BusyTracker>(MonotonicClock::instance(), *state->work, *state->sink);
-    state->iteration_tracker = std::make_unique<IterationTracker>(MonotonicClock::instance(), *state->sink);
   }
 
   ProcessGate* raw = state.release();  // never freed: see ProcessGate
@@ -336,6 +343,16 @@ double process_share() {
   return requested_share.load();
 }
 
+void set_process_coordinator_share(double share) {
+  coordinator_share.store(share);
+  if (LaunchGate* gate = process_launch_gate()) gate->set_coordinator_share(share);
+}
+
+double process_effective_share() {
+  if (LaunchGate* gate = process_launch_gate()) return gate->effective_share();
+  return std::clamp(std::min(requested_share.load(), coordinator_share.load()), 0.0, 1.0);
+}
+
 void gate_enter() {
   if (explicit_depth++ > 0 || admitted_op) return;  // inside admitted work already
   if (in_forked_child.load(std::memory_order_relaxed)) return;
@@ -354,9 +371,9 @@ void gate_exit() {
 }
 
 void iteration_boundary() {
+  iteration_tracker().boundary();
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
-  if (state == nullptr || !state->iteration_tracker) return;
-  state->iteration_tracker->boundary();
+  if (state == nullptr || !state->busy_tracker) return;
   try {
     state->busy_tracker->mark();  // the iteration's tail gets a marker at once
   } catch (const std::exception&) {
@@ -364,11 +381,9 @@ void iteration_boundary() {
   }
 }
 
-void iteration_begin() {
-  ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
-  if (state == nullptr || !state->iteration_tracker) return;
-  state->iteration_tracker->begin();
-}
+void iteration_begin() { iteration_tracker().begin(); }
+
+IterationStats process_iterations() { return iteration_tracker().stats(); }
 
 namespace {
 
@@ -377,33 +392,26 @@ py::dict gate_stats_dict() {
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   GateRole role = active_gate_role();
   d["role"] = role == GateRole::kGuaranteed ? "guaranteed" : role == GateRole::kOpportunistic ? "opportunistic" : "none";
-  d["share"] = process_share();
+  // The gate's statistics under their one set of names (launch_gate.h);
+  // without a gate, the shares as the process holds them.
+  LaunchGateStats stats;
+  if (state != nullptr && state->gate) {
+    stats = state->gate->stats();
+    d["max_in_flight"] = state->gate->max_in_flight();
+  } else {
+    stats.user_share = std::clamp(requested_share.load(), 0.0, 1.0);
+    stats.coordinator_share = std::clamp(coordinator_share.load(), 0.0, 1.0);
+    stats.share = process_effective_share();
+  }
+  for_each_field(stats, [&d](const char* name, const auto& value) { d[name] = value; });
+  const IterationStats it = process_iterations();
+  d["iteration_count"] = it.iterations;
+  d["iteration_last_ns"] = it.last_ns;
+  d["iteration_ewma_ns"] = it.ewma_ns;
+  d["iteration_p99_ns"] = it.p99_ns;
   if (state == nullptr) return d;
   d["segment"] = state->segment->name();
-  if (state->gate) {
-    const LaunchGateStats s = state->gate->stats();
-    d["admitted_ops"] = s.admitted_ops;
-    d["waits_closed"] = s.waits_closed;
-    d["waits_in_flight_bound"] = s.waits_in_flight_bound;
-    d["waits_paused"] = s.waits_paused;
-    d["waits_guaranteed_busy"] = s.waits_guaranteed_busy;
-    d["waits_share_spent"] = s.waits_share_spent;
-    d["waited_ns"] = s.waited_ns;
-    d["busy_ns_in_window"] = s.busy_ns_in_window;
-    d["in_flight"] = s.in_flight;
-    d["waiting"] = s.waiting;
-    d["effective_share"] = s.share;
-    d["closed"] = s.closed;
-    d["max_in_flight"] = state->gate->max_in_flight();
-  }
-  if (state->iteration_tracker) {
-    const IterationStats it = state->iteration_tracker->stats();
-    d["iterations"] = it.iterations;
-    d["iteration_last_ns"] = it.last_ns;
-    d["iteration_ewma_ns"] = it.ewma_ns;
-    d["iteration_p99_ns"] = it.p99_ns;
-    d["busy_markers_recorded"] = state->busy_tracker->markers_recorded();
-  }
+  if (state->busy_tracker) d["busy_markers_recorded"] = state->busy_tracker->markers_recorded();
   return d;
 }
 
@@ -412,25 +420,27 @@ py::dict gate_stats_dict() {
 COTENANT_TORCH_BINDINGS(launch_gate) {
   m.def("gate_activate",
         [](const std::string& role, int device, const std::string& segment_name, std::size_t max_in_flight,
-           double share_window_s, double default_share) {
+           double share_window_s, const std::string& gpu_uuid) {
           GateActivation activation;
           activation.role = parse_gate_role(role);
           activation.device = device;
           activation.segment_name = segment_name;
           activation.max_in_flight = max_in_flight;
           activation.share_window_ns = static_cast<Nanoseconds>(share_window_s * 1e9);
-          activation.default_share = default_share;
+          activation.gpu_uuid = gpu_uuid;
           activate_gate(activation);
         },
         py::arg("role"), py::arg("device"), py::arg("segment_name") = "", py::arg("max_in_flight") = 2,
-        py::arg("share_window_s") = 0.05, py::arg("default_share") = 1.0,
+        py::arg("share_window_s") = 0.05, py::arg("gpu_uuid") = "",
         "Activates the launch gate for this process in the given role on the given GPU.");
   m.def("gate_deactivate", [] {
     py::gil_scoped_release release;
     deactivate_gate();
   });
-  m.def("gate_set_share", [](double share) { set_process_share(share); }, py::arg("share"));
-  m.def("gate_share", [] { return process_share(); });
+  m.def("gate_set_share", [](double share) { set_process_share(share); }, py::arg("share"),
+        "The job's own share; the coordinator's caps it (admission uses the minimum).");
+  m.def("gate_share", [] { return process_share(); }, "The job's own share, as set.");
+  m.def("gate_effective_share", [] { return process_effective_share(); });
   m.def("gate_set_max_in_flight", [](std::size_t k) {
     if (LaunchGate* gate = process_launch_gate()) gate->set_max_in_flight(k);
   }, py::arg("k"));

@@ -37,9 +37,8 @@ struct GateActivation {
   std::string segment_name;
   std::size_t max_in_flight = 2;
   Nanoseconds share_window_ns = 50'000'000;
-  // The share of a newly registered opportunistic job when no coordinator
-  // sets one.
-  double default_share = 1.0;
+  // The GPU's UUID, recorded in a segment this process creates.
+  std::string gpu_uuid;
 };
 
 // Activates the gate for this process (once; a second call with the same
@@ -52,10 +51,14 @@ GateRole active_gate_role();
 // The process's gate, for C++ callers (the job channel's set_share). Null
 // until an opportunistic activation.
 LaunchGate* process_launch_gate();
-// The share the process's gate applies; kept and applied at activation when
-// called before it. Thread-safe, no GIL needed.
+// The process's two shares (launch_gate.h): the job's own (cotenant.gate.
+// set_share) and the coordinator's (the job channel). Kept and applied at
+// activation when set before it. The gate admits at min(own, coordinator's).
+// Thread-safe, no GIL needed.
 void set_process_share(double share);
 double process_share();
+void set_process_coordinator_share(double share);
+double process_effective_share();
 
 // Explicit admission of work the op hook cannot see. Nest per thread: only
 // the outermost enter admits. ATen ops inside pass without admission (they
@@ -63,9 +66,12 @@ double process_share();
 void gate_enter();
 void gate_exit();
 
-// Guaranteed side: iteration boundaries (optimizer.step()) and begin marks
-// (`with cotenant.iteration():`). No-ops unless guaranteed.
+// Iteration boundaries (optimizer.step()) and begin marks (`with
+// cotenant.iteration():`), for every role: they feed the process's one
+// IterationTracker (which the job channel reports to the coordinator), and
+// for a guaranteed job also mark its busy tracker.
 void iteration_boundary();
 void iteration_begin();
+IterationStats process_iterations();
 
 }  // namespace cotenant::torch_ext

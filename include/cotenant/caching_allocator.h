@@ -28,8 +28,22 @@
 // move to the host, coldest first; raising it marks host pages to come back,
 // hottest first; a host page hotter than a device page swaps places with it.
 // Marked pages move in apply_pending_migrations(), which the caller runs at a
-// safe point (no kernel in flight on these pages). A page keeps its address
-// and its bytes across moves.
+// safe point (below). A page keeps its address and its bytes across moves.
+//
+// The safe point (the one note on it; every other place points here):
+//   A page may change residency only while no kernel can touch it: no op of
+//   the process is between entry and the end of its launch, and the device
+//   has finished what was launched. Who provides that:
+//   - real jobs (csrc/torch): CotenantCudaAllocator::run_safe_point() pauses
+//     launches at ATen op entry (op_interceptor.h; CUDA graph replays and
+//     torch.compile's Triton launches count as ops), synchronizes the device,
+//     then calls apply_pending_migrations(). It runs at op entry when
+//     has_pending_migrations() is set (with backoff), after each optimizer
+//     step, from the job channel's thread after a coordinator command, and
+//     from cotenant.safe_point();
+//   - the simulated backend has no kernels: any moment is a safe point.
+//   Moves that find no page stay pending (has_pending_migrations() stays
+//   true) and the next safe point retries them; nothing else needs to.
 //
 // Thread safety: every public method may be called from any thread.
 // has_pending_migrations() is lock-free so it can be polled on a hot path.
@@ -43,11 +57,10 @@
 #include <vector>
 
 #include "cotenant/backend.h"
+#include "cotenant/cap.h"
 #include "cotenant/stats.h"
 
 namespace cotenant {
-
-inline constexpr std::uint64_t kNoCap = std::numeric_limits<std::uint64_t>::max();
 
 struct AllocatorOptions {
   std::size_t round_bytes = 512;                 // every size rounds up to this
@@ -117,14 +130,21 @@ class CachingAllocator {
   // it for a pinned fallback allocation); 0 for an address that is not live.
   std::size_t host_bytes_of(DevicePtr address) const;
 
-  // The cap on device-resident bytes. kNoCap removes it. Cap 0 is refused
-  // (use spill_all() to move everything to the host).
+  // The cap on device-resident bytes, as a resolved word (Cap::to_word():
+  // kNoCap removes it), or as a Cap (a fraction resolves against the
+  // backend's device size). Cap 0 is refused (use spill_all() to move
+  // everything to the host). The cap and spill_all() are independent: a cap
+  // set while everything is spilled takes effect at restore_all().
   void set_memory_cap(std::uint64_t bytes);
-  std::uint64_t memory_cap() const;
+  void set_memory_cap(const Cap& cap);
+  std::uint64_t memory_cap() const;  // the word form; kNoCap when none
   // Marks every live device page to move to the host / every host page to
   // come back (within the cap). Moves happen in apply_pending_migrations().
+  // spill_all() holds until restore_all(): allocations meanwhile get host
+  // pages, and cap changes move nothing back.
   void spill_all();
   void restore_all();
+  bool spilled_all() const;
   // True when marked pages wait for a safe point.
   bool has_pending_migrations() const {
     return pending_migrations_.load(std::memory_order_acquire);

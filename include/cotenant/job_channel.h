@@ -7,7 +7,9 @@
 //   - runs each new one-shot command once (spill all, restore all, suspend,
 //     resume) and acknowledges it by sequence number,
 //   - publishes the job's memory numbers (from the stats hook), its iteration
-//     times and a heartbeat.
+//     times (from the iterations hook: the job's one IterationTracker) and a
+//     heartbeat.
+// What each hook does in a job is defined once, in job_process.h.
 // It needs no Python and no GIL, so a command takes effect while the job's
 // Python thread is busy.
 //
@@ -30,28 +32,32 @@
 #include <string>
 #include <thread>
 
+#include "cotenant/launch_gate.h"
 #include "cotenant/shm/job_block.h"
 #include "cotenant/shm/shm_region.h"
 #include "cotenant/stats.h"
 
 namespace cotenant {
 
-class CachingAllocator;
-
 struct JobChannelHooks {
   std::function<void(std::uint64_t bytes)> set_memory_cap;  // kUnlimitedCap = no cap
   std::function<void(double share)> set_share;              // in [0, 1]
   std::function<void()> spill_all;
   std::function<void()> restore_all;
-  // Stop / restart launching. Without it, suspend sets the share to 0.
-  std::function<void(bool suspended)> set_suspended;
+  // Stop / restart every launch of the process. Returns whether it took
+  // effect; a suspension that did not is retried at every poll. Without
+  // it, suspend sets the share to 0.
+  std::function<bool(bool suspended)> set_suspended;
   // The job's allocator statistics; without it, memory numbers stay 0.
   std::function<AllocatorStats()> stats;
+  // The job's iteration times (its IterationTracker); without it, 0.
+  std::function<IterationStats()> iterations;
+  // The share in force (min of the job's own and the coordinator's).
+  std::function<double()> effective_share;
 };
 
 struct JobChannelOptions {
   std::chrono::microseconds poll_interval{2000};
-  double iteration_ewma_weight = 0.2;  // weight of the newest iteration time in the EWMA
 };
 
 class JobChannel {
@@ -72,23 +78,15 @@ class JobChannel {
   // cap, share or command was applied in this round.
   bool poll_once();
 
-  // The job finished one training iteration that took `microseconds`.
-  void record_iteration(double microseconds);
-
   const shm::JobIdentity& identity() const { return identity_; }
   const std::string& block_name() const { return region_.name(); }
   shm::JobControl control() const;
   shm::JobReport report() const;  // what was last published
 
-  // Hooks that drive a CachingAllocator on a device without kernels in
-  // flight (the simulated backend): a new cap moves pages at once through
-  // apply_pending_migrations(). A real job takes its safe point from the
-  // launch gate instead.
-  static JobChannelHooks simulated_allocator_hooks(CachingAllocator& allocator);
-
  private:
   void run();
   bool apply_locked(const shm::JobControl& control);
+  void stop_launches_locked();
   void publish_locked();
 
   shm::ShmRegion region_;
@@ -101,7 +99,8 @@ class JobChannel {
   shm::JobReport report_;
   std::uint64_t attempted_cap_;
   double attempted_share_;
-  bool suspended_ = false;
+  bool suspended_ = false;        // a suspend command is in force
+  bool launches_stopped_ = false;  // ... and set_suspended(true) took effect
 
   std::mutex wake_mutex_;
   std::condition_variable wake_;

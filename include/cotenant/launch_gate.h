@@ -9,7 +9,7 @@
 //                 in real use, so two processes on one host agree);
 //   InFlightWork  completion markers recorded after admitted ops (CUDA events
 //                 on the current stream), polled for how many are pending;
-//   PeerState     what the guaranteed job on the same GPU publishes (the
+//   PeerState     whether the guaranteed job on the same GPU is busy (the
 //                 per-GPU shared-memory segment, see shm/gpu_block.h).
 //
 // Opportunistic side (LaunchGate::admit): an op enters only when all hold
@@ -17,14 +17,19 @@
 //       guaranteed kernel never queues behind a long opportunistic backlog;
 //   (b) the guaranteed job is idle;
 //   (c) the duty-cycle share allows it: the time this process kept the GPU
-//       busy within the last share_window_ns is below share * window.
+//       busy within the last share_window_ns is below share * window, where
+//       share = min(the job's own share, the coordinator's share). The two
+//       have one writer each (set_share: the job's code; set_coordinator_share:
+//       the job channel, from the per-job block) and neither replaces the other.
 // Share 0 pauses every thread at its next op; raising it resumes them.
 // close() stops all threads and drains in-flight work: the safe point for
 // page migration and suspend.
 //
-// Guaranteed side: BusyTracker (ops in flight, last activity) and
-// IterationTracker (iteration times: last, EWMA, p99 over a recent window)
-// publish through a GuaranteedStateSink.
+// Guaranteed side: BusyTracker (ops in flight, last activity) publishes
+// through a GuaranteedStateSink.
+// Every role: IterationTracker, the job's one measurement of iteration times
+// (last, EWMA, p99 over a recent window), which the job channel reports to
+// the coordinator.
 #pragma once
 
 #include <atomic>
@@ -76,16 +81,12 @@ class PeerState {
   // True while the guaranteed job has work on the GPU (or launched within its
   // grace period). False when there is no live guaranteed job.
   virtual bool guaranteed_busy() const = 0;
-  // The share published for this process (by the coordinator, else the
-  // segment's default), in [0, 1]. The gate uses min(this, set_share()).
-  virtual double published_share() const = 0;
 };
 
-// A PeerState with no peer: never busy, share 1 (only set_share() applies).
+// A PeerState with no peer: never busy.
 class NoPeer final : public PeerState {
  public:
   bool guaranteed_busy() const override { return false; }
-  double published_share() const override { return 1.0; }
 };
 
 // Busy time within a sliding window, from busy intervals [begin, end).
@@ -131,19 +132,40 @@ struct LaunchGateOptions {
 enum class GateWait : std::uint8_t { kNone, kClosed, kInFlightBound, kPaused, kGuaranteedBusy, kShareSpent };
 const char* to_string(GateWait reason);
 
+// The gate's statistics, each field listed once: X(type, name, initial).
+// Every dictionary of gate statistics (cotenant._core's LaunchGate.stats(),
+// cotenant.gate.stats()) is generated from this list, so the names agree.
+#define COTENANT_LAUNCH_GATE_STATS_FIELDS(X)                                                 \
+  X(std::uint64_t, admitted_ops, 0)                                                          \
+  /* ops that had to wait, by the first reason they waited for */                           \
+  X(std::uint64_t, waits_closed, 0)                                                          \
+  X(std::uint64_t, waits_in_flight_bound, 0)                                                 \
+  X(std::uint64_t, waits_paused, 0)                                                          \
+  X(std::uint64_t, waits_guaranteed_busy, 0)                                                 \
+  X(std::uint64_t, waits_share_spent, 0)                                                     \
+  X(Nanoseconds, waited_ns, 0)         /* total time ops waited (gate clock) */             \
+  X(Nanoseconds, busy_ns_in_window, 0) /* this process's GPU-busy time in the window */     \
+  X(std::size_t, in_flight, 0)         /* pending markers + ops still launching */          \
+  X(std::size_t, launching, 0)         /* threads between admit() and launched() */         \
+  X(std::size_t, waiting, 0)           /* threads blocked in admit() */                     \
+  X(double, share, 1.0)                /* in force: min(user_share, coordinator_share) */   \
+  X(double, user_share, 1.0)           /* set_share(): the job's own */                     \
+  X(double, coordinator_share, 1.0)    /* set_coordinator_share(): the coordinator's */     \
+  X(bool, closed, false)
+
 struct LaunchGateStats {
-  std::uint64_t admitted_ops = 0;
-  // Ops that had to wait, by the first reason they waited for.
-  std::uint64_t waits_closed = 0, waits_in_flight_bound = 0, waits_paused = 0,
-                waits_guaranteed_busy = 0, waits_share_spent = 0;
-  Nanoseconds waited_ns = 0;            // total time ops waited (gate clock)
-  Nanoseconds busy_ns_in_window = 0;    // this process's GPU-busy time in the window
-  std::size_t in_flight = 0;            // pending markers + ops still launching
-  std::size_t launching = 0;            // threads between admit() and launched()
-  std::size_t waiting = 0;              // threads blocked in admit()
-  double share = 1.0;                   // effective: min(set_share, published)
-  bool closed = false;
+#define COTENANT_DECLARE_FIELD(type, name, initial) type name = initial;
+  COTENANT_LAUNCH_GATE_STATS_FIELDS(COTENANT_DECLARE_FIELD)
+#undef COTENANT_DECLARE_FIELD
 };
+
+// Calls visit(name, value) for each field of `stats`, in list order.
+template <typename Visit>
+void for_each_field(const LaunchGateStats& stats, Visit&& visit) {
+#define COTENANT_VISIT(type, name, initial) visit(#name, stats.name);
+  COTENANT_LAUNCH_GATE_STATS_FIELDS(COTENANT_VISIT)
+#undef COTENANT_VISIT
+}
 
 // Thread-safe: admit()/launched() from any number of threads at once;
 // set_share(), close(), reopen(), stats() from any thread.
@@ -165,9 +187,14 @@ class LaunchGate {
   // The admitted op launched nothing (it failed before its kernels).
   void abandoned();
 
-  // Share in [0, 1] (clamped); 0 pauses at the next op. Wakes waiters.
+  // The job's own share in [0, 1] (clamped); 0 pauses at the next op.
+  // Wakes waiters.
   void set_share(double share);
-  double share() const;  // the value set, not the effective one
+  double share() const;  // the job's own, as set
+  // The coordinator's share in [0, 1] (the job channel applies it).
+  void set_coordinator_share(double share);
+  double coordinator_share() const;
+  double effective_share() const;  // min of the two: what admission uses
   void set_max_in_flight(std::size_t k);  // at least 1
   std::size_t max_in_flight() const;
 
@@ -209,6 +236,7 @@ class LaunchGate {
   std::size_t waiting_ = 0;
   int close_depth_ = 0;
   double share_;
+  double coordinator_share_ = 1.0;
   DutyCycleWindow window_;
   LaunchGateStats counters_;
 };
@@ -234,14 +262,13 @@ struct IterationStats {
   Nanoseconds p99_ns = 0;        // 99th percentile over the last kIterationWindow
 };
 
-// Where the guaranteed job's trackers publish (the per-GPU segment's
-// guaranteed slot in real use, a fake in tests). Called under the trackers'
-// locks; must be cheap (atomic stores).
+// Where the guaranteed job's busy tracker publishes (the per-GPU segment's
+// guaranteed slot in real use, a fake in tests). Called under the tracker's
+// lock; must be cheap (atomic stores).
 class GuaranteedStateSink {
  public:
   virtual ~GuaranteedStateSink() = default;
   virtual void publish_activity(bool busy, std::uint32_t ops_in_flight, Nanoseconds last_activity_ns) = 0;
-  virtual void publish_iterations(const IterationStats& stats) = 0;
 };
 
 struct BusyTrackerOptions {
@@ -283,14 +310,17 @@ class BusyTracker {
 };
 
 // Iteration boundaries (optimizer.step(), `with cotenant.iteration():`) to
-// iteration times, published on every boundary.
+// iteration times: the job's one measurement, for every role. The job
+// channel reports stats() to the coordinator; gate statistics show them.
 class IterationTracker {
  public:
   static constexpr std::size_t kIterationWindow = 128;
-  IterationTracker(Clock& clock, GuaranteedStateSink& sink);
+  explicit IterationTracker(Clock& clock);
   // Marks the end of one iteration and the start of the next. The first call
   // only starts timing.
   void boundary();
+  // One iteration that took `took` (a simulated job that knows its times).
+  void record(Nanoseconds took);
   // Starts timing an iteration without ending one: for loops with gaps
   // between iterations (`with cotenant.iteration():` around each request),
   // so a gap is not counted as iteration time.
@@ -298,8 +328,8 @@ class IterationTracker {
   IterationStats stats() const;
 
  private:
+  void record_locked(Nanoseconds took);
   Clock& clock_;
-  GuaranteedStateSink& sink_;
   mutable std::mutex mutex_;
   Nanoseconds last_boundary_ns_ = -1;
   IterationStats stats_;

@@ -52,30 +52,48 @@ struct PooledStat {
 enum class SpillMode : std::uint8_t { kRemap, kPinnedFallback };
 const char* spill_mode_name(SpillMode mode);
 
+// The statistics' fields, each listed once. X(name) for every field of a
+// kind; the struct, resets and as_map() are generated from these lists.
+//   pooled: PooledStat (torch's "<name>.{all,small_pool,large_pool}.{current,peak,allocated,freed}")
+//   plain:  Stat ("<name>.{current,peak,allocated,freed}")
+//   count:  std::int64_t, cumulative (reset_accumulated() zeroes it)
+//   gauge:  std::int64_t, a current value (no reset)
+#define COTENANT_POOLED_STATS(X) \
+  X(allocation) X(segment) X(active) X(inactive_split) X(allocated_bytes) X(reserved_bytes) X(active_bytes) \
+  X(inactive_split_bytes) X(requested_bytes)
+#define COTENANT_PLAIN_STATS(X) X(device_resident_bytes) X(host_resident_bytes) X(pinned_fallback_bytes)
+#define COTENANT_COUNT_STATS(X) \
+  X(num_alloc_retries) X(num_ooms) X(num_device_alloc) X(num_device_free) X(spilled_bytes) X(restored_bytes) \
+  X(num_migrations) X(num_spilled_allocations)
+#define COTENANT_GAUGE_STATS(X) X(pending_spill_bytes) X(pending_restore_bytes)
+
 struct AllocatorStats {
   // Bytes and counts as torch.cuda.memory_stats() defines them. "allocated"
   // is what callers hold (rounded sizes), "requested" what they asked for,
   // "reserved" all mapped memory (device and host), "active" allocated plus
   // freed blocks still waiting on record_stream events, "inactive_split"
   // free pieces of split blocks.
-  PooledStat allocation, segment, active, inactive_split;
-  PooledStat allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
-  std::int64_t num_alloc_retries = 0;  // allocations that had to release cache first
-  std::int64_t num_ooms = 0;           // allocations that failed on device and host
-  std::int64_t num_device_alloc = 0;   // pages created on the backend (device or host)
-  std::int64_t num_device_free = 0;    // pages released to the backend
-
-  // Residency: mapped bytes by where they live. device + host == reserved.
-  Stat device_resident_bytes, host_resident_bytes;
-  // Pinned-fallback allocations (kPinnedFallback mode only), part of host_resident_bytes.
-  Stat pinned_fallback_bytes;
-  std::int64_t spilled_bytes = 0;     // cumulative bytes moved device -> host
-  std::int64_t restored_bytes = 0;    // cumulative bytes moved host -> device
-  std::int64_t num_migrations = 0;    // cumulative page moves, both directions
-  std::int64_t num_spilled_allocations = 0;  // allocations that got host memory at birth
-  std::int64_t pending_spill_bytes = 0;    // marked, not yet moved
-  std::int64_t pending_restore_bytes = 0;  // marked, not yet moved
-  std::uint64_t memory_cap = 0;       // device-resident bound in bytes; kNoCap when unset
+  //   num_alloc_retries        allocations that had to release cache first
+  //   num_ooms                 allocations that failed on device and host
+  //   num_device_alloc / free  pages created on / released to the backend
+  // Residency: mapped bytes by where they live (device + host == reserved);
+  // pinned_fallback_bytes: kPinnedFallback allocations, part of host_resident_bytes.
+  //   spilled_bytes / restored_bytes  cumulative bytes moved device -> host / back
+  //   num_migrations                  cumulative page moves, both directions
+  //   num_spilled_allocations         allocations that got host memory at birth
+  //   pending_spill/restore_bytes     marked, not yet moved
+#define COTENANT_DECLARE_POOLED(name) PooledStat name;
+#define COTENANT_DECLARE_PLAIN(name) Stat name;
+#define COTENANT_DECLARE_INT(name) std::int64_t name = 0;
+  COTENANT_POOLED_STATS(COTENANT_DECLARE_POOLED)
+  COTENANT_PLAIN_STATS(COTENANT_DECLARE_PLAIN)
+  COTENANT_COUNT_STATS(COTENANT_DECLARE_INT)
+  COTENANT_GAUGE_STATS(COTENANT_DECLARE_INT)
+#undef COTENANT_DECLARE_POOLED
+#undef COTENANT_DECLARE_PLAIN
+#undef COTENANT_DECLARE_INT
+  std::uint64_t memory_cap = ~std::uint64_t{0};  // device-resident bound (Cap::to_word(); kNoCap when unset)
+  bool spilled_all = false;                      // spill_all() holds until restore_all()
   SpillMode mode = SpillMode::kRemap;
 
   // torch.cuda.reset_peak_memory_stats() and reset_accumulated_memory_stats():
@@ -84,7 +102,8 @@ struct AllocatorStats {
   void reset_accumulated();
 
   // Flattens into torch's key names ("allocated_bytes.all.current", ...)
-  // plus cotenant's ("device_resident_bytes.current", "memory_cap", ...).
+  // plus cotenant's ("device_resident_bytes.current", "memory_cap" (-1 for
+  // none), "spilled_all", "spill_mode_remap").
   std::map<std::string, std::int64_t> as_map() const;
 };
 

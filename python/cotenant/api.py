@@ -82,47 +82,33 @@ def is_multiprocessing_helper(argv) -> bool:
 def parse_memory_cap(size: SizeLike, device_total_bytes: Optional[int] = None) -> Optional[int]:
     """Reads a memory cap and returns it in bytes (None: no cap).
 
-    Accepts a positive number of bytes (int), a size string through cotenant's
-    one size parser ("6GiB", "512MiB", "1.5GB"), or a fraction of the
-    device's memory as a float in (0, 1] (needs `device_total_bytes`).
-    Raises ValueError or TypeError with the accepted forms otherwise.
+    Accepts what cotenant._core.Cap reads, the one parser for caps: a positive
+    number of bytes (int), a size string ("6GiB", "512MiB", "4096"), a
+    fraction of the device's memory (a float in (0, 1], or "0.5", "50%"; needs
+    `device_total_bytes`), or None / "none". Raises ValueError (the message
+    names the input and the accepted forms) or TypeError otherwise.
     """
-    if size is None:
-        return None
-    if isinstance(size, bool):
-        raise TypeError(
-            f"a memory cap cannot be {size!r}; pass bytes (e.g. 6442450944), a size string "
-            f"(e.g. \"6GiB\") or a fraction of the device (e.g. 0.5)")
-    if isinstance(size, int):
-        if size <= 0:
-            raise ValueError(
-                f"a memory cap of {size} bytes is not allowed; pass a positive size (e.g. \"512MiB\"), "
-                f"or call cotenant.spill_all() to move all memory to the host")
-        return size
-    if isinstance(size, float):
-        if not (0.0 < size <= 1.0):
-            raise ValueError(
-                f"a fractional memory cap must be in (0, 1] of the device's memory, got {size}; "
-                f"pass e.g. 0.5 for half the device, or a size such as \"6GiB\"")
-        if device_total_bytes is None:
-            raise ValueError(
-                "a fractional memory cap needs the device's size; call cotenant.enable() first")
-        return max(1, int(size * device_total_bytes))
-    if isinstance(size, str):
-        from cotenant import _core  # the one size parser
+    cap = to_cap(size)
+    if cap.is_fraction and device_total_bytes is None:
+        raise ValueError(f"the memory cap {cap} is a fraction of the device, and the device's size is not known "
+                         f"here; call cotenant.enable() first, or give the cap in bytes (e.g. \"6GiB\")")
+    return cap.resolve(device_total_bytes or 0)
 
-        try:
-            value = _core.parse_size(size)
-        except _core.Error as error:  # a ValueError whose message lists the accepted forms
-            raise ValueError(f"cannot use {size!r} as a memory cap: {error}") from None
-        if value <= 0:
-            raise ValueError(
-                f"a memory cap of {size!r} is 0 bytes; pass a positive size (e.g. \"512MiB\"), "
-                f"or call cotenant.spill_all() to move all memory to the host")
-        return value
-    raise TypeError(
-        f"a memory cap must be bytes (int), a size string such as \"6GiB\", or a fraction "
-        f"such as 0.5; got {type(size).__name__}")
+
+def to_cap(size: Any):
+    """A cotenant._core.Cap from any accepted spelling (see parse_memory_cap)."""
+    from cotenant import _core
+
+    if isinstance(size, bool):
+        raise TypeError(f"a memory cap cannot be {size!r}; pass bytes (e.g. 6442450944), a size string "
+                        f"(e.g. \"6GiB\"), a fraction of the device (e.g. 0.5) or None")
+    if size is not None and not isinstance(size, (int, float, str, _core.Cap)):
+        raise TypeError(f"a memory cap must be bytes (int), a size string such as \"6GiB\", a fraction such as "
+                        f"0.5, or None; got {type(size).__name__}")
+    try:
+        return _core.Cap(size)
+    except _core.Error as error:
+        raise ValueError(str(error)) from None
 
 
 def parse_persistent_memory(size: Union[int, str, None]) -> Optional[int]:
@@ -215,7 +201,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
            persistent_memory: Union[int, str, None] = None) -> bool:
     """Makes cotenant the process's CUDA allocator. Call it before the first CUDA tensor.
 
-    role: None (no launch gate), "guaranteed" or "opportunistic".
+    role: None (cap only: no launch gate, and a coordinator neither protects
+    nor throttles the job), "guaranteed" or "opportunistic".
     device: the CUDA device the job uses (default: COTENANT_DEVICE, else 0).
     name, socket: the job's name and the coordinator's socket when one runs.
     memory_cap: an initial cap (as set_memory_cap takes it), also told to the
@@ -229,8 +216,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     allocator already holds CUDA memory (the message says how to fix it).
     """
     role = parse_role(role)
-    if not isinstance(memory_cap, float):
-        parse_memory_cap(memory_cap)  # a bad cap fails before CUDA is touched
+    to_cap(memory_cap)  # a bad cap fails before CUDA is touched
     persistent_bytes = parse_persistent_memory(persistent_memory)
     index = parse_device(device)
     if index is None:
@@ -277,17 +263,12 @@ def enable_from_environment() -> bool:
         return False  # a worker or helper the job started: the job itself is enabled
     role = os.environ.get("COTENANT_ROLE") or None
     cap_text = os.environ.get("COTENANT_MEMORY_CAP") or None
-    cap: SizeLike = cap_text
+    cap = None
     if cap_text is not None:
         try:
-            # "0.5" means half the device; anything else goes to the size parser.
-            fraction = float(cap_text)
-            if 0.0 < fraction <= 1.0 and not cap_text.strip().isdigit():
-                cap = fraction
-        except ValueError:
-            pass
-        if not isinstance(cap, float):
-            parse_memory_cap(cap)  # a bad COTENANT_MEMORY_CAP fails before CUDA is touched
+            cap = to_cap(cap_text)  # the one parser: "6GiB", "0.5" (half the device), "none"
+        except ValueError as error:
+            raise ValueError(f"COTENANT_MEMORY_CAP={cap_text!r}: {error}") from None
     return enable(role=role, device=os.environ.get("COTENANT_DEVICE") or None,
                   name=os.environ.get("COTENANT_JOB_NAME") or None,
                   socket=os.environ.get("COTENANT_SOCKET") or None, memory_cap=cap,
@@ -309,7 +290,7 @@ def disable() -> None:
         _C = _extension()
         _stop_job_channel(_C)
         device = _state.device
-        _C.set_memory_cap(device, _C.NO_CAP)
+        _C.set_memory_cap(device, None)
         _C.restore_all(device)
         _C.safe_point()
         if _state.optimizer_hook is not None:
@@ -328,21 +309,20 @@ def set_memory_cap(size: SizeLike, device: Any = None) -> Optional[int]:
     coldest pages to host memory at once (no OutOfMemoryError); raising it
     brings them back. Returns the cap in bytes (None for no cap).
     """
+    cap = to_cap(size)
     index = _resolve_device(device)
     _C = _extension()
-    total = _C.device_total_bytes(index) if isinstance(size, float) else None
-    cap = parse_memory_cap(size, total)
-    _C.set_memory_cap(index, _C.NO_CAP if cap is None else cap)
+    resolved = cap.resolve(_C.device_total_bytes(index))
+    _C.set_memory_cap(index, resolved)
     _C.safe_point()
-    return cap
+    return resolved
 
 
 def memory_cap(device: Any = None) -> Optional[int]:
     """The current cap in bytes, or None when there is none."""
     index = _resolve_device(device)
-    _C = _extension()
-    cap = _C.memory_cap(index)
-    return None if cap == _C.NO_CAP else int(cap)
+    cap = _extension().memory_cap(index)
+    return None if cap is None else int(cap)
 
 
 def summarize_stats(raw: Dict[str, Any]) -> Dict[str, Any]:
@@ -429,23 +409,15 @@ def _refuse_if_torch_already_allocated() -> None:
 
 def _install_optimizer_safe_point() -> None:
     """A safe point after each optimizer step: the iteration boundary."""
-    import torch
-
-    import time
-
     _C = _extension()
-    last_step = [None]  # time.perf_counter() of the previous step's end
 
     def after_step(optimizer, args, kwargs):  # noqa: ARG001 (torch's hook signature)
+        # One step of the job: the iteration time (the job's one measurement,
+        # which the coordinator reads for every role) and the allocator's mark.
+        _C.iteration_boundary()
         _C.mark_iteration()
         if _C.has_pending_migrations():
             _C.safe_point()
-        if _state.job_channel:
-            # The coordinator's compute-share policy reads iteration times.
-            now = time.perf_counter()
-            if last_step[0] is not None:
-                _C.record_iteration((now - last_step[0]) * 1e6)
-            last_step[0] = now
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -549,7 +521,7 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     except Exception:
         return  # no coordinator running (or none this user may reach): the job runs on its own
     try:
-        registration = client.register(role or "guaranteed", device, name=name, socket=socket,
+        registration = client.register(role or "cap_only", device, name=name, socket=socket,
                                        memory_cap=cap_bytes, persistent_bytes=persistent_bytes,
                                        device_total_bytes=_C.device_total_bytes(device))
     except Exception as error:
@@ -566,11 +538,6 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
         warnings.warn(f"cotenant: the coordinator queued this job ({registration.queue_reason}); "
                       f"it runs when the coordinator lets it", RuntimeWarning, stacklevel=3)
     block_name = registration.block_name
-    if not getattr(_C, "HAS_JOB_CHANNEL", False):
-        warnings.warn("cotenant: registered with the coordinator, but this build has no job "
-                      "channel; caps set by the coordinator will not apply", RuntimeWarning,
-                      stacklevel=3)
-        return
     _C.start_job_channel(block_name, device)
     _state.job_channel = True
 

@@ -21,6 +21,16 @@ def _parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _parse_cap(text: str):
+    """A cap through the one parser (cotenant._core.Cap): "6GiB", "0.5", "50%", "none"."""
+    from cotenant import _core
+
+    try:
+        return _core.Cap(text)
+    except _core.Error as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _format_size(value: Optional[int]) -> str:
     if value is None:
         return "-"
@@ -96,8 +106,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_set_cap(args: argparse.Namespace) -> int:
     from cotenant.coordinator import client
 
-    size = None if args.size.lower() in ("none", "unlimited") else _parse_size(args.size)
-    reply = client.set_cap(args.job, size, args.socket)
+    reply = client.set_cap(args.job, args.size, args.socket)
     print(f"{reply['job']}: cap bound {_format_size(reply['user_cap'])}, cap in force {_format_size(reply['memory_cap'])}")
     return 0
 
@@ -141,8 +150,7 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     env["COTENANT_ENABLE"] = "1"
     env["COTENANT_ROLE"] = "guaranteed" if args.guaranteed else "opportunistic"
     if args.cap:
-        _parse_size(args.cap)  # refuse a bad size here, not in the child
-        env["COTENANT_MEMORY_CAP"] = args.cap
+        env["COTENANT_MEMORY_CAP"] = _parse_cap(args.cap).text  # refused here, read back by the same parser
     if args.persistent:
         _parse_size(args.persistent)
         env["COTENANT_PERSISTENT_MEMORY"] = args.persistent
@@ -246,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_socket(sub.add_parser("set-cap", help="bound a job's device memory"))
     p.add_argument("job", help="job name or id")
-    p.add_argument("size", help="a size like 6GiB, or 'none' to remove the bound")
+    p.add_argument("size", help="a size like 6GiB, a fraction of the GPU like 0.5 or 50%%, or 'none' to remove the bound")
     p.set_defaults(func=cmd_set_cap)
 
     p = with_socket(sub.add_parser("set-share", help="pin a job's compute share"))
@@ -264,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     role = p.add_mutually_exclusive_group(required=True)
     role.add_argument("--guaranteed", action="store_true", help="the job whose speed is protected")
     role.add_argument("--opportunistic", action="store_true", help="a job that uses what is left")
-    p.add_argument("--cap", help="device-memory cap, e.g. 6GiB")
+    p.add_argument("--cap", help="device-memory cap: a size (6GiB), a fraction of the GPU (0.5, 50%%) or none")
     p.add_argument("--persistent", help="memory the job holds for its whole life, e.g. 10GiB: the coordinator "
                                         "admits an opportunistic job only when it fits")
     p.add_argument("--name", help="job name shown by `cotenant status`")
@@ -296,6 +304,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"cotenant: permission denied on the coordinator socket ({error.filename or error}); ask for membership "
               "in the coordinator's group", file=sys.stderr)
         return 1
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        print(f"cotenant: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

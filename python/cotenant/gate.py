@@ -17,18 +17,22 @@ Roles (set by enable(role=...) or `cotenant run --guaranteed/--opportunistic`):
   fewer than k of its ops are in flight, the guaranteed job on the same GPU
   is idle, and its share allows it. Its current stream is a lowest-priority
   CUDA stream. CUDA graph replays are gated as one op.
-- guaranteed: a cheap tracker publishes whether its GPU work is busy and its
-  iteration times (from optimizer.step(), or `with cotenant.iteration():`).
+- guaranteed: a cheap tracker publishes whether its GPU work is busy.
 
-The two find each other through a per-GPU shared-memory segment, so
-enable(role=...) in both is enough; a coordinator, when one runs, sets the
-share. This module is itself callable: `cotenant.gate()` is the explicit gate.
+Every enabled job measures its iteration times once (optimizer.step(), or
+`with cotenant.iteration():`); the coordinator reads them from the job's
+report.
+
+The jobs of one GPU find each other through a per-GPU shared-memory segment,
+so enable(role=...) in both is enough. A coordinator, when one runs, sends
+its share through the job's own block; the gate admits at the minimum of the
+job's own share (set_share) and the coordinator's. This module is itself
+callable: `cotenant.gate()` is the explicit gate.
 
 Environment (read at activation): COTENANT_GATE_MAX_IN_FLIGHT (k, default 2),
 COTENANT_GATE_WINDOW_MS (the share's window, default 50), COTENANT_SHARE (the
-share a newly registered opportunistic job gets when no coordinator sets one,
-default 1), COTENANT_GPU_SEGMENT (the segment's name, default
-/cotenant-gpu<index>-<uid>).
+job's own share at start, default 1), COTENANT_GPU_SEGMENT (the segment's
+name, default /cotenant-gpu<index>-<uid>).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class _State:
         self.role: Optional[str] = None
         self.device: Optional[int] = None
         self.share = 1.0  # what set_share() asked for, applied at activation too
+        self.share_set_by_user = False
         self.optimizer_hook: Any = None
         self.original_replay: Any = None
         self.stream: Any = None
@@ -111,11 +116,11 @@ def activation_settings(environ: Optional[Dict[str, str]] = None) -> Dict[str, A
     if environ is not None:
         saved, os.environ = os.environ, environ  # type: ignore[assignment]
     try:
-        default_share = os.environ.get("COTENANT_SHARE", "").strip()
+        initial_share = os.environ.get("COTENANT_SHARE", "").strip()
         return {
             "max_in_flight": _env_int("COTENANT_GATE_MAX_IN_FLIGHT", DEFAULT_MAX_IN_FLIGHT, 1),
             "share_window_s": _env_float("COTENANT_GATE_WINDOW_MS", DEFAULT_WINDOW_MS, 1.0) / 1000.0,
-            "default_share": parse_share(default_share) if default_share else 1.0,
+            "initial_share": parse_share(initial_share) if initial_share else None,
             "segment_name": os.environ.get("COTENANT_GPU_SEGMENT", "").strip(),
         }
     finally:
@@ -149,9 +154,11 @@ def _activate(role: Optional[str], device: int) -> None:
                 raise RuntimeError(f"the launch gate is already active as {_state.role} on "
                                    f"cuda:{_state.device}; a process has one role on one GPU")
             return
+        if settings["initial_share"] is not None and not _state.share_set_by_user:
+            _state.share = settings["initial_share"]
         _C.gate_set_share(_state.share)
         _C.gate_activate(role, device, settings["segment_name"], settings["max_in_flight"],
-                         settings["share_window_s"], settings["default_share"])
+                         settings["share_window_s"], _gpu_uuid(torch, device))
         _state.role, _state.device = role, device
         # Leave the segment while the interpreter (and CUDA) still run: a
         # guaranteed job that exits must not leave its busy flag behind.
@@ -159,11 +166,17 @@ def _activate(role: Optional[str], device: int) -> None:
         if role == "opportunistic":
             _use_lowest_priority_stream(torch, device)
             _gate_graph_replays(torch)
-        else:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
+        # Iteration boundaries from optimizer.step() come from cotenant.enable()'s
+        # step hook, for every role (the one measurement).
 
-            _state.optimizer_hook = register_optimizer_step_post_hook(
-                lambda optimizer, args, kwargs: _C.iteration_boundary())
+
+def _gpu_uuid(torch, device: int) -> str:
+    """The GPU's UUID ("GPU-..."), or "" when torch cannot say."""
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:
+        return ""
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
 def _deactivate() -> None:
@@ -249,19 +262,26 @@ class _GateContext:
 
 
 class _IterationContext:
-    """`with cotenant.iteration():` marks one iteration of a guaranteed job whose loop
-    has no optimizer.step() (inference, custom loops); the time between
-    iterations is not counted. Outside a guaranteed process it does nothing."""
+    """`with cotenant.iteration():` marks one iteration of a job whose loop has no
+    optimizer.step() (inference, custom loops); the time between iterations is
+    not counted. The iteration time goes to the coordinator (every role) and
+    ends the allocator's step. Without cotenant enabled it does nothing."""
 
     def __enter__(self) -> "_IterationContext":
-        if _state.role == "guaranteed":
+        if _enabled():
             _extension().iteration_begin()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if _state.role == "guaranteed":
+        if _enabled():
             _extension().iteration_boundary()
-        _mark_allocator_iteration()
+            _extension().mark_iteration()
+
+
+def _enabled() -> bool:
+    from cotenant import api
+
+    return api.is_enabled()
 
 
 def gate() -> _GateContext:
@@ -273,27 +293,22 @@ def iteration() -> _IterationContext:
     return _IterationContext()
 
 
-def _mark_allocator_iteration() -> None:
-    """Tells the capped allocator a step ended (idle cache may go to grow)."""
-    from cotenant import api
-
-    if api.is_enabled():
-        _extension().mark_iteration()
-
-
 def set_share(value: Any) -> float:
-    """Sets this process's compute share in [0, 1]: the fraction of GPU-busy time
-    it may use over a short window. 0 pauses it at its next op; raising it
-    resumes. A coordinator's share, when one runs, caps this one. Any thread."""
+    """Sets this process's own compute share in [0, 1]: the fraction of GPU-busy
+    time it may use over a short window. 0 pauses it at its next op; raising it
+    resumes. A coordinator's share, when one runs, caps this one: the gate
+    admits at min(this, the coordinator's), and neither replaces the other
+    (stats() shows share, user_share and coordinator_share). Any thread."""
     value = parse_share(value)
     _state.share = value
+    _state.share_set_by_user = True
     if _state.role is not None:
         _extension().gate_set_share(value)
     return value
 
 
 def share() -> float:
-    """The share set for this process (before the coordinator's cap)."""
+    """This process's own share, as set (stats()["share"] is the one in force)."""
     if _state.role is not None:
         return float(_extension().gate_share())
     return _state.share
@@ -304,10 +319,12 @@ def role() -> Optional[str]:
 
 
 def stats() -> Dict[str, Any]:
-    """The gate's counters: admitted ops, waits by reason, busy time in the window
-    (opportunistic); iteration times (guaranteed)."""
-    if _state.role is None:
-        return {"role": None, "share": _state.share}
+    """The gate's counters under one set of names (the C++ LaunchGateStats
+    list): admitted ops, waits by reason, busy time in the window; share (in
+    force), user_share, coordinator_share; the job's iteration times
+    (iteration_count, iteration_last_ns, iteration_ewma_ns, iteration_p99_ns)."""
+    if _state.role is None and not _enabled():
+        return {"role": None, "share": _state.share, "user_share": _state.share, "coordinator_share": 1.0}
     return dict(_extension().gate_stats())
 
 

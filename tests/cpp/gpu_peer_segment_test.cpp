@@ -191,22 +191,20 @@ TEST_CASE("a_segment_with_foreign_bytes_or_another_version_is_reinitialised", "[
   CHECK(segment.view().guaranteed.live);
 }
 
-TEST_CASE("opportunistic_slots_take_the_default_share_until_a_coordinator_sets_one", "[segment]") {
+TEST_CASE("claiming_an_opportunistic_slot_twice_returns_the_same_slot", "[segment]") {
   ScopedName n;
-  GpuPeerSegmentOptions options;
-  options.default_share = 0.5;
-  auto segment = GpuPeerSegment::open(n.name, 0, options);
+  auto segment = GpuPeerSegment::open(n.name, 0);
   const std::size_t slot = segment.claim_opportunistic(::getpid());
   CHECK(segment.claim_opportunistic(::getpid()) == slot);  // idempotent
-  CHECK(segment.share(slot) == 0.5);
-  SegmentPeerState peer(segment, slot);
-  CHECK(peer.published_share() == 0.5);
-  segment.set_share(slot, 0.2);
-  CHECK(peer.published_share() == Approx(0.2));
-  CHECK(segment.view().opportunistic.at(0).share_from_coordinator);
-  segment.set_share(slot, 3.0);
-  CHECK(segment.share(slot) == 1.0);
-  CHECK_THROWS_AS(segment.set_share(kMaxOpportunisticJobs, 0.5), Error);
+  CHECK(segment.view().opportunistic.size() == 1);
+}
+
+TEST_CASE("the_segment_records_the_gpu_uuid_it_was_created_for", "[segment]") {
+  ScopedName n;
+  GpuPeerSegmentOptions options;
+  options.gpu_uuid = "GPU-0b4f1c52-8a0e-4a53-9a4b-1f6f3c5d2e11";
+  auto segment = GpuPeerSegment::open(n.name, 0, options);
+  CHECK(segment.view().gpu_uuid == options.gpu_uuid);
 }
 
 TEST_CASE("a_gpu_takes_at_most_the_maximum_of_live_opportunistic_jobs", "[segment]") {
@@ -238,31 +236,12 @@ TEST_CASE("a_gpu_takes_at_most_the_maximum_of_live_opportunistic_jobs", "[segmen
   }
 }
 
-TEST_CASE("iteration_figures_published_by_the_guaranteed_job_read_back_together", "[segment]") {
-  ScopedName n;
-  auto segment = GpuPeerSegment::open(n.name, 0);
-  segment.claim_guaranteed(::getpid());
-  SegmentGuaranteedSink sink(segment);
-  IterationStats stats;
-  stats.iterations = 42;
-  stats.last_ns = 11 * kMs;
-  stats.ewma_ns = 10 * kMs;
-  stats.p99_ns = 13 * kMs;
-  sink.publish_iterations(stats);
-  auto read = segment.guaranteed_iterations();
-  CHECK(read.iterations == 42);
-  CHECK(read.last_ns == 11 * kMs);
-  CHECK(read.ewma_ns == 10 * kMs);
-  CHECK(read.p99_ns == 13 * kMs);
-  CHECK(segment.block().guaranteed.iteration_sequence.load() % 2 == 0);
-}
-
 TEST_CASE("the_gate_over_the_segment_admits_only_while_the_guaranteed_job_is_idle", "[segment][gate]") {
   ScopedName n;
   auto segment = GpuPeerSegment::open(n.name, 0);
   segment.claim_guaranteed(static_cast<std::uint64_t>(::getppid()));
   const std::size_t slot = segment.claim_opportunistic(::getpid());
-  SegmentPeerState peer(segment, slot);
+  SegmentPeerState peer(segment);
   struct NoWork final : InFlightWork {
     void record_marker() override {}
     std::size_t poll_in_flight() override { return 0; }
@@ -273,15 +252,13 @@ TEST_CASE("the_gate_over_the_segment_admits_only_while_the_guaranteed_job_is_idl
   segment.publish_activity(false, 0, MonotonicClock::instance().now_ns());
   CHECK(gate.try_admit());
   gate.launched();
-  segment.set_share(slot, 0.0);
-  CHECK_FALSE(gate.try_admit());
   segment.report_gate(slot, gate.stats());
   CHECK(segment.view().opportunistic.at(0).admitted_ops == 1);
 }
 
 TEST_CASE("the_layout_description_covers_every_field_once_inside_the_block", "[segment]") {
   auto fields = gpu_block_layout();
-  CHECK(fields.size() == 7 + 10 + 7 * kMaxOpportunisticJobs);
+  CHECK(fields.size() == 5 + kGpuBlockUuidBytes / 8 + 5 + 5 * kMaxOpportunisticJobs);
   CHECK(fields.size() * sizeof(Word) == sizeof(GpuBlock));
   std::set<std::size_t> offsets;
   for (const auto& f : fields) {

@@ -65,9 +65,7 @@ class FakeWork final : public InFlightWork {
 class FakePeer final : public PeerState {
  public:
   bool guaranteed_busy() const override { return busy.load(); }
-  double published_share() const override { return share.load(); }
   std::atomic<bool> busy{false};
-  std::atomic<double> share{1.0};
 };
 
 struct FakeSink final : GuaranteedStateSink {
@@ -77,12 +75,10 @@ struct FakeSink final : GuaranteedStateSink {
     last_activity_ns = at;
     ++activity_publications;
   }
-  void publish_iterations(const IterationStats& s) override { iterations = s; }
   bool busy = false;
   std::uint32_t ops_in_flight = 0;
   Nanoseconds last_activity_ns = 0;
   int activity_publications = 0;
-  IterationStats iterations;
 };
 
 // Waits (real time, bounded) until `condition` holds.
@@ -253,17 +249,28 @@ TEST_CASE("share_zero_pauses_at_the_next_op_and_raising_it_resumes", "[gate]") {
   CHECK(entered.load() == 3);
 }
 
-TEST_CASE("published_share_caps_the_share_set_locally", "[gate]") {
+TEST_CASE("the_coordinator_share_caps_the_job_share_and_neither_replaces_the_other", "[gate]") {
   Rig rig;
   rig.gate.set_share(0.8);
-  rig.peer.share = 0.0;
+  rig.gate.set_coordinator_share(0.0);
   CHECK_FALSE(rig.gate.try_admit());
   CHECK(rig.gate.stats().share == 0.0);
-  rig.peer.share = 0.3;
-  CHECK(rig.gate.stats().share == Approx(0.3));
+  rig.gate.set_coordinator_share(0.3);
+  const LaunchGateStats stats = rig.gate.stats();
+  CHECK(stats.share == Approx(0.3));
+  CHECK(stats.user_share == Approx(0.8));
+  CHECK(stats.coordinator_share == Approx(0.3));
   CHECK(rig.gate.try_admit());
   rig.gate.launched();
   CHECK(rig.gate.share() == Approx(0.8));
+  // The job lowering its own share below the coordinator's wins, and raising
+  // it again does not lift the coordinator's.
+  rig.gate.set_share(0.1);
+  CHECK(rig.gate.effective_share() == Approx(0.1));
+  rig.gate.set_share(1.0);
+  CHECK(rig.gate.effective_share() == Approx(0.3));
+  rig.gate.set_coordinator_share(2.0);
+  CHECK(rig.gate.coordinator_share() == 1.0);
 }
 
 TEST_CASE("shares_outside_zero_to_one_are_clamped", "[gate]") {
@@ -407,10 +414,9 @@ TEST_CASE("busy_tracker_records_at_most_one_marker_per_interval", "[gate][guaran
   CHECK_FALSE(tracker.refresh());
 }
 
-TEST_CASE("iteration_tracker_publishes_last_ewma_and_p99", "[gate][guaranteed]") {
+TEST_CASE("iteration_tracker_measures_last_ewma_and_p99", "[gate][guaranteed]") {
   FakeClock clock;
-  FakeSink sink;
-  IterationTracker tracker(clock, sink);
+  IterationTracker tracker(clock);
   tracker.boundary();  // starts timing only
   CHECK(tracker.stats().iterations == 0);
   for (int i = 0; i < 99; ++i) {
@@ -427,13 +433,17 @@ TEST_CASE("iteration_tracker_publishes_last_ewma_and_p99", "[gate][guaranteed]")
   clock.advance(50 * kMs);  // a second slow one: 2 in 101
   tracker.boundary();
   CHECK(tracker.stats().p99_ns == 50 * kMs);  // nearest rank 100 of 101 is slow
-  CHECK(sink.iterations.iterations == 101);
+  CHECK(tracker.stats().iterations == 101);
+  tracker.record(-5);  // a clock glitch is not an iteration
+  CHECK(tracker.stats().iterations == 101);
+  tracker.record(20 * kMs);  // a known duration counts like a measured one
+  CHECK(tracker.stats().iterations == 102);
+  CHECK(tracker.stats().last_ns == 20 * kMs);
 }
 
 TEST_CASE("iteration_begin_excludes_the_gap_before_an_iteration", "[gate][guaranteed]") {
   FakeClock clock;
-  FakeSink sink;
-  IterationTracker tracker(clock, sink);
+  IterationTracker tracker(clock);
   tracker.begin();
   clock.advance(4 * kMs);
   tracker.boundary();
@@ -443,7 +453,7 @@ TEST_CASE("iteration_begin_excludes_the_gap_before_an_iteration", "[gate][guaran
   tracker.boundary();
   CHECK(tracker.stats().iterations == 2);
   CHECK(tracker.stats().last_ns == 6 * kMs);
-  CHECK(sink.iterations.p99_ns == 6 * kMs);
+  CHECK(tracker.stats().p99_ns == 6 * kMs);
 }
 
 TEST_CASE("duty_cycle_window_counts_only_the_last_window_after_many_intervals", "[gate]") {

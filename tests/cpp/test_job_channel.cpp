@@ -12,6 +12,7 @@
 #include "cotenant/caching_allocator.h"
 #include "cotenant/errors.h"
 #include "cotenant/job_channel.h"
+#include "cotenant/job_process.h"
 #include "cotenant/shm/job_block.h"
 #include "cotenant/shm/shm_region.h"
 #include "cotenant/simulated_backend.h"
@@ -112,11 +113,11 @@ TEST_CASE("share_outside_zero_to_one_is_clamped", "[job_channel]") {
   JobChannelHooks hooks;
   hooks.set_share = [&](double share) { last = share; };
   JobChannel channel(coordinator.region.name(), hooks);
-  coordinator.set(shm::kUnlimitedCap, 3.0);
+  coordinator.set(kNoCap, 3.0);
   channel.poll_once();
   CHECK(last == -1);  // clamped to 1.0, which was already applied: nothing to run
   CHECK(shm::read_report(coordinator.block()).applied_share == 1.0);
-  coordinator.set(shm::kUnlimitedCap, -2.0);
+  coordinator.set(kNoCap, -2.0);
   channel.poll_once();
   CHECK(last == 0.0);
 }
@@ -128,7 +129,10 @@ TEST_CASE("each_command_runs_once_and_is_acknowledged_by_sequence", "[job_channe
   JobChannelHooks hooks;
   hooks.spill_all = [&] { ++spills; };
   hooks.restore_all = [&] { ++restores; };
-  hooks.set_suspended = [&](bool value) { suspended.push_back(value); };
+  hooks.set_suspended = [&](bool value) {
+    suspended.push_back(value);
+    return true;
+  };
   JobChannel channel(coordinator.region.name(), hooks);
   coordinator.command(shm::JobCommand::kSpillAll);
   channel.poll_once();
@@ -163,19 +167,114 @@ TEST_CASE("a_throwing_hook_is_counted_and_not_retried", "[job_channel]") {
   CHECK(shm::read_report(coordinator.block()).apply_errors == 1);
 }
 
-TEST_CASE("iteration_times_publish_last_ewma_and_count", "[job_channel]") {
+TEST_CASE("iteration_times_are_the_trackers_figures_in_nanoseconds", "[job_channel]") {
   CoordinatorBlock coordinator("iterations");
-  JobChannelOptions options;
-  options.iteration_ewma_weight = 0.5;
-  JobChannel channel(coordinator.region.name(), {}, options);
-  channel.record_iteration(100.0);
-  channel.record_iteration(200.0);
-  channel.record_iteration(-5.0);  // ignored
+  SimulatedDeviceConfig config;
+  SimulatedBackend backend(config);
+  CachingAllocator allocator(backend);
+  SimulatedJobProcess process(allocator);
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
+  process.iteration_tracker().record(100'000);
+  process.iteration_tracker().record(200'000);
   channel.poll_once();
   auto report = shm::read_report(coordinator.block());
-  CHECK(report.iteration_last_us == 200.0);
-  CHECK(report.iteration_ewma_us == 150.0);
   CHECK(report.iteration_count == 2);
+  CHECK(report.iteration_last_ns == 200'000);
+  CHECK(report.iteration_ewma_ns == process.iterations().ewma_ns);
+  CHECK(report.iteration_p99_ns == 200'000);
+}
+
+TEST_CASE("suspend_stops_launches_for_every_role_and_a_cap_change_brings_nothing_back", "[job_channel]") {
+  CoordinatorBlock coordinator("suspend");
+  SimulatedDeviceConfig config;
+  config.device_capacity = 256 * MiB;
+  SimulatedBackend backend(config);
+  CachingAllocator allocator(backend);
+  std::vector<DevicePtr> live;
+  for (int i = 0; i < 4; ++i) live.push_back(allocator.allocate(16 * MiB, 0));
+  SimulatedJobProcess process(allocator);
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
+
+  coordinator.command(shm::JobCommand::kSuspend);
+  channel.poll_once();
+  CHECK(process.launches_paused());
+  auto report = shm::read_report(coordinator.block());
+  CHECK(report.state == shm::JobState::kSuspended);
+  CHECK(report.device_bytes == 0);
+  CHECK(report.host_bytes >= 64 * MiB);
+  CHECK(report.effective_share == 0.0);
+
+  // A new cap while suspended is recorded, and moves nothing back.
+  coordinator.set(128 * MiB, 1.0);
+  channel.poll_once();
+  report = shm::read_report(coordinator.block());
+  CHECK(report.applied_memory_cap == 128 * MiB);
+  CHECK(report.device_bytes == 0);
+  CHECK(allocator.memory_cap() == 128 * MiB);
+  CHECK(allocator.stats().memory_cap == 128 * MiB);  // one value for the cap, spilled or not
+  CHECK(allocator.spilled_all());
+
+  coordinator.command(shm::JobCommand::kResume);
+  channel.poll_once();
+  CHECK_FALSE(process.launches_paused());
+  report = shm::read_report(coordinator.block());
+  CHECK(report.state == shm::JobState::kRunning);
+  CHECK(report.device_bytes >= 64 * MiB);
+  CHECK(report.host_bytes == 0);
+  for (auto address : live) allocator.free(address);
+}
+
+TEST_CASE("a_launch_stop_that_did_not_take_is_retried_at_the_next_poll", "[job_channel]") {
+  CoordinatorBlock coordinator("suspend-retry");
+  SimulatedDeviceConfig config;
+  SimulatedBackend backend(config);
+  CachingAllocator allocator(backend);
+  SimulatedJobProcess process(allocator);
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
+  process.set_pause_fails(true);  // work in flight does not drain
+  coordinator.command(shm::JobCommand::kSuspend);
+  channel.poll_once();
+  CHECK_FALSE(process.launches_paused());
+  process.set_pause_fails(false);
+  channel.poll_once();
+  CHECK(process.launches_paused());
+  channel.poll_once();
+  process.resume_launches();
+  CHECK_FALSE(process.launches_paused());  // paused once, not once per poll
+}
+
+TEST_CASE("the_coordinator_share_reaches_the_job_as_a_cap_on_its_own_share", "[job_channel]") {
+  CoordinatorBlock coordinator("share");
+  SimulatedDeviceConfig config;
+  SimulatedBackend backend(config);
+  CachingAllocator allocator(backend);
+  SimulatedJobProcess process(allocator);
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
+  process.set_user_share(0.6);
+  coordinator.set(kNoCap, 0.25);
+  channel.poll_once();
+  auto report = shm::read_report(coordinator.block());
+  CHECK(report.applied_share == 0.25);
+  CHECK(report.effective_share == 0.25);
+  coordinator.set(kNoCap, 1.0);
+  channel.poll_once();
+  CHECK(shm::read_report(coordinator.block()).effective_share == Approx(0.6));  // the job's own holds
+}
+
+TEST_CASE("a_job_that_leaves_its_report_mid_update_does_not_hold_the_coordinator_up", "[job_channel]") {
+  CoordinatorBlock coordinator("tampered");
+  JobChannel channel(coordinator.region.name(), {});
+  channel.poll_once();
+  coordinator.block().report.sequence.fetch_add(1);  // odd forever: a hostile or killed job
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_FALSE(shm::try_read_report(coordinator.block()).has_value());
+  CHECK(std::chrono::steady_clock::now() - start < 200ms);  // kCoordinatorPatience, on a loaded machine
+  // The coordinator's writes of the control section never wait on the job.
+  coordinator.block().control.sequence.fetch_add(1);
+  shm::JobControl control;
+  control.memory_cap = 8 * MiB;
+  shm::write_control(coordinator.block(), control);
+  CHECK(shm::read_control(coordinator.block()).memory_cap == 8 * MiB);
 }
 
 TEST_CASE("polling_thread_applies_a_cap_within_milliseconds_and_heartbeats", "[job_channel]") {
@@ -213,7 +312,8 @@ TEST_CASE("shrinking_cap_spills_a_simulated_allocator_and_reports_its_bytes", "[
   const char pattern[] = "survives the spill";
   backend.write(live[0], pattern, sizeof pattern);
 
-  JobChannel channel(coordinator.region.name(), JobChannel::simulated_allocator_hooks(allocator));
+  SimulatedJobProcess process(allocator);
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
   channel.poll_once();
   auto before = shm::read_report(coordinator.block());
   CHECK(before.allocated_bytes == 128 * MiB);
@@ -232,7 +332,7 @@ TEST_CASE("shrinking_cap_spills_a_simulated_allocator_and_reports_its_bytes", "[
   backend.read(live[0], read_back, sizeof read_back);
   CHECK(std::string(read_back) == pattern);
 
-  coordinator.set(shm::kUnlimitedCap, 1.0);
+  coordinator.set(kNoCap, 1.0);
   channel.poll_once();
   channel.poll_once();
   auto restored = shm::read_report(coordinator.block());

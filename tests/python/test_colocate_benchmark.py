@@ -100,17 +100,20 @@ def test_a_mode_that_hurts_the_guaranteed_job_does_not_count_as_better(colocate)
     assert colocate.targets_met(figures)["best_aggregate_of_modes_meeting_guaranteed_targets"]
 
 
-def test_auto_share_rises_additively_and_falls_multiplicatively(colocate):
-    assert colocate.aimd_share(0.5, 1.01) == pytest.approx(0.55)
-    assert colocate.aimd_share(0.98, 1.0) == 1.0
-    assert colocate.aimd_share(0.5, 1.2) == pytest.approx(0.25)
-    assert colocate.aimd_share(0.4, math.nan) == 0.4
+def test_auto_mode_runs_the_coordinators_own_policy_not_a_copy(colocate, tmp_path):
+    # The benchmark has no share controller of its own: its auto mode starts
+    # the product's coordinator, whose policy moves the share.
+    assert not hasattr(colocate, "aimd_share")
+    assert not hasattr(colocate, "_auto_share_controller")
+    process, socket_path = colocate.start_coordinator(str(tmp_path))
+    try:
+        from cotenant.coordinator import client
 
-
-def test_the_auto_controller_baseline_matches_what_the_job_publishes(colocate):
-    solo = {"p50_s": 0.2, "compute_p50_s": 0.1}
-    assert colocate.controller_baseline_s("resnet50-train", solo) == 0.2
-    assert colocate.controller_baseline_s("transformer-infer-gaps", solo) == 0.1
+        with client.CoordinatorClient(socket_path, 5.0) as c:
+            assert c.request("status")["ok"]
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 def test_workers_are_started_with_their_role_mode_and_gap(colocate):

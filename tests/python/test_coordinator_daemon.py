@@ -74,6 +74,41 @@ def test_guaranteed_slowdown_cuts_the_opportunistic_share(node):
     assert wait_until(lambda: node.job("o")["share"] < peak / 1.9, timeout=5), node.status()
 
 
+def test_a_guaranteed_job_that_only_marks_iterations_gets_a_baseline_and_protection(node):
+    # The simulated job marks iteration ends only (as `with cotenant.iteration():`
+    # does): its iteration times are the tracker's, reported in its block.
+    node.start_coordinator()
+    node.start_job("guaranteed", "g", hold_mib=64, iteration_us=4000)
+    assert wait_until(lambda: node.job("g")["baseline_us"] is not None, timeout=15), node.status()
+    g = node.job("g")
+    assert g["iteration_count"] > 0
+    assert 3000 <= g["baseline_us"] <= 40000  # measured, not declared: about 4 ms a step
+    assert g["slowdown"] is not None
+
+
+def test_the_coordinator_share_reaches_the_job_through_its_block_only(node):
+    node.start_coordinator()
+    o = node.start_job("opportunistic", "o", hold_mib=32)
+    client.set_share("o", 0.3, node.socket)
+    assert wait_until(lambda: node.job("o")["applied_share"] == 0.3)
+    assert node.job("o")["effective_share"] == pytest.approx(0.3)
+    block = _core.JobBlock.open(o.registration["block_name"])
+    assert block.control()["share"] == 0.3
+    block.close()
+    # The per-GPU segment has no share field for anyone to write.
+    assert not [name for name, _, _ in _core.gpu_block_layout() if "share" in name]
+
+
+def test_set_cap_takes_a_fraction_of_the_gpu(node):
+    node.start_coordinator()  # a 1 GiB GPU
+    node.start_job("opportunistic", "o", hold_mib=32)
+    reply = client.set_cap("o", "0.25", node.socket)
+    assert reply["user_cap"] == 256 * MiB
+    assert wait_until(lambda: node.job("o")["applied_cap"] is not None and node.job("o")["applied_cap"] <= 256 * MiB)
+    with pytest.raises(ValueError, match="6 apples"):
+        client.set_cap("o", "6 apples", node.socket)
+
+
 def test_killed_coordinator_leaves_jobs_running_with_last_cap_and_share_and_restart_readopts_them(node):
     node.start_coordinator()
     g = node.start_job("guaranteed", "g", hold_mib=128)
@@ -266,7 +301,7 @@ def test_cotenant_run_enables_the_child_through_environment_variables(node):
     assert out.returncode == 0, out.stderr
     variables, pythonpath = out.stdout.splitlines()
     assert json.loads(variables) == {
-        "COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic", "COTENANT_MEMORY_CAP": "2GiB",
+        "COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic", "COTENANT_MEMORY_CAP": str(2 << 30),
         "COTENANT_DEVICE": "1", "COTENANT_SOCKET": node.socket, "COTENANT_JOB_NAME": "sidecar",
     }
     assert pythonpath.split(os.pathsep)[0].endswith(os.path.join("cotenant", "_autoenable"))
@@ -275,8 +310,18 @@ def test_cotenant_run_enables_the_child_through_environment_variables(node):
 def test_cotenant_run_refuses_a_bad_cap_before_starting_the_child():
     out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--guaranteed", "--cap", "lots", "--", "true"],
                          env=child_env(), capture_output=True, text=True, timeout=30)
-    assert out.returncode != 0
-    assert "lots" in out.stderr
+    assert out.returncode == 2
+    assert "lots" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cotenant_run_takes_a_fraction_of_the_gpu_and_the_child_reads_it_the_same_way():
+    script = ("import os; from cotenant import api; cap = api.to_cap(os.environ['COTENANT_MEMORY_CAP']);"
+              "print(os.environ['COTENANT_MEMORY_CAP'], cap.resolve(16 << 30))")
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--cap", "0.5", "--",
+                          sys.executable, "-c", script], env={**child_env(), "COTENANT_DISABLE": "1"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0.5", str(8 << 30)]
 
 
 def test_suspend_moves_all_memory_to_the_host_and_resume_brings_it_back(node):

@@ -1,5 +1,6 @@
 """cotenant._core: sizes, errors, the simulated device and the allocator from Python."""
 
+import os
 import threading
 
 import pytest
@@ -215,3 +216,69 @@ def test_record_stream_holds_a_block_until_that_stream_completes():
     again = allocator.allocate(MiB, stream=1)
     assert allocator.stats()["active_bytes.all.current"] == MiB
     allocator.free(again)
+
+
+def test_memory_cap_and_the_statistics_agree_while_everything_is_spilled():
+    backend = _core.SimulatedBackend(device_capacity="64MiB", granularity="2MiB")
+    allocator = _core.CachingAllocator(backend)
+    held = allocator.allocate(8 * MiB)
+    allocator.set_memory_cap("32MiB")
+    allocator.spill_all()
+    allocator.apply_pending_migrations()
+    stats = allocator.stats()
+    assert allocator.memory_cap() == 32 * MiB
+    assert stats["memory_cap"] == 32 * MiB  # one value for the cap; spill_all is a state beside it
+    assert stats["spilled_all"] == 1
+    assert stats["device_resident_bytes.current"] == 0
+    allocator.set_memory_cap("48MiB")  # a new cap while spilled brings nothing back
+    allocator.apply_pending_migrations()
+    assert allocator.stats()["device_resident_bytes.current"] == 0
+    allocator.restore_all()
+    allocator.apply_pending_migrations()
+    assert allocator.stats()["device_resident_bytes.current"] >= 8 * MiB
+    assert allocator.stats()["spilled_all"] == 0
+    allocator.free(held)
+
+
+def test_a_fraction_cap_resolves_on_the_allocators_device():
+    backend = _core.SimulatedBackend(device_capacity="64MiB", granularity="2MiB")
+    allocator = _core.CachingAllocator(backend)
+    allocator.set_memory_cap(0.25)
+    assert allocator.memory_cap() == 16 * MiB
+    allocator.set_memory_cap("50%")
+    assert allocator.memory_cap() == 32 * MiB
+    allocator.set_memory_cap("none")
+    assert allocator.memory_cap() is None
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, "none"), ("none", "none"), (4096, "4096"), ("6GiB", str(6 << 30)), (0.5, "0.5"), ("25%", "0.25"),
+])
+def test_every_spelling_of_a_cap_goes_through_one_parser(value, expected):
+    cap = _core.Cap(value)
+    assert cap.text == expected
+    assert _core.Cap(cap.text) == cap
+
+
+def test_suspend_stops_a_guaranteed_jobs_launches_and_resume_lets_them_go(tmp_path):
+    name = f"/cotenant-test-suspend-{os.getpid()}"
+    block = _core.JobBlock.create(name, job_id=1, job_name="g", role="guaranteed", device=0, pid=os.getpid(),
+                                  uid=os.getuid())
+    try:
+        backend = _core.SimulatedBackend(device_capacity="64MiB", granularity="2MiB")
+        allocator = _core.CachingAllocator(backend)
+        held = allocator.allocate(8 * MiB)
+        channel = _core.JobChannel(name, allocator=allocator)
+        block.send_command("suspend")
+        channel.poll_once()
+        assert channel.launches_paused
+        report = block.report()
+        assert report["state"] == "suspended" and report["device_bytes"] == 0
+        block.send_command("resume")
+        channel.poll_once()
+        assert not channel.launches_paused
+        assert block.report()["device_bytes"] >= 8 * MiB
+        channel.close()
+        allocator.free(held)
+    finally:
+        block.unlink()

@@ -167,7 +167,6 @@ CHILD = textwrap.dedent("""
     name = sys.argv[1]
     segment = core.GpuPeerSegment.open(name, 0)
     segment.claim_guaranteed()
-    tracker = core.IterationTracker(segment)
     print("ready", flush=True)
     for line in sys.stdin:
         command = line.strip()
@@ -175,8 +174,6 @@ CHILD = textwrap.dedent("""
             segment.publish_activity(True, 3)
         elif command == "idle":
             segment.publish_activity(False, 0)
-        elif command == "iterate":
-            tracker.begin(); tracker.boundary()
         elif command == "exit":
             segment.release_guaranteed()
             print("bye", flush=True)
@@ -207,7 +204,7 @@ def test_opportunistic_gate_follows_a_guaranteed_job_in_another_process(segment_
     try:
         segment = core.GpuPeerSegment.open(segment_name, 0)
         slot = segment.claim_opportunistic()
-        gate = core.LaunchGate(peer=core.SegmentPeerState(segment, slot))
+        gate = core.LaunchGate(peer=core.SegmentPeerState(segment))
         view = segment.view()
         assert view["guaranteed"]["pid"] == child.process.pid
         assert view["guaranteed"]["live"]
@@ -219,12 +216,9 @@ def test_opportunistic_gate_follows_a_guaranteed_job_in_another_process(segment_
         assert gate.try_admit()
         gate.launched()
 
-        assert child.send("iterate") == "ok"
-        assert segment.guaranteed_iterations()["iterations"] == 1
-
-        segment.set_share(slot, 0.0)  # as a coordinator would
-        work_done = core.ManualInFlightWork()
-        assert not core.LaunchGate(work=work_done, peer=core.SegmentPeerState(segment, slot)).try_admit()
+        gate.set_coordinator_share(0.0)  # as the job channel applies a coordinator's share
+        assert not gate.try_admit()
+        assert gate.stats()["user_share"] == 1.0 and gate.stats()["share"] == 0.0
         assert child.send("exit") == "bye"
         assert segment.view()["guaranteed"]["pid"] == 0
     finally:
@@ -235,7 +229,8 @@ def test_opportunistic_gate_follows_a_guaranteed_job_in_another_process(segment_
 def test_a_guaranteed_job_killed_with_sigkill_stops_blocking_the_gate(segment_name):
     child = GuaranteedChild(segment_name)
     segment = core.GpuPeerSegment.open(segment_name, 0)
-    gate = core.LaunchGate(peer=core.SegmentPeerState(segment, segment.claim_opportunistic()))
+    segment.claim_opportunistic()
+    gate = core.LaunchGate(peer=core.SegmentPeerState(segment))
     assert child.send("busy") == "ok"
     assert not gate.try_admit()
     child.kill()
@@ -286,7 +281,9 @@ def test_concurrent_openers_all_attach_to_one_segment(segment_name):
 def test_layout_comes_from_the_c_header():
     layout = core.gpu_block_layout()
     names = [name for name, _, _ in layout]
-    assert "guaranteed.busy" in names and "opportunistic[0].share_bits" in names
+    assert "guaranteed.busy" in names and "opportunistic[0].admitted_ops" in names
+    # One rule for the blocks: nothing of the coordinator's, no shares, no iteration times.
+    assert not [n for n in names if "share" in n or "iteration" in n or "coordinator" in n]
     assert len({offset for _, offset, _ in layout}) == len(layout)
     assert max(offset + size for _, offset, size in layout) == core.GPU_BLOCK_BYTES
 
@@ -308,7 +305,7 @@ def test_activation_settings_come_from_the_environment():
     settings = gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "3",
                                                 "COTENANT_GATE_WINDOW_MS": "20",
                                                 "COTENANT_SHARE": "0.5"})
-    assert settings == {"max_in_flight": 3, "share_window_s": 0.02, "default_share": 0.5, "segment_name": ""}
+    assert settings == {"max_in_flight": 3, "share_window_s": 0.02, "initial_share": 0.5, "segment_name": ""}
     with pytest.raises(ValueError, match="COTENANT_GATE_MAX_IN_FLIGHT"):
         gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "0"})
 
@@ -342,7 +339,7 @@ def test_set_share_before_activation_is_kept_for_it():
     try:
         assert gate_module.set_share(0.3) == 0.3
         assert gate_module.share() == 0.3
-        assert gate_module.stats() == {"role": None, "share": 0.3}
+        assert gate_module.stats() == {"role": None, "share": 0.3, "user_share": 0.3, "coordinator_share": 1.0}
     finally:
         gate_module.set_share(1.0)
 
@@ -375,7 +372,7 @@ HOOKS_ON_CPU = textwrap.dedent("""
     if role == "guaranteed":
         for _ in range(3):
             _C.iteration_boundary()
-        print(_C.gate_stats()["iterations"])
+        print(_C.gate_stats()["iteration_count"])
         sys.exit(0)
     assert stats["admitted_ops"] >= 20, stats
     _C.gate_set_share(0.0)

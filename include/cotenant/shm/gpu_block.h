@@ -1,25 +1,23 @@
 // GpuBlock: the one definition of the per-GPU shared-memory segment through
-// which the jobs on one GPU find each other with no coordinator.
+// which the jobs on one GPU find each other with no coordinator (job <-> job).
+// What the coordinator and a job tell each other (caps, shares, commands,
+// reports, iteration times) travels in the per-job block instead
+// (job_block.h); the coordinator never writes this segment.
 //
 // One segment per (GPU, user), named "/cotenant-gpu<index>-<uid>" (see
 // GpuPeerSegment::default_name). Every job that calls enable(role=...) on
 // that GPU opens it (create-or-attach) and claims a slot:
 //   guaranteed     at most one per GPU: publishes whether it is busy (work in
-//                  flight, last activity) and its iteration times;
-//   opportunistic  up to kMaxOpportunisticJobs: registers, reads the
-//                  guaranteed slot at every gated op, reads its share.
-// The share of each opportunistic slot is written by the coordinator when one
-// runs, else it holds the segment's default share.
+//                  flight, last activity);
+//   opportunistic  up to kMaxOpportunisticJobs: registers (so the GPU's
+//                  opportunistic jobs are bounded), reads the guaranteed slot
+//                  at every gated op, and reports its gate's numbers for tools.
 //
-// Writers: each slot's pid, heartbeat and reports have one writer (the job
-// that holds it); shares have one writer (the coordinator, or the claiming
-// job at claim time). Slots are claimed and reclaimed by compare-and-swap on
-// pid, so two jobs never hold one slot. Every field is a lock-free
-// std::atomic<uint64_t> (address-free, valid across processes); doubles
-// travel as their bits; times are CLOCK_MONOTONIC nanoseconds (one time base
-// for every process of a host). The iteration figures are guarded by a
-// seqlock (odd sequence while written), so a reader sees one iteration's
-// numbers together.
+// Writers: each slot has one writer, the job that holds it. Slots are claimed
+// and reclaimed by compare-and-swap on pid, so two jobs never hold one slot.
+// Every field is a lock-free std::atomic<uint64_t> (address-free, valid
+// across processes); times are CLOCK_MONOTONIC nanoseconds (one time base
+// for every process of a host).
 //
 // Life cycle: a crashed job (dead pid, or heartbeat older than stale_after)
 // is detected and its slot reclaimed by whoever looks next. A segment left by
@@ -28,6 +26,9 @@
 // serialises concurrent creators; the lock dies with its holder. The name is
 // never unlinked by jobs: unlinking while a newcomer attaches could split the
 // jobs of one GPU across two segments. It is 1 KiB of /dev/shm.
+//
+// Version 2: no shares, no coordinator fields and no iteration times (they
+// moved to the per-job block); the GPU's UUID in the header.
 //
 // Python never computes offsets: it reads and writes through GpuPeerSegment,
 // bound into cotenant._core (gpu_block_layout() describes the fields).
@@ -48,7 +49,8 @@
 namespace cotenant::shm {
 
 inline constexpr std::uint64_t kGpuBlockMagic = 0x4b425550474e4f43ull;  // "CONGPUBK" little-endian
-inline constexpr std::uint32_t kGpuBlockVersion = 1;
+inline constexpr std::uint32_t kGpuBlockVersion = 2;
+inline constexpr std::size_t kGpuBlockUuidBytes = 48;  // "GPU-...", NUL-terminated
 inline constexpr std::size_t kMaxOpportunisticJobs = 8;
 
 using Word = std::atomic<std::uint64_t>;
@@ -60,19 +62,12 @@ struct GuaranteedSlot {
   Word busy;                 // 1 while it has work on the GPU (BusyTracker)
   Word ops_in_flight;        // pending completion markers
   Word last_activity_ns;     // its latest op launch
-  Word iteration_sequence;   // seqlock over the four iteration fields
-  Word iterations;
-  Word iteration_last_ns;
-  Word iteration_ewma_ns;
-  Word iteration_p99_ns;
 };
 
 struct OpportunisticSlot {
   Word pid;                  // 0: free
   Word heartbeat_ns;
-  Word share_bits;           // double in [0, 1]: the share this job may use
-  Word share_from_coordinator;  // 1 once a coordinator wrote share_bits
-  Word admitted_ops;         // reported by the job
+  Word admitted_ops;         // reported by the job, for tools
   Word waiting_ops;          // threads waiting at the gate now
   Word busy_ns_in_window;    // its GPU-busy time in its share window
 };
@@ -81,10 +76,9 @@ struct GpuBlock {
   Word magic;                // kGpuBlockMagic, stored last at initialisation
   Word version;              // kGpuBlockVersion
   Word block_bytes;          // sizeof(GpuBlock)
-  Word device;               // CUDA device index
+  Word device;               // CUDA device index of the creator
   Word generation;           // increments at every (re)initialisation
-  Word default_share_bits;   // share given to a newly claimed opportunistic slot
-  Word coordinator_pid;      // 0 when no coordinator manages this GPU
+  Word gpu_uuid[kGpuBlockUuidBytes / 8];  // the GPU's UUID, empty when unknown
   GuaranteedSlot guaranteed;
   OpportunisticSlot opportunistic[kMaxOpportunisticJobs];
 };
@@ -104,15 +98,12 @@ struct GuaranteedView {
   bool busy = false;
   std::uint64_t ops_in_flight = 0;
   Nanoseconds heartbeat_ns = 0, last_activity_ns = 0;
-  IterationStats iterations;
 };
 
 struct OpportunisticView {
   std::size_t slot = 0;
   std::uint64_t pid = 0;
   bool live = false;
-  double share = 1.0;
-  bool share_from_coordinator = false;
   std::uint64_t admitted_ops = 0, waiting_ops = 0;
   Nanoseconds heartbeat_ns = 0, busy_ns_in_window = 0;
 };
@@ -120,8 +111,7 @@ struct OpportunisticView {
 struct GpuSegmentView {
   std::uint32_t device = 0;
   std::uint64_t generation = 0;
-  double default_share = 1.0;
-  std::uint64_t coordinator_pid = 0;
+  std::string gpu_uuid;
   GuaranteedView guaranteed;
   std::vector<OpportunisticView> opportunistic;  // held slots only
 };
@@ -130,8 +120,8 @@ struct GpuPeerSegmentOptions {
   // A holder whose heartbeat is older than this counts as crashed even if
   // its pid exists (a reused pid, or a hung process).
   Nanoseconds stale_after_ns = 3'000'000'000;  // 3 s
-  // Share of a newly claimed opportunistic slot when no coordinator sets one.
-  double default_share = 1.0;
+  // The GPU's UUID, stored at creation ("" when unknown).
+  std::string gpu_uuid;
 };
 
 // How open() found the segment.
@@ -173,21 +163,11 @@ class GpuPeerSegment {
   // Frees the slots of crashed holders; returns how many were freed.
   std::size_t reclaim_crashed();
 
-  // The share of an opportunistic slot. set_share() is the coordinator's
-  // write; a job reads it through opportunistic_peer_state().
-  void set_share(std::size_t slot, double share, bool from_coordinator = true);
-  double share(std::size_t slot) const;
-  void set_default_share(double share);
-  void set_coordinator_pid(std::uint64_t pid);
-
   // Guaranteed side: publish what the trackers see.
   void publish_activity(bool busy, std::uint32_t ops_in_flight, Nanoseconds last_activity_ns);
-  void publish_iterations(const IterationStats& stats);
   // Opportunistic side: report the gate's numbers for tools.
   void report_gate(std::size_t slot, const LaunchGateStats& stats);
 
-  // Seqlocked read of the guaranteed job's iteration figures.
-  IterationStats guaranteed_iterations() const;
   // Whether the guaranteed job is busy, as a gate reads it: a live (fresh
   // heartbeat) holder that says busy. No system call: this runs per op.
   bool guaranteed_busy() const;
@@ -205,16 +185,14 @@ class GpuPeerSegment {
   Clock* clock_;
 };
 
-// The gate's view of the segment for one opportunistic slot.
+// The gate's view of the segment: is the guaranteed job busy?
 class SegmentPeerState final : public PeerState {
  public:
-  SegmentPeerState(const GpuPeerSegment& segment, std::size_t slot) : segment_(segment), slot_(slot) {}
+  explicit SegmentPeerState(const GpuPeerSegment& segment) : segment_(segment) {}
   bool guaranteed_busy() const override { return segment_.guaranteed_busy(); }
-  double published_share() const override { return segment_.share(slot_); }
 
  private:
   const GpuPeerSegment& segment_;
-  std::size_t slot_;
 };
 
 // The guaranteed trackers' sink: the segment's guaranteed slot.
@@ -224,7 +202,6 @@ class SegmentGuaranteedSink final : public GuaranteedStateSink {
   void publish_activity(bool busy, std::uint32_t ops_in_flight, Nanoseconds last_activity_ns) override {
     segment_.publish_activity(busy, ops_in_flight, last_activity_ns);
   }
-  void publish_iterations(const IterationStats& stats) override { segment_.publish_iterations(stats); }
 
  private:
   GpuPeerSegment& segment_;

@@ -1,47 +1,72 @@
-// JobBlock: the one definition of the per-job shared-memory block.
+// JobBlock: the one definition of the per-job shared-memory block, the
+// channel between the coordinator and one job (coordinator <-> job). What
+// jobs on one GPU tell each other travels in the per-GPU segment instead
+// (gpu_block.h); nothing travels both ways.
 //
 // The coordinator creates one block per registered job (ShmRegion, named
 // "/cotenant-<node key>-job-<id>") and the job's C++ JobChannel thread opens
 // it. Python never computes offsets: both sides read and write through the
 // functions below (bound into cotenant._core), so this header is the single
-// source of the layout.
+// source of the layout, and each record's fields are listed once (the
+// COTENANT_JOB_*_FIELDS lists generate the structs, the words, the copies
+// and the Python dictionaries).
 //
 // Three sections, each with exactly one writer:
 //   identity  written once by the coordinator before the name is handed out
-//             (job id, name, role, device, the pid/uid that registered);
+//             (job id, name, role, device and its UUID, the registering
+//             process: pid, its start time, uid);
 //   control   written by the coordinator: desired cap and share (levels) and
-//             one command (an edge: applied once per command_sequence);
-//   report    written by the job: what it holds and how fast it runs, which
-//             control values it has applied, and a heartbeat.
+//             one command (an edge: applied once per command_sequence). The
+//             coordinator keeps these values in its own memory and never
+//             reads them back, so nothing a job writes here can stop it;
+//   report    written by the job: what it holds and how fast it runs (the
+//             one iteration measurement: IterationTracker's, nanoseconds),
+//             which control values it has applied, and a heartbeat. The
+//             coordinator validates every number it reads.
 // Control and report are each guarded by a seqlock: the writer makes the
 // sequence odd, writes, makes it even; a reader retries until it sees the
-// same even sequence before and after. Every field is a lock-free
-// std::atomic<uint64_t> (address-free, so valid across processes), which keeps
-// torn reads from being undefined behaviour; doubles travel as their bits.
+// same even sequence before and after. A writer never trusts the sequence it
+// finds (it starts from it rounded up to odd), so a section left mid-update,
+// or tampered with, is repaired by the next write. Every field is a lock-free
+// std::atomic<uint64_t> (address-free, so valid across processes), which
+// keeps torn reads from being undefined behaviour; doubles travel as bits.
 //
-// A reader never returns a torn section: if a writer stays mid-update for
-// 250 ms (it was killed while writing), read_control / read_report throw
-// cotenant::Error instead, and the next write repairs the sequence.
+// A reader never returns a torn section: read_control / read_report wait at
+// most `patience` for a writer to finish, then throw cotenant::Error (the
+// job's channel: 250 ms; the coordinator uses try_read_report, which gives
+// up after 2 ms, so one job cannot hold it up).
+//
+// owner_token: a random number the coordinator writes into the header and
+// keeps in its durable state; on restart it adopts only blocks whose token
+// its state names (docs/coordinator.md, "Security model").
 //
 // Versioning: kJobBlockMagic identifies the block, kJobBlockVersion changes
 // whenever a field moves. A reader refuses a block of another version.
+// Version 2: one iteration measurement (ns), cap-only role, pid start time,
+// GPU UUID, owner token, effective share; coordinator-owned control.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <string_view>
+
+#include "cotenant/cap.h"
 
 namespace cotenant::shm {
 
 inline constexpr std::uint64_t kJobBlockMagic = 0x4b4c424f4a4e4f43ull;  // "CONJOBLK" little-endian
-inline constexpr std::uint32_t kJobBlockVersion = 1;
+inline constexpr std::uint32_t kJobBlockVersion = 2;
 inline constexpr std::size_t kJobNameBytes = 64;          // including the terminating NUL
-inline constexpr std::uint64_t kUnlimitedCap = ~std::uint64_t{0};  // same value as cotenant::kNoCap
+inline constexpr std::size_t kGpuUuidBytes = 48;         // "GPU-xxxxxxxx-...", NUL-terminated
 
-enum class JobRole : std::uint32_t { kGuaranteed = 0, kOpportunistic = 1 };
+// guaranteed: has the GPU first; opportunistic: runs in its idle slots;
+// cap_only: a memory cap and nothing else (no launch gate, no share).
+enum class JobRole : std::uint32_t { kGuaranteed = 0, kOpportunistic = 1, kCapOnly = 2 };
 const char* job_role_name(JobRole role);
 JobRole parse_job_role(std::string_view text);  // throws cotenant::Error
 
@@ -62,46 +87,64 @@ const char* job_state_name(JobState state);
 
 struct JobIdentity {
   std::uint64_t job_id = 0;
-  std::string name;              // at most kJobNameBytes - 1 bytes; longer names are cut
+  std::string name;              // at most kJobNameBytes - 1 bytes (the coordinator refuses longer ones)
   JobRole role = JobRole::kOpportunistic;
-  std::uint32_t device = 0;      // CUDA device index
+  std::uint32_t device = 0;      // CUDA device index in the job's process
+  std::string gpu_uuid;          // the device's UUID ("GPU-..."), empty when unknown
   std::uint64_t pid = 0;         // the process that registered (SO_PEERCRED)
+  std::uint64_t pid_start_ticks = 0;  // its start time (/proc/<pid>/stat field 22): tells a reused pid apart
   std::uint64_t uid = 0;
   std::uint64_t created_ns = 0;  // CLOCK_REALTIME, nanoseconds
 };
 
+// X(type, name, initial value): the control section's fields, written by the
+// coordinator only.
+#define COTENANT_JOB_CONTROL_FIELDS(X)                                                  \
+  X(std::uint64_t, memory_cap, kNoCap) /* bytes on the device (Cap::to_word()) */        \
+  X(double, share, 1.0)               /* compute share in [0, 1]; 0 = paused */          \
+  X(JobCommand, command, JobCommand::kNone)                                             \
+  X(std::uint64_t, command_sequence, 0) /* increments with each new command */
+
+// The report section's fields, written by the job only.
+#define COTENANT_JOB_REPORT_FIELDS(X)                                                   \
+  X(std::uint64_t, pid, 0)                                                              \
+  X(std::uint64_t, uid, 0)                                                              \
+  X(JobRole, role, JobRole::kOpportunistic)                                             \
+  X(std::uint32_t, device, 0)                                                           \
+  X(JobState, state, JobState::kStarting)                                               \
+  /* memory, bytes, from the allocator's statistics */                                  \
+  X(std::uint64_t, device_bytes, 0)    /* device-resident mapped bytes */               \
+  X(std::uint64_t, host_bytes, 0)      /* host-resident mapped bytes (spilled) */       \
+  X(std::uint64_t, allocated_bytes, 0) /* held by live tensors */                       \
+  X(std::uint64_t, cached_bytes, 0)    /* reserved but not allocated */                 \
+  X(std::uint64_t, reserved_bytes, 0)  /* device + host */                              \
+  X(std::uint64_t, peak_allocated_bytes, 0)                                             \
+  X(std::uint64_t, spilled_bytes, 0)   /* cumulative, device -> host */                 \
+  X(std::uint64_t, restored_bytes, 0)  /* cumulative, host -> device */                 \
+  X(std::uint64_t, pending_migration_bytes, 0)                                          \
+  X(std::uint64_t, num_migrations, 0)  /* cumulative page moves */                      \
+  /* iterations: IterationTracker's figures, the job's one measurement */               \
+  X(std::uint64_t, iteration_count, 0)                                                  \
+  X(std::uint64_t, iteration_last_ns, 0)                                                \
+  X(std::uint64_t, iteration_ewma_ns, 0)                                                \
+  X(std::uint64_t, iteration_p99_ns, 0)                                                 \
+  /* what has been applied of the control section */                                    \
+  X(std::uint64_t, applied_memory_cap, kNoCap)                                          \
+  X(double, applied_share, 1.0)        /* the coordinator's share, as applied */        \
+  X(double, effective_share, 1.0)      /* min(the coordinator's, the job's own) */      \
+  X(std::uint64_t, applied_command_sequence, 0)                                         \
+  X(std::uint64_t, apply_errors, 0)    /* hooks that threw (e.g. a refused cap) */
+
+#define COTENANT_DECLARE_FIELD(type, name, initial) type name = initial;
 struct JobControl {
-  std::uint64_t memory_cap = kUnlimitedCap;  // bytes of device-resident memory
-  double share = 1.0;                        // compute share in [0, 1]; 0 = paused
-  JobCommand command = JobCommand::kNone;
-  std::uint64_t command_sequence = 0;        // increments with each new command
+  COTENANT_JOB_CONTROL_FIELDS(COTENANT_DECLARE_FIELD)
 };
 
 struct JobReport {
-  std::uint64_t pid = 0, uid = 0;
-  JobRole role = JobRole::kOpportunistic;
-  std::uint32_t device = 0;
-  JobState state = JobState::kStarting;
-  // Memory, bytes (from the allocator's statistics).
-  std::uint64_t device_bytes = 0;    // device-resident mapped bytes
-  std::uint64_t host_bytes = 0;      // host-resident mapped bytes (spilled)
-  std::uint64_t allocated_bytes = 0; // held by live tensors
-  std::uint64_t cached_bytes = 0;    // reserved but not allocated
-  std::uint64_t reserved_bytes = 0;  // device + host
-  std::uint64_t peak_allocated_bytes = 0;
-  std::uint64_t spilled_bytes = 0;   // cumulative, device -> host
-  std::uint64_t restored_bytes = 0;  // cumulative, host -> device
-  std::uint64_t pending_migration_bytes = 0;
-  // Iteration times, microseconds.
-  double iteration_last_us = 0, iteration_ewma_us = 0;
-  std::uint64_t iteration_count = 0;
-  // What has been applied of the control section.
-  std::uint64_t applied_memory_cap = kUnlimitedCap;
-  double applied_share = 1.0;
-  std::uint64_t applied_command_sequence = 0;
-  std::uint64_t apply_errors = 0;    // hooks that threw (e.g. a refused cap)
-  std::uint64_t heartbeat_ns = 0;    // CLOCK_MONOTONIC, nanoseconds
+  COTENANT_JOB_REPORT_FIELDS(COTENANT_DECLARE_FIELD)
+  std::uint64_t heartbeat_ns = 0;  // CLOCK_MONOTONIC; outside the seqlock (see JobBlock)
 };
+#undef COTENANT_DECLARE_FIELD
 
 // The raw block. Only the functions below touch its fields.
 struct alignas(64) JobBlock {
@@ -112,25 +155,25 @@ struct alignas(64) JobBlock {
   Word version;       // kJobBlockVersion
   Word block_bytes;   // sizeof(JobBlock) as the creator compiled it
   Word initialized;   // 1 once identity is complete
+  Word owner_token;   // the creating coordinator's token for this block
 
   struct Identity {
-    Word job_id, role, device, pid, uid, created_ns;
-    Word name[kJobNameBytes / 8];  // NUL-terminated bytes
+    Word job_id, role, device, pid, pid_start_ticks, uid, created_ns;
+    Word name[kJobNameBytes / 8];          // NUL-terminated bytes
+    Word gpu_uuid[kGpuUuidBytes / 8];      // NUL-terminated bytes
   } identity;
 
+#define COTENANT_DECLARE_WORD(type, name, initial) Word name;
   struct alignas(64) Control {
     Word sequence;    // seqlock: odd while being written
-    Word memory_cap, share_bits, command, command_sequence;
+    COTENANT_JOB_CONTROL_FIELDS(COTENANT_DECLARE_WORD)
   } control;
 
   struct alignas(64) Report {
     Word sequence;    // seqlock: odd while being written
-    Word pid, uid, role, device, state;
-    Word device_bytes, host_bytes, allocated_bytes, cached_bytes, reserved_bytes;
-    Word peak_allocated_bytes, spilled_bytes, restored_bytes, pending_migration_bytes;
-    Word iteration_last_us_bits, iteration_ewma_us_bits, iteration_count;
-    Word applied_memory_cap, applied_share_bits, applied_command_sequence, apply_errors;
+    COTENANT_JOB_REPORT_FIELDS(COTENANT_DECLARE_WORD)
   } report;
+#undef COTENANT_DECLARE_WORD
 
   // Outside the report seqlock: the coordinator reads it often and alone.
   alignas(64) Word heartbeat_ns;
@@ -140,20 +183,50 @@ inline constexpr std::size_t kJobBlockBytes = sizeof(JobBlock);
 
 // Coordinator side: fills a zeroed block (fresh ShmRegion) with the header,
 // identity and initial control. Not for a block a job already uses.
-void initialize_job_block(JobBlock& block, const JobIdentity& identity, const JobControl& control);
+void initialize_job_block(JobBlock& block, const JobIdentity& identity, const JobControl& control,
+                          std::uint64_t owner_token = 0);
 // Throws cotenant::Error with a sentence if the bytes are not a complete
 // block of this version.
 void check_job_block(const JobBlock& block, std::size_t mapped_bytes);
 JobIdentity read_identity(const JobBlock& block);
+std::uint64_t read_owner_token(const JobBlock& block);
+
+// How long a reader waits for a writer that is mid-update before it decides
+// the writer stopped there.
+inline constexpr std::chrono::milliseconds kWriterPatience{250};
+// The coordinator's patience with one job's report: long enough for a
+// descheduled writer on a busy machine, short enough that a job that never
+// finishes its write cannot hold up the coordinator's round.
+inline constexpr std::chrono::milliseconds kCoordinatorPatience{2};
 
 void write_control(JobBlock& block, const JobControl& control);
-JobControl read_control(const JobBlock& block);
+JobControl read_control(const JobBlock& block, std::chrono::milliseconds patience = kWriterPatience);
 
 void write_report(JobBlock& block, const JobReport& report);  // also stores heartbeat_ns
-JobReport read_report(const JobBlock& block);
+JobReport read_report(const JobBlock& block, std::chrono::milliseconds patience = kWriterPatience);
+// The coordinator's read: waits at most kCoordinatorPatience; nullopt while
+// the job's writer is mid-update (or has left the section odd).
+std::optional<JobReport> try_read_report(const JobBlock& block);
 
 std::uint64_t read_heartbeat_ns(const JobBlock& block);
 void write_heartbeat_ns(JobBlock& block, std::uint64_t ns);
+
+// Calls visit(name, value) for each field, in layout order: the one place
+// that turns records into name/value pairs (the Python dictionaries).
+// `value` is the field itself (std::uint64_t, std::uint32_t, double, or an enum).
+template <typename Visit>
+void for_each_field(const JobControl& control, Visit&& visit) {
+#define COTENANT_VISIT(type, name, initial) visit(#name, control.name);
+  COTENANT_JOB_CONTROL_FIELDS(COTENANT_VISIT)
+#undef COTENANT_VISIT
+}
+template <typename Visit>
+void for_each_field(const JobReport& report, Visit&& visit) {
+#define COTENANT_VISIT(type, name, initial) visit(#name, report.name);
+  COTENANT_JOB_REPORT_FIELDS(COTENANT_VISIT)
+#undef COTENANT_VISIT
+  visit("heartbeat_ns", report.heartbeat_ns);
+}
 
 // CLOCK_MONOTONIC in nanoseconds: the heartbeat clock, common to all processes
 // of the machine.

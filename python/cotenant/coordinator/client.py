@@ -111,10 +111,25 @@ class Registration:
         return channel
 
 
-def _size(value: Union[int, str, None]) -> Optional[int]:
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "unlimited")):
+def _cap(value: Any) -> Union[int, str, None]:
+    """A cap for the wire, checked here by the one parser (cotenant._core.Cap):
+    bytes stay an int, a fraction travels as its text and the coordinator
+    resolves it on the job's GPU, none is null."""
+    from cotenant import _core
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, type(None), _core.Cap)):
+        raise TypeError(f"a memory cap must be bytes, a size string, a fraction or None; got {type(value).__name__}")
+    try:
+        cap = _core.Cap(value)
+    except _core.Error as error:
+        raise ValueError(str(error)) from None
+    if cap.is_none:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
+    return cap.bytes if cap.bytes is not None else cap.text
+
+
+def _persistent(value: Union[int, str, None]) -> Optional[int]:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     from cotenant._core import parse_size  # the one parser for sizes
 
@@ -135,14 +150,14 @@ def register(
     is running (the job then runs on its own). Raises AdmissionRefused when
     the coordinator says the job can never fit, CoordinatorError otherwise."""
     if role not in protocol.ROLES:
-        raise ValueError(f"role must be 'guaranteed' or 'opportunistic', not {role!r}")
+        raise ValueError(f"role must be one of {', '.join(protocol.ROLES)}, not {role!r}")
     fields: Dict[str, Any] = {"role": role, "device": int(device)}
     if name:
         fields["name"] = name[: protocol.MAX_NAME_CHARS]
-    cap = _size(memory_cap)
+    cap = _cap(memory_cap)
     if cap is not None:
         fields["memory_cap"] = cap
-    persistent = _size(persistent_bytes)
+    persistent = _persistent(persistent_bytes)
     if persistent:
         fields["persistent_bytes"] = persistent
     if device_total_bytes:
@@ -176,7 +191,7 @@ def history(socket: Optional[str] = None, since: float = 0) -> List[Dict[str, An
 
 def set_cap(job: Union[str, int], size: Union[int, str, None], socket: Optional[str] = None) -> Dict[str, Any]:
     """Bounds a job's device memory (a size like "6GiB"; None removes the bound)."""
-    return _call("set_cap", socket, job=str(job), memory_cap=_size(size))
+    return _call("set_cap", socket, job=str(job), memory_cap=_cap(size))
 
 
 def set_share(job: Union[str, int], share: Union[float, str], socket: Optional[str] = None) -> Dict[str, Any]:

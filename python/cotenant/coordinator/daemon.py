@@ -166,8 +166,12 @@ class Job:
             return False
         return self.report.get("iteration_count", 0) > 0 or now - self.registered_at < timeout_s
 
+    def iteration_ewma_us(self) -> float:
+        """The job's iteration-time EWMA (its one measurement, reported in ns), in µs."""
+        return self.report.get("iteration_ewma_ns", 0) / 1000.0
+
     def slowdown(self) -> Optional[float]:
-        return policy.slowdown_of(self.report.get("iteration_ewma_us", 0.0), self.baseline)
+        return policy.slowdown_of(self.iteration_ewma_us(), self.baseline)
 
     def observation(self) -> policy.JobObservation:
         return policy.JobObservation(
@@ -191,7 +195,8 @@ class Job:
             "spilled_bytes": r.get("spilled_bytes", 0), "restored_bytes": r.get("restored_bytes", 0),
             "pending_migration_bytes": r.get("pending_migration_bytes", 0),
             "applied_cap": r.get("applied_memory_cap"), "applied_share": r.get("applied_share"),
-            "iteration_ewma_us": r.get("iteration_ewma_us", 0.0), "iteration_count": r.get("iteration_count", 0),
+            "iteration_ewma_us": self.iteration_ewma_us(), "iteration_count": r.get("iteration_count", 0),
+            "effective_share": r.get("effective_share"),
             "baseline_us": self.baseline.baseline_us, "slowdown": self.slowdown(),
             "heartbeat_age_s": (now_ns - heartbeat) / 1e9 if heartbeat else None,
             "block": self.block.name, "adopted": self.adopted,
@@ -355,7 +360,7 @@ class Coordinator:
             try:
                 block = core.JobBlock.open(name)
                 identity = block.identity()
-                report = block.report()
+                report = block.report() or {"pid": identity["pid"], "state": "starting"}
             except (core.Error, ValueError, OSError) as error:
                 _event("unreadable job block removed", logging.WARNING, block=name, reason=str(error))
                 self._unlink_quietly(name)
@@ -433,10 +438,9 @@ class Coordinator:
         now_ns = _core().monotonic_ns()
         for job in list(self.jobs.values()):
             if process_alive(job.pid):  # a dead job's block is not read: it may be stuck mid-update
-                try:
-                    job.report = job.block.report()
-                except _core().Error:
-                    pass  # stuck mid-update for 250 ms: keep the last report; liveness decides below
+                report = job.block.report()  # never waits: None while the job's writer is mid-update
+                if report is not None:
+                    job.report = report
             reason = self._death_reason(job, now_ns)
             if reason:
                 self._reclaim(job, reason)
@@ -481,6 +485,16 @@ class Coordinator:
             return self.config.gpu_memory_bytes
         return self.gpu_memory.get(device)
 
+    def _resolve_cap(self, value: Any, device: int, request_id: Any) -> Optional[int]:
+        """A cap from the wire (bytes, null or a cap's text) in bytes on `device`,
+        through the one parser (cotenant._core.Cap)."""
+        cap = _core().Cap(value)
+        if cap.is_fraction and self._device_total(device) is None:
+            raise ProtocolError(protocol.BAD_REQUEST,
+                                f"the cap {cap} is a fraction of the GPU, and this coordinator does not know GPU "
+                                f"{device}'s memory; give the cap in bytes (e.g. \"6GiB\")", request_id)
+        return cap.resolve(self._device_total(device) or 0)
+
     def _plan_device(self, device: int, now: float) -> None:
         jobs = [j for j in self.jobs.values() if j.device == device]
         total = self._device_total(device)
@@ -499,7 +513,7 @@ class Coordinator:
         # Baselines.
         for job in guaranteed:
             updated = policy.update_baseline(
-                job.baseline, job.report.get("iteration_count", 0), job.report.get("iteration_ewma_us", 0.0),
+                job.baseline, job.report.get("iteration_count", 0), job.iteration_ewma_us(),
                 self.config.baseline,
             )
             if updated != job.baseline:
@@ -679,7 +693,7 @@ class Coordinator:
                     f"process {pid} (uid {uid}) may not change job {job.name!r}: only the job itself, the "
                     "coordinator's user, root or the coordinator's admin group may", req.id)
             if op == "set_cap":
-                job.user_cap = args["memory_cap"]
+                job.user_cap = self._resolve_cap(args["memory_cap"], job.device, req.id)
                 self._state_dirty = True
                 if self._device_total(job.device) is None:
                     self._apply(job, cap=job.user_cap)
@@ -729,7 +743,7 @@ class Coordinator:
         name = args.get("name") or f"job{job_id}"
         if any(j.name == name for j in self.jobs.values()):
             name = f"{name[:50]}-{job_id}"
-        user_cap = args.get("memory_cap")
+        user_cap = self._resolve_cap(args.get("memory_cap"), device, req.id)
         guaranteed_exists = any(j.device == device and j.role == policy.GUARANTEED for j in self.jobs.values())
         # Opportunistic jobs start slow (or paused) and climb; guaranteed jobs run unthrottled.
         share = 1.0 if role == policy.GUARANTEED or not guaranteed_exists else 0.0
@@ -743,7 +757,7 @@ class Coordinator:
         job = Job(job_id=job_id, name=name, role=role, device=device, pid=pid, uid=uid, block=block,
                   user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
                   cap=user_cap, share=share)
-        job.report = block.report()
+        job.report = block.report() or {}
         self.jobs[job_id] = job
         self._plan_device(device, time.monotonic())
         self._state_dirty = True

@@ -31,6 +31,7 @@ MiB = 1 << 20
 
 GUARANTEED = "guaranteed"
 OPPORTUNISTIC = "opportunistic"
+CAP_ONLY = "cap_only"  # no gate, no share: its memory counts as a guaranteed job's does
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def plan_memory_caps(
 ) -> Dict[int, int]:
     """New caps (bytes) for the jobs of ONE GPU, keyed by job id."""
     usable = max(0, device_total_bytes - config.headroom_bytes)
-    guaranteed = [j for j in jobs if j.role == GUARANTEED]
+    guaranteed = [j for j in jobs if j.role in (GUARANTEED, CAP_ONLY)]
     opportunistic = [j for j in jobs if j.role == OPPORTUNISTIC]
 
     def bounded(job: JobObservation, value: int) -> int:

@@ -26,7 +26,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 MAX_REPLY_BYTES = 32 * 1024 * 1024
 MAX_NAME_CHARS = 63  # the job block stores 63 bytes of name
 
-ROLES = ("guaranteed", "opportunistic")
+ROLES = ("guaranteed", "opportunistic", "cap_only")
 COMMANDS = ("spill_all", "restore_all", "suspend", "resume")
 
 # Error codes a reply can carry.
@@ -98,6 +98,25 @@ def _share_or_auto(value: Any) -> bool:
 _share_or_auto.describe = "a number from 0 to 1, or \"auto\""
 
 _BYTES = _int(1)
+
+
+def _cap_value(value: Any) -> bool:
+    """A memory cap on the wire: bytes (int >= 1), null, or a cap's text that
+    cotenant._core.Cap reads ("6GiB", "0.5", "50%", "none")."""
+    if value is None or _BYTES(value):
+        return True
+    if not isinstance(value, str) or not 0 < len(value) <= 32:
+        return False
+    from cotenant import _core  # the one parser for caps (no torch)
+
+    try:
+        _core.Cap(value)
+    except _core.Error:
+        return False
+    return True
+
+
+_cap_value.describe = 'bytes (an int >= 1), null, or a cap such as "6GiB", "0.5" or "none"'
 _JOB_REF = _string(MAX_NAME_CHARS)  # a job name or its decimal id
 
 # op -> {field: (check, required)}. Fields not listed are refused.
@@ -107,14 +126,14 @@ SCHEMA: Dict[str, Dict[str, tuple]] = {
         "role": (_choice(ROLES), True),
         "device": (_int(0, 1023), True),
         "name": (_string(MAX_NAME_CHARS), False),
-        "memory_cap": (_optional(_BYTES), False),
+        "memory_cap": (_cap_value, False),
         "persistent_bytes": (_int(0), False),
         "device_total_bytes": (_int(1), False),
     },
     "unregister": {},
     "status": {},
     "history": {"since": (_int(0), False), "limit": (_int(1, 50000), False)},
-    "set_cap": {"job": (_JOB_REF, True), "memory_cap": (_optional(_BYTES), True)},
+    "set_cap": {"job": (_JOB_REF, True), "memory_cap": (_cap_value, True)},
     "set_share": {"job": (_JOB_REF, True), "share": (_share_or_auto, True)},
     "command": {"job": (_JOB_REF, True), "command": (_choice(COMMANDS), True)},
 }
