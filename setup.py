@@ -1,7 +1,8 @@
 """Builds cotenant's compiled modules through CMake.
 
     pip install --no-build-isolation .        # or -e . for a development install
-    python -m build --no-isolation            # an sdist, and a wheel built from it
+    pip wheel --no-build-isolation --no-deps -w dist .   # a wheel
+    scripts/check_package.sh                  # an sdist, a wheel built from it, checked
 
 CMake builds cotenant._core (the allocator core for Python) and, when the CUDA
 toolkit and torch are found, cotenant._C (the torch extension). Every module
@@ -100,7 +101,7 @@ EXTRAS = {
     "timeline": ["matplotlib"],         # cotenant timeline
 }
 EXTRAS["all"] = sorted({requirement for requirements in EXTRAS.values() for requirement in requirements})
-EXTRAS["test"] = ["pytest", "hypothesis"]
+EXTRAS["test"] = ["pytest", "hypothesis", "packaging"]
 
 setup(
     name="cotenant",
