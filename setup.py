@@ -1,10 +1,14 @@
 """Builds cotenant's compiled modules through CMake.
 
     pip install --no-build-isolation .        # or -e . for a development install
+    pip wheel --no-build-isolation --no-deps -w dist .   # a wheel
+    scripts/check_package.sh                  # an sdist, a wheel built from it, checked
 
 CMake builds cotenant._core (the allocator core for Python) and, when the CUDA
 toolkit and torch are found, cotenant._C (the torch extension). Every module
-CMake puts in <build>/python/cotenant/ is copied into the package.
+CMake puts in <build>/python/cotenant/ is copied into the package. fmt comes
+from Debian's libfmt-dev, or else from the headers the torch wheel ships
+(CMakeLists.txt). MANIFEST.in lists what the sdist holds besides the package.
 
 Environment:
   CMAKE_BUILD_PARALLEL_LEVEL   parallel compile jobs (default: the CPU count)
@@ -79,18 +83,49 @@ class CMakeBuild(build_ext):
                 print(f"cotenant: installed {os.path.basename(module)} into {destination}")
 
 
+def read_readme() -> str:
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+# cotenant._C links against torch's C++ ABI, which holds within a minor release
+# (2.11.0, 2.11.1, ...) and not across them: the wheel built against one minor
+# release runs with any patch release of it. pyproject.toml's build requirement
+# says the same.
+TORCH_REQUIREMENT = "torch>=2.11,<2.12"
+
+# Optional features and what they need; the code imports these lazily and
+# names the extra when one is missing (cotenant._extras).
+EXTRAS = {
+    "metrics": ["prometheus-client"],   # cotenant coordinator --metrics-port
+    "timeline": ["matplotlib"],         # cotenant timeline
+}
+EXTRAS["all"] = sorted({requirement for requirements in EXTRAS.values() for requirement in requirements})
+EXTRAS["test"] = ["pytest", "hypothesis", "packaging"]
+
 setup(
     name="cotenant",
     version=read_version(),
     description="Share one NVIDIA GPU between PyTorch jobs without hurting the one that matters",
+    long_description=read_readme(),
+    long_description_content_type="text/markdown",
     license="Apache-2.0",
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: C++",
+        "Programming Language :: Python :: 3",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Typing :: Typed",
+    ],
     package_dir={"": "python"},
     packages=find_packages(where="python"),
+    package_data={"cotenant": ["py.typed"]},
     ext_modules=[CMakeExtension("cotenant._core")],
     cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.9",
-    install_requires=["torch==2.11.0", "numpy", "prometheus-client", "matplotlib"],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    python_requires=">=3.10",  # as torch 2.11
+    install_requires=[TORCH_REQUIREMENT],
+    extras_require=EXTRAS,
     entry_points={
         "console_scripts": [
             "cotenant = cotenant.cli:main",

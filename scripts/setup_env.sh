@@ -29,7 +29,9 @@ if [[ -n "$VENV" ]]; then
   [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv --system-site-packages "$VENV"
   PYTHON=$(cd "$VENV" && pwd)/bin/python
 fi
-"$PYTHON" -m pip install "setuptools>=64" wheel
-"$PYTHON" -m pip install "torch==2.11.0" numpy prometheus-client matplotlib pytest hypothesis
+"$PYTHON" -m pip install "setuptools>=64" wheel build packaging
+# torch: the minor release cotenant's C++ ABI needs (setup.py); the extras
+# (cotenant[all]) and what the tests use.
+"$PYTHON" -m pip install "torch>=2.11,<2.12" prometheus-client matplotlib pytest hypothesis
 echo "python: $("$PYTHON" -c 'import sys, torch; print(sys.executable, "torch", torch.__version__)' 2>/dev/null)"
 

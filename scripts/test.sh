@@ -4,12 +4,14 @@
 #   2. the core tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   3. the core tests under ThreadSanitizer
 #   4. the GPU machine's build path (scripts/gpu_check.sh's dry run), where CUDA is found
-#   5. pip install --no-build-isolation .   (cotenant._core, and _C when CUDA is found)
+#   5. the package: an sdist, a wheel built from it (cotenant._core, and _C when
+#      CUDA is found), checked in a fresh environment next to the installed torch
+#      (scripts/check_package.sh), then installed for the tests
 #   6. pytest tests/python                   (GPU tests skip with a reason without a GPU)
 # Any failure, sanitizer report or empty test run fails the script.
 #
 # Environment:
-#   COTENANT_BUILD_ROOT   where the three CMake builds go (default: build)
+#   COTENANT_BUILD_ROOT   where the CMake builds, the package check and dist/ go (default: build)
 #   COTENANT_VENV         a virtual environment to create and use (default: .venv
 #                         when python3 is the system's externally managed Python,
 #                         otherwise python3 itself is used)
@@ -70,8 +72,13 @@ if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
 fi
 
 # ---- 5. the Python package ----------------------------------------------------------------
-step "pip install --no-build-isolation ."
-"$PYTHON" -m pip install --no-build-isolation .
+# The one build of the package: from the sdist, so the sdist is proven to
+# build; the tests below then run against the wheel users would install.
+step "sdist, wheel from the sdist, the wheel checked in a fresh environment (scripts/check_package.sh)"
+PYTHON="$PYTHON" COTENANT_BUILD_ROOT="$BUILD_ROOT" scripts/check_package.sh
+step "pip install the checked wheel"
+# --force-reinstall: step 4 installed a build of the same version.
+"$PYTHON" -m pip install --no-index --no-deps --force-reinstall "$(ls "$BUILD_ROOT"/dist/cotenant-*.whl)"
 
 # ---- 6. Python tests ----------------------------------------------------------------------
 step "pytest tests/python"

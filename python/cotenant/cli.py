@@ -229,7 +229,10 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cotenant import __version__
+
     parser = argparse.ArgumentParser(prog="cotenant", description="Share NVIDIA GPUs between PyTorch jobs.")
+    parser.add_argument("--version", action="version", version=f"cotenant {__version__}")
     sub = parser.add_subparsers(dest="subcommand", required=True)
 
     def with_socket(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -290,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from cotenant._extras import MissingExtraError
     from cotenant.coordinator.client import CoordinatorError, CoordinatorUnavailable
 
     try:
@@ -303,6 +307,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except PermissionError as error:
         print(f"cotenant: permission denied on the coordinator socket ({error.filename or error}); ask for membership "
               "in the coordinator's group", file=sys.stderr)
+        return 1
+    except MissingExtraError as error:
+        print(f"cotenant: {error}", file=sys.stderr)
         return 1
     except (ValueError, argparse.ArgumentTypeError) as error:
         print(f"cotenant: {error}", file=sys.stderr)

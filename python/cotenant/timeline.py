@@ -24,8 +24,9 @@ def load_history(path: str) -> List[Dict[str, Any]]:
 def plot(records: Iterable[Dict[str, Any]], output: str) -> int:
     """Writes a PNG with, per GPU, device/host bytes and caps (top) and shares (bottom).
     Returns the number of samples plotted."""
-    import matplotlib
+    from cotenant._extras import require
 
+    matplotlib = require("matplotlib", "timeline", "cotenant timeline")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

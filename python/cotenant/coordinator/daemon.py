@@ -204,9 +204,13 @@ class Job:
 
 
 class Metrics:
-    """Prometheus gauges and counters on a private registry."""
+    """Prometheus gauges and counters on a private registry (only with a metrics port:
+    prometheus-client is an optional dependency, the extra `cotenant[metrics]`)."""
 
     def __init__(self) -> None:
+        from cotenant._extras import require
+
+        require("prometheus_client", "metrics", "cotenant coordinator --metrics-port")
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.registry = CollectorRegistry()
@@ -274,7 +278,7 @@ class Coordinator:
         self.next_job_id = 1
         self.gpu_memory: Dict[int, int] = {}
         self.history: Deque[Dict[str, Any]] = collections.deque(maxlen=50000)
-        self.metrics = Metrics()
+        self.metrics: Optional[Metrics] = Metrics() if config.metrics_port is not None else None
         self.admin_gid = grp.getgrnam(config.group).gr_gid if config.group else None
         self._server: Optional[asyncio.AbstractServer] = None
         self._stopping = asyncio.Event()
@@ -297,7 +301,7 @@ class Coordinator:
         os.chmod(self.socket_path, 0o660)
         if self.admin_gid is not None:
             os.chown(self.socket_path, -1, self.admin_gid)
-        if self.config.metrics_port is not None:
+        if self.metrics is not None:
             from prometheus_client import start_http_server
 
             start_http_server(self.config.metrics_port, registry=self.metrics.registry)
@@ -449,7 +453,8 @@ class Coordinator:
         if now - self._last_history >= self.config.history_interval_s:
             self._last_history = now
             self._record_history()
-        self.metrics.update(self.jobs)
+        if self.metrics is not None:
+            self.metrics.update(self.jobs)
         if self._state_dirty:
             self._save_state()
 
@@ -473,8 +478,9 @@ class Coordinator:
             job.block.unlink()
         except Exception:  # noqa: BLE001
             self._unlink_quietly(paths.job_block_name(self.socket_path, job.job_id))
-        self.metrics.reclaimed.inc()
-        self.metrics.forget(job)
+        if self.metrics is not None:
+            self.metrics.reclaimed.inc()
+            self.metrics.forget(job)
         self._state_dirty = True
         self._write_history({"t": time.time(), "event": "reclaimed", "job": job.name, "job_id": job.job_id,
                              "gpu": job.device, "reason": reason})
@@ -600,6 +606,10 @@ class Coordinator:
             return gid == self.admin_gid or self.admin_gid in supplementary_groups(pid)
         return False
 
+    def _count_error(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(code).inc()
+
     async def _handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         try:
@@ -617,7 +627,7 @@ class Coordinator:
                     await self._send(writer, protocol.reply_error(
                         None, protocol.TOO_LARGE,
                         f"a message may be at most {protocol.MAX_MESSAGE_BYTES} bytes; closing this connection"))
-                    self.metrics.errors.labels(protocol.TOO_LARGE).inc()
+                    self._count_error(protocol.TOO_LARGE)
                     break
                 if not line:
                     break
@@ -633,11 +643,11 @@ class Coordinator:
                     last_id = req.id
                     reply = self._dispatch(req, pid, uid, gid)
                 except ProtocolError as error:
-                    self.metrics.errors.labels(error.code).inc()
+                    self._count_error(error.code)
                     reply = protocol.reply_error(error.request_id, error.code, error.message)
                 except Exception as error:  # noqa: BLE001 - one bad request must not stop the others
                     log.exception("request failed", extra={"fields": {"pid": pid}})
-                    self.metrics.errors.labels(protocol.INTERNAL).inc()
+                    self._count_error(protocol.INTERNAL)
                     reply = protocol.reply_error(None, protocol.INTERNAL, f"the coordinator failed: {error}")
                 await self._send(writer, reply)
         except (ConnectionError, asyncio.IncompleteReadError):
