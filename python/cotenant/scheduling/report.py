@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence
 from cotenant.scheduling.simulator import SimulationResult
 
 COLUMNS = ("policy", "jobs", "avg JCT", "vs FIFO", "median JCT", "p95 JCT", "makespan", "avg queueing",
-           "GPU-time util", "preemptions", "moved")
+           "GPU-time util", "compute util", "preemptions", "moved")
 
 
 def _duration(seconds: float) -> str:
@@ -35,7 +35,8 @@ def table_rows(summaries: Sequence[Dict[str, Any]]) -> List[List[str]]:
         rows.append([
             s["policy"], str(s["jobs"]), _duration(s["avg_jct_s"]), ratio, _duration(s["median_jct_s"]),
             _duration(s["p95_jct_s"]), _duration(s["makespan_s"]), _duration(s["avg_queueing_s"]),
-            f"{s['gpu_time_utilization']:.0%}", str(s["preemptions"]), _bytes(s["bytes_moved"]),
+            f"{s['gpu_time_utilization']:.0%}", f"{s['compute_utilization']:.0%}", str(s["preemptions"]),
+            _bytes(s["bytes_moved"]),
         ])
     return rows
 
