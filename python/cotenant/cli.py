@@ -287,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="cotenant-timeline.png")
     p.add_argument("--history", help="a recorded history file (default: the coordinator's, <socket>.history.jsonl)")
     p.set_defaults(func=cmd_timeline)
+
+    from cotenant.scheduling.command import add_simulate_command
+
+    add_simulate_command(sub)
     return parser
 
 

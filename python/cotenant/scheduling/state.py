@@ -1,0 +1,107 @@
+"""What a scheduling policy sees and what it decides.
+
+A policy is a pure function from a `NodeState` to a `Plan`: no I/O, no
+clock (the state carries `now`), no memory of its own between calls. What a
+policy must remember between decisions (Tiresias' promotions) it returns in
+`Plan.marks` and gets back in the next state's `JobView.marks`. The host that
+applies plans, the discrete-event simulator or the coordinator's queue, keeps
+the accounting every policy reads: attained service, when a job last started
+and stopped, how long it has waited.
+
+Units: seconds for times, bytes for memory (per GPU), GPU-seconds for service.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
+
+from cotenant.coordinator.policy import GUARANTEED, OPPORTUNISTIC
+
+# A job's life, as a policy sees it.
+WAITING = "waiting"      # submitted, never started
+RUNNING = "running"      # holds its GPUs and computes
+STOPPING = "stopping"    # told to stop: runs to its iteration boundary, then its memory moves to the host;
+                         # it still holds its GPUs and the policy cannot place anything there yet
+SUSPENDED = "suspended"  # ran before; its memory is on the host and it holds no GPU
+
+ROLES = (GUARANTEED, OPPORTUNISTIC)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job of the node, as the host accounts for it."""
+
+    job_id: int
+    num_gpus: int = 1
+    submit_time: float = 0.0
+    persistent_bytes: int = 0   # per GPU: parameters, optimizer state; what a suspend moves
+    peak_bytes: int = 0         # per GPU: persistent plus the largest ephemeral working set
+    role: Optional[str] = None  # None: the policy decides (AntMan: guaranteed once GPUs are free for it)
+    utilization: float = 1.0    # the fraction of time it keeps its GPUs busy when alone, in (0, 1]
+    status: str = WAITING
+    gpus: Tuple[int, ...] = ()  # the GPUs it holds (RUNNING, STOPPING)
+    share: float = 1.0          # compute share it runs at now: 1 alone, less packed next to a guaranteed job
+    running_role: Optional[str] = None  # the role it runs in now (RUNNING, STOPPING)
+    attained_service: float = 0.0       # GPU-seconds x the compute share it actually had
+    first_started_at: Optional[float] = None
+    last_started_at: Optional[float] = None
+    last_stopped_at: Optional[float] = None
+    waited_s: float = 0.0       # total time WAITING or SUSPENDED since submission
+    marks: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def ephemeral_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.persistent_bytes)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether a plan may place it (a STOPPING job must finish stopping first)."""
+        return self.status in (WAITING, SUSPENDED, RUNNING)
+
+    @property
+    def waited_since_first_run_s(self) -> float:
+        """Time spent waiting after its first start (Tiresias' pending time that counts toward starvation)."""
+        if self.first_started_at is None:
+            return 0.0
+        return max(0.0, self.waited_s - (self.first_started_at - self.submit_time))
+
+
+@dataclass(frozen=True)
+class NodeState:
+    now: float
+    gpu_count: int
+    gpu_memory_bytes: Optional[int]  # per GPU; None: unknown, memory is not checked
+    jobs: Tuple[JobView, ...]        # every unfinished job; order does not matter
+
+    def job(self, job_id: int) -> JobView:
+        for job in self.jobs:
+            if job.job_id == job_id:
+                return job
+        raise KeyError(job_id)
+
+
+@dataclass(frozen=True)
+class Placement:
+    gpus: Tuple[int, ...]
+    share: float = 1.0
+    role: str = GUARANTEED
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What should run from now on.
+
+    A RUNNING job absent from `placements` is to be suspended (at its next
+    iteration boundary). A placed job keeps the GPUs it holds: policies never
+    move a running job. `waiting` lists the runnable jobs not placed, in the
+    order the policy would start them; `priorities` gives every runnable job's
+    priority level (0 = the highest) for `cotenant status`.
+    """
+
+    placements: Mapping[int, Placement]
+    waiting: Tuple[int, ...] = ()
+    priorities: Mapping[int, int] = field(default_factory=dict)
+    refused: Mapping[int, str] = field(default_factory=dict)
+    marks: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    wake_at: Optional[float] = None  # ask again at this time even if nothing else happens
