@@ -32,6 +32,20 @@ void* map_fd(int fd, std::size_t bytes, bool read_only, const std::string& name)
 
 }  // namespace
 
+void reserve_pages(int fd, std::size_t bytes, const std::string& name) {
+  // ftruncate alone makes a sparse object: on a full /dev/shm the first touch
+  // of a missing page kills the process with SIGBUS. posix_fallocate takes
+  // the pages now, so a full /dev/shm is an error here instead.
+  int error = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (error == 0) return;
+  std::string text = "could not reserve " + std::to_string(bytes) + " bytes of shared memory for '" +
+                     name + "': " + errno_text(error);
+  if (error == ENOSPC) {
+    text += " (/dev/shm is full: free space there, e.g. remove stale cotenant-* objects, or enlarge it)";
+  }
+  throw Error(text);
+}
+
 void ShmRegion::validate_name(std::string_view name) {
   bool ok = name.size() >= 2 && name.size() <= kMaxNameChars + 1 && name[0] == '/';
   for (std::size_t i = 1; ok && i < name.size(); ++i) {
@@ -62,12 +76,12 @@ ShmRegion ShmRegion::create(std::string_view name, std::size_t bytes, bool unlin
   }
   // shm_open applies the umask; set the mode the group needs explicitly.
   (void)::fchmod(fd, kMode);
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    int error = errno;
+  try {
+    reserve_pages(fd, bytes, n);
+  } catch (...) {
     ::close(fd);
     ::shm_unlink(n.c_str());
-    throw Error("could not size shared memory '" + n + "' to " + std::to_string(bytes) +
-                " bytes: " + errno_text(error));
+    throw;
   }
   void* data = nullptr;
   try {

@@ -1,4 +1,4 @@
-// ShmRegion: one POSIX shared-memory object (shm_open + ftruncate + mmap),
+// ShmRegion: one POSIX shared-memory object (shm_open + posix_fallocate + mmap),
 // owned for the lifetime of the object (RAII).
 //
 // Names follow POSIX rules: a leading '/', then 1..250 characters from
@@ -21,10 +21,18 @@
 
 namespace cotenant::shm {
 
+// Gives the shared-memory object behind `fd` its first `bytes` bytes and
+// reserves their pages (posix_fallocate), so that touching them later can
+// never raise SIGBUS. Throws cotenant::Error naming `name` and the cause
+// ("No space left on device" when /dev/shm is full).
+void reserve_pages(int fd, std::size_t bytes, const std::string& name);
+
 class ShmRegion {
  public:
-  // Creates a new object named `name` of `bytes` bytes, zero-filled. Throws
-  // cotenant::Error if the name is invalid or the object already exists.
+  // Creates a new object named `name` of `bytes` bytes, zero-filled, its
+  // pages reserved (see reserve_pages). Throws cotenant::Error if the name is
+  // invalid, the object already exists or /dev/shm has no room; on error no
+  // name is left behind.
   static ShmRegion create(std::string_view name, std::size_t bytes, bool unlink_on_destroy = false);
   // Opens an existing object read-write (or read-only) and maps all of it.
   // Throws cotenant::Error if it does not exist or is smaller than `min_bytes`.
