@@ -148,7 +148,10 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
 
     env = dict(os.environ if base is None else base)
     env["COTENANT_ENABLE"] = "1"
-    env["COTENANT_ROLE"] = "guaranteed" if args.guaranteed else "opportunistic"
+    if args.cap_only:
+        env.pop("COTENANT_ROLE", None)  # no role: a memory cap and nothing else
+    else:
+        env["COTENANT_ROLE"] = "guaranteed" if args.guaranteed else "opportunistic"
     if args.cap:
         env["COTENANT_MEMORY_CAP"] = _parse_cap(args.cap).text  # refused here, read back by the same parser
     if args.persistent:
@@ -275,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     role = p.add_mutually_exclusive_group(required=True)
     role.add_argument("--guaranteed", action="store_true", help="the job whose speed is protected")
     role.add_argument("--opportunistic", action="store_true", help="a job that uses what is left")
+    role.add_argument("--cap-only", action="store_true",
+                      help="no launch gate: only the memory cap (the coordinator counts its memory, and neither "
+                           "protects nor throttles it)")
     p.add_argument("--cap", help="device-memory cap: a size (6GiB), a fraction of the GPU (0.5, 50%%) or none")
     p.add_argument("--persistent", help="memory the job holds for its whole life, e.g. 10GiB: the coordinator "
                                         "admits an opportunistic job only when it fits")

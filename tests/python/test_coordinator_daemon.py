@@ -314,6 +314,15 @@ def test_cotenant_run_refuses_a_bad_cap_before_starting_the_child():
     assert "lots" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_cotenant_run_cap_only_gives_the_child_a_cap_and_no_role():
+    script = "import os; print(os.environ.get('COTENANT_ROLE', '-'), os.environ['COTENANT_MEMORY_CAP'])"
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--cap-only", "--cap", "6GiB", "--",
+                          sys.executable, "-c", script], env={**child_env(), "COTENANT_ROLE": "guaranteed"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["-", str(6 << 30)]
+
+
 def test_cotenant_run_takes_a_fraction_of_the_gpu_and_the_child_reads_it_the_same_way():
     script = ("import os; from cotenant import api; cap = api.to_cap(os.environ['COTENANT_MEMORY_CAP']);"
               "print(os.environ['COTENANT_MEMORY_CAP'], cap.resolve(16 << 30))")
