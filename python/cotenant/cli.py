@@ -78,6 +78,9 @@ def format_status(view: Dict[str, Any]) -> str:
     for job in view["jobs"]:
         if job.get("queue_reason"):
             lines.append(f"{job['name']}: {job['queue_reason']}")
+    from cotenant.queue_commands import format_queue
+
+    lines += format_queue(view.get("queue") or [])
     if any(j.get("share_pinned") for j in view["jobs"]):
         lines.append("* share pinned with `cotenant set-share` (`set-share JOB auto` hands it back to the policy)")
     return "\n".join(lines)
@@ -183,6 +186,12 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     env = child_environment(args)
+    if args.queue:
+        from cotenant.queue_commands import wait_for_admission
+
+        code = wait_for_admission(args, env)
+        if code is not None:
+            return code
     try:
         os.execvpe(command[0], command, env)  # same pid: the coordinator sees the real job
     except FileNotFoundError:
@@ -197,12 +206,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from cotenant.coordinator import daemon, policy
     from cotenant.coordinator.paths import default_socket_path
+    from cotenant.queue_commands import scheduler_options
 
     memory = policy.MemoryPolicyConfig(headroom_bytes=_parse_size(args.headroom))
     config = daemon.CoordinatorConfig(
         socket_path=args.socket or default_socket_path(), gpus=args.gpus, group=args.group,
         metrics_port=args.metrics_port, memory=memory,
         gpu_memory_bytes=_parse_size(args.gpu_memory) if args.gpu_memory else None,
+        scheduler=args.scheduler, scheduler_options=scheduler_options(args),
     )
     return daemon.run(config, args.log_level)
 
@@ -233,6 +244,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from cotenant import __version__
+    from cotenant.queue_commands import add_queue_arguments, add_queue_commands, add_scheduler_arguments
 
     parser = argparse.ArgumentParser(prog="cotenant", description="Share NVIDIA GPUs between PyTorch jobs.")
     parser.add_argument("--version", action="version", version=f"cotenant {__version__}")
@@ -250,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", help="a group whose members may change caps and shares")
     p.add_argument("--gpu-memory", help="device memory per GPU, when nvidia-smi cannot tell (e.g. 80GiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_scheduler_arguments(p)
     p.set_defaults(func=cmd_coordinator)
 
     p = with_socket(sub.add_parser("status", help="show the jobs, their memory and shares"))
@@ -274,20 +287,26 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("job", help="job name or id")
         p.set_defaults(func=cmd_command, command_name=command)
 
-    p = with_socket(sub.add_parser("run", help="run a command as a cotenant job, with no change to its code"))
-    role = p.add_mutually_exclusive_group(required=True)
-    role.add_argument("--guaranteed", action="store_true", help="the job whose speed is protected")
-    role.add_argument("--opportunistic", action="store_true", help="a job that uses what is left")
-    role.add_argument("--cap-only", action="store_true",
-                      help="no launch gate: only the memory cap (the coordinator counts its memory, and neither "
-                           "protects nor throttles it)")
-    p.add_argument("--cap", help="device-memory cap: a size (6GiB), a fraction of the GPU (0.5, 50%%) or none")
-    p.add_argument("--persistent", help="memory the job holds for its whole life, e.g. 10GiB: the coordinator "
-                                        "admits an opportunistic job only when it fits")
-    p.add_argument("--name", help="job name shown by `cotenant status`")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
+    def run_arguments(p: argparse.ArgumentParser) -> None:
+        with_socket(p)
+        role = p.add_mutually_exclusive_group(required=True)
+        role.add_argument("--guaranteed", action="store_true", help="the job whose speed is protected")
+        role.add_argument("--opportunistic", action="store_true", help="a job that uses what is left")
+        role.add_argument("--cap-only", action="store_true",
+                          help="no launch gate: only the memory cap (the coordinator counts its memory, and "
+                               "neither protects nor throttles it)")
+        p.add_argument("--cap", help="device-memory cap: a size (6GiB), a fraction of the GPU (0.5, 50%%) or none")
+        p.add_argument("--persistent", help="memory the job holds for its whole life, e.g. 10GiB: the coordinator "
+                                            "admits an opportunistic job only when it fits")
+        p.add_argument("--name", help="job name shown by `cotenant status`")
+        p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+        add_queue_arguments(p)
+        p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
+
+    p = sub.add_parser("run", help="run a command as a cotenant job, with no change to its code")
+    run_arguments(p)
     p.set_defaults(func=cmd_run)
+    add_queue_commands(sub, run_arguments)
 
     p = with_socket(sub.add_parser("timeline", help="plot each job's memory and share over time (PNG)"))
     p.add_argument("-o", "--output", default="cotenant-timeline.png")

@@ -6,6 +6,12 @@ JobChannel (so the coordinator's caps spill and restore its pages) and
 reports iteration times. The test steers it through small files:
   <control>.burst     its content: MiB to allocate on top (a burst); removed = free them
   <control>.iter_us   its content: the iteration time to report, microseconds
+and it writes:
+  <control>.resumes   how many times its memory read back intact after a suspend
+  <control>.corrupt   written when its memory did not (what differed)
+With --iterations N it exits after N iterations run while not suspended (a job
+that finishes); a suspended job makes no progress. The GPU it registers on is
+COTENANT_DEVICE when `cotenant run --queue` set it, else --device.
 Prints one JSON line (the registration) when ready, or {"registration": null}.
 """
 
@@ -29,12 +35,38 @@ def read_number(path, default):
         return default
 
 
+def write_pattern(backend, address, index, name):
+    """Bytes that identify this block of this job, at both ends of it."""
+    pattern = (f"{name}:{index}:".encode() * 512)[:4096]
+    backend.write(address, pattern)
+    backend.write(address + 16 * MiB - len(pattern), pattern)
+    return pattern
+
+
+def check_patterns(backend, held, patterns, control):
+    for index, (address, pattern) in enumerate(zip(held, patterns)):
+        for at in (address, address + 16 * MiB - len(pattern)):
+            if backend.read(at, len(pattern)) != pattern:
+                write_file(control + ".corrupt", f"block {index} at {at:#x} changed")
+                return False
+    return True
+
+
+def write_file(path, text):
+    if not path or path.startswith("."):
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--role", required=True)
     parser.add_argument("--name")
-    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--device", type=int, default=int(os.environ.get("COTENANT_DEVICE", "0")))
+    parser.add_argument("--iterations", type=int, default=0, help="exit after this many iterations run (0: never)")
     parser.add_argument("--hold-mib", type=int, default=64)
     parser.add_argument("--persistent-mib", type=int, default=0)
     parser.add_argument("--iteration-us", type=float, default=10000)
@@ -59,11 +91,25 @@ def main():
     backend = _core.SimulatedBackend(device_capacity=args.device_capacity_mib * MiB)
     allocator = _core.CachingAllocator(backend)
     held = [allocator.allocate(16 * MiB) for _ in range(args.hold_mib // 16)]
+    patterns = [write_pattern(backend, address, i, registration.name) for i, address in enumerate(held)]
     channel = registration.open_channel(allocator=allocator, poll_interval_us=2000)
+    own_block = _core.JobBlock.open(registration.block_name)
     print(json.dumps({"registration": registration.__dict__, "pid": os.getpid()}), flush=True)
 
     burst = []
+    ran, was_suspended, resumes = 0, False, 0
     while True:
+        suspended = own_block.report()["state"] == "suspended"
+        if was_suspended and not suspended:
+            if check_patterns(backend, held, patterns, args.control):
+                resumes += 1
+                write_file(args.control + ".resumes", str(resumes))
+        was_suspended = suspended
+        if not suspended:
+            ran += 1
+            if args.iterations and ran >= args.iterations:
+                channel.close()
+                return 0
         started = time.monotonic()
         iteration_us = read_number(args.control + ".iter_us", args.iteration_us) if args.control else args.iteration_us
         want_burst = int(read_number(args.control + ".burst", 0)) if args.control else 0

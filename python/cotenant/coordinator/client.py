@@ -22,6 +22,7 @@ from cotenant.coordinator.paths import default_socket_path
 __all__ = [
     "AdmissionRefused", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Registration",
     "default_socket_path", "history", "register", "set_cap", "set_share", "send_command", "status",
+    "QueueEnded", "cancel", "wait_for_admission",
 ]
 
 
@@ -203,3 +204,55 @@ def set_share(job: Union[str, int], share: Union[float, str], socket: Optional[s
 def send_command(job: Union[str, int], command: str, socket: Optional[str] = None) -> Dict[str, Any]:
     """spill_all, restore_all, suspend or resume."""
     return _call("command", socket, job=str(job), command=command)
+
+
+# --- the job queue -------------------------------------------------------------------
+
+
+class QueueEnded(CoordinatorError):
+    """The queued job left the queue without being admitted (cancelled); the message says how."""
+
+
+def cancel(job: Union[str, int], socket: Optional[str] = None) -> Dict[str, Any]:
+    """Removes a waiting job from the queue (its name or ticket)."""
+    return _call("cancel", socket, job=str(job))
+
+
+def wait_for_admission(
+    socket: Optional[str] = None,
+    name: Optional[str] = None,
+    role: Optional[str] = None,
+    gpus: int = 1,
+    persistent_bytes: Union[int, str, None] = None,
+    peak_bytes: Union[int, str, None] = None,
+    poll_s: float = 0.2,
+    on_queued=None,
+) -> Dict[str, Any]:
+    """Queues the calling process and returns once the coordinator admits it:
+    {"ticket", "gpus" (GPU indices), "role", ...}. on_queued(state) is called once,
+    with the ticket, right after submission. Raises CoordinatorUnavailable without a
+    coordinator, AdmissionRefused when the job can never fit, QueueEnded when cancelled."""
+    import time
+
+    fields: Dict[str, Any] = {"gpus": int(gpus)}
+    if name:
+        fields["name"] = name[: protocol.MAX_NAME_CHARS]
+    if role:
+        fields["role"] = role
+    for key, value in (("persistent_bytes", persistent_bytes), ("peak_bytes", peak_bytes)):
+        size = _size(value)
+        if size:
+            fields[key] = size
+    with CoordinatorClient(socket) as client:
+        state = client.request("submit", **fields)
+        if on_queued is not None:
+            on_queued(state)
+        while True:
+            if state["state"] == "running":
+                return state
+            if state["state"] == "refused":
+                raise AdmissionRefused(protocol.ADMISSION_REFUSED, state.get("reason", "the job can never fit"))
+            if state["state"] in ("cancelled", "finished"):
+                raise QueueEnded("cancelled", f"the queued job was {state['state']}: {state.get('reason', '')}")
+            time.sleep(poll_s)
+            state = client.request("queue_state", ticket=state["ticket"])

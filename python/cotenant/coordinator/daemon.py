@@ -36,6 +36,7 @@ from typing import Any, Deque, Dict, List, Optional
 
 from cotenant.coordinator import paths, policy, protocol
 from cotenant.coordinator.protocol import ProtocolError
+from cotenant.coordinator.queue_service import QueueService
 
 log = logging.getLogger("cotenant.coordinator")
 
@@ -268,6 +269,8 @@ class CoordinatorConfig:
     baseline_timeout_s: float = 30.0   # give up waiting for a guaranteed job's first iteration
     history_max_bytes: int = 64 << 20  # the history file rotates to <name>.1 beyond this
     detect_gpus: bool = True
+    scheduler: str = "fifo"                  # the job queue's policy (cotenant.scheduling.policies)
+    scheduler_options: Dict[str, Any] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -286,6 +289,9 @@ class Coordinator:
         self._last_history = 0.0
         self._history_file = None
         self._state_dirty = False
+        from cotenant.scheduling.policies import make_policy
+
+        self.queue = QueueService(self, make_policy(config.scheduler, **config.scheduler_options))
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -450,6 +456,7 @@ class Coordinator:
                 self._reclaim(job, reason)
         for device in sorted({j.device for j in self.jobs.values()}):
             self._plan_device(device, now)
+        self.queue.tick(now)
         if now - self._last_history >= self.config.history_interval_s:
             self._last_history = now
             self._record_history()
@@ -687,6 +694,8 @@ class Coordinator:
             return protocol.reply_ok(req.id, records=records)
         if op == "register":
             return self._register(req, pid, uid)
+        if op in protocol.QUEUE_OPS:
+            return self.queue.handle(req, pid, uid, gid, time.monotonic())
         if op == "unregister":
             mine = [j for j in self.jobs.values() if j.pid == pid]
             if not mine:
@@ -806,6 +815,7 @@ class Coordinator:
             "coordinator": {"pid": os.getpid(), "socket": self.socket_path, "protocol": protocol.PROTOCOL_VERSION},
             "gpus": [{"gpu": d, "total_bytes": self._device_total(d)} for d in gpus],
             "jobs": [j.status(now_ns) for j in sorted(self.jobs.values(), key=lambda j: (j.device, j.job_id))],
+            "queue": self.queue.status(),
         }
 
 

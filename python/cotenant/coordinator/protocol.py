@@ -136,7 +136,18 @@ SCHEMA: Dict[str, Dict[str, tuple]] = {
     "set_cap": {"job": (_JOB_REF, True), "memory_cap": (_cap_value, True)},
     "set_share": {"job": (_JOB_REF, True), "share": (_share_or_auto, True)},
     "command": {"job": (_JOB_REF, True), "command": (_choice(COMMANDS), True)},
+    # The job queue (queue.py): a process asks for GPUs and polls until it is admitted.
+    "submit": {
+        "name": (_string(MAX_NAME_CHARS), False),
+        "role": (_choice(ROLES), False),
+        "gpus": (_int(1, 1024), False),
+        "persistent_bytes": (_int(0), False),
+        "peak_bytes": (_int(0), False),
+    },
+    "queue_state": {"ticket": (_int(1), True)},
+    "cancel": {"job": (_JOB_REF, True)},
 }
+QUEUE_OPS = frozenset({"submit", "queue_state", "cancel"})
 
 # Ops that change another job or the node: need the coordinator's uid, root,
 # or the configured group (a job may still act on itself).

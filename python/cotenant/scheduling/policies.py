@@ -32,7 +32,7 @@ The policies never move a running job to other GPUs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cotenant.scheduling.admission import GpuBook, refusals
@@ -181,8 +181,6 @@ class DiscretizedLas:
 
 
 def _with_marks(job: JobView, marks: Dict[str, float]) -> JobView:
-    from dataclasses import replace
-
     return replace(job, marks=marks)
 
 

@@ -24,7 +24,7 @@ The model of a job:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from cotenant.scheduling.admission import fits_together

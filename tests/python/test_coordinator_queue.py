@@ -1,0 +1,195 @@
+"""The coordinator's job queue end to end, time-compressed: `cotenant run --queue`, `submit`,
+`cancel` and `status` with simulated jobs (real client, shared memory, CachingAllocator on the
+SimulatedBackend) under the real daemon, with FIFO, 2D-LAS and time-slicing."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coordinator_harness import HERE, MiB, Node, child_env, wait_until
+from cotenant.coordinator.queue import ADMIT, RESUME, SUSPEND, JobQueue
+from cotenant.scheduling.policies import DiscretizedLas, Fifo
+
+
+def queue_env():
+    env = child_env()
+    env["COTENANT_DISABLE"] = "1"  # the start-up hook would look for a GPU; the simulated job registers itself
+    return env
+
+
+class QueuedProcess:
+    def __init__(self, node, name, iterations=0, hold_mib=32, iteration_us=20000, how=("run", "--queue")):
+        self.node, self.name = node, name
+        self.control = os.path.join(node.directory, name)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cotenant.cli", *how, "--guaranteed", "--name", name, "--socket", node.socket,
+             "--", sys.executable, os.path.join(HERE, "simulated_job.py"), "--socket", node.socket,
+             "--role", "guaranteed", "--name", name, "--hold-mib", str(hold_mib),
+             "--iteration-us", str(iteration_us), "--iterations", str(iterations), "--control", self.control],
+            env=queue_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def queued(self):
+        return next((q for q in self.node.status().get("queue", []) if q["name"] == self.name), None)
+
+    def registered(self):
+        return self.node.job(self.name)
+
+    def resumes(self):
+        try:
+            with open(self.control + ".resumes") as f:
+                return int(f.read())
+        except OSError:
+            return 0
+
+    def corrupt(self):
+        return os.path.exists(self.control + ".corrupt")
+
+    def finish(self, timeout=30):
+        out, err = self.process.communicate(timeout=timeout)
+        return self.process.returncode, out, err
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def make_node():
+    nodes, processes = [], []
+
+    def make(*args, gpus="0"):
+        node = Node(extra_args=("--gpus", gpus, *args))
+        nodes.append(node)
+        node.start_coordinator()
+        node.spawn = lambda *a, **k: processes.append(QueuedProcess(node, *a, **k)) or processes[-1]
+        return node
+
+    yield make
+    for p in processes:
+        p.kill()
+    for node in nodes:
+        node.close()
+
+
+def test_queued_job_starts_only_when_admitted_and_status_shows_its_position(make_node):
+    node = make_node("--scheduler", "fifo", gpus="0,1")
+    a = node.spawn("a")
+    assert wait_until(lambda: a.queued(), timeout=15)
+    b = node.spawn("b")
+    assert wait_until(lambda: a.registered() and b.registered(), timeout=15), node.read_log()
+    c = node.spawn("c", iterations=5)
+    assert wait_until(lambda: (c.queued() or {}).get("state") == "waiting", timeout=10)
+    assert c.queued()["position"] == 1 and c.queued()["priority"] == 0
+    assert c.registered() is None  # its program has not started
+    status = subprocess.run([sys.executable, "-m", "cotenant.cli", "status", "--socket", node.socket],
+                            env=queue_env(), capture_output=True, text=True, timeout=30).stdout
+    assert "queue:" in status and "waiting" in status
+    a.kill()  # a GPU frees up: c is admitted, starts, runs its 5 iterations and ends
+    assert c.finish()[0] == 0
+    assert c.resumes() == 0 and not c.corrupt()
+
+
+def test_cancel_removes_a_waiting_job_and_its_process_says_so(make_node):
+    node = make_node("--scheduler", "fifo")
+    a = node.spawn("a")
+    assert wait_until(lambda: a.queued(), timeout=15)
+    b = node.spawn("b")
+    assert wait_until(lambda: (b.queued() or {}).get("state") == "waiting", timeout=15)
+    done = subprocess.run([sys.executable, "-m", "cotenant.cli", "cancel", "b", "--socket", node.socket],
+                          env=queue_env(), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "cancelled" in done.stdout
+    code, _, err = b.finish()
+    assert code == 1 and "cancelled" in err
+    assert b.registered() is None
+
+
+def test_submit_returns_at_once_and_the_job_runs_once_admitted(make_node):
+    node = make_node("--scheduler", "fifo")
+    first = node.spawn("first", iterations=10)
+    assert wait_until(lambda: first.registered(), timeout=15)
+    later = node.spawn("later", iterations=5, how=("submit",))
+    code, out, _ = later.finish(timeout=15)
+    assert code == 0 and "queued as ticket" in out
+    assert first.finish()[0] == 0
+    assert wait_until(lambda: any(r.get("event") == "queued job ended" and r.get("job") == "later"
+                                  for r in node_events(node)), timeout=20), node.read_log()
+
+
+def node_events(node):
+    import json
+
+    events = []
+    for line in node.read_log().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    return events
+
+
+def test_las_suspends_a_job_past_its_threshold_for_a_newcomer_and_resumes_it_intact(make_node):
+    node = make_node("--scheduler", "las", "--las-thresholds", "0.3", "--starvation-factor", "0")
+    veteran = node.spawn("veteran", iterations=60, hold_mib=64)
+    assert wait_until(lambda: (veteran.queued() or {}).get("attained_gpu_s", 0) > 0.3, timeout=15)
+    newcomer = node.spawn("newcomer", iterations=15)
+    # The veteran is suspended (its memory to the host), the newcomer runs and ends,
+    # then the veteran comes back with its memory intact and finishes.
+    assert wait_until(lambda: (veteran.registered() or {}).get("state") == "suspended", timeout=10), node.read_log()
+    suspended = veteran.registered()
+    assert suspended["device_bytes"] == 0 and suspended["host_bytes"] == 64 * MiB
+    assert newcomer.finish()[0] == 0
+    assert veteran.finish()[0] == 0
+    assert veteran.resumes() >= 1 and not veteran.corrupt()
+    order = [e["job"] for e in node_events(node) if e.get("event") == "queued job admitted"]
+    assert order == ["veteran", "newcomer"]
+
+
+def test_timeslicing_rotates_jobs_that_do_not_fit_none_starves_and_memory_survives_each_slice(make_node):
+    node = make_node("--scheduler", "timeslice", "--quantum", "0.4")
+    jobs = []
+    for name in ("s1", "s2", "s3"):  # submitted in this order
+        jobs.append(node.spawn(name, iterations=40, hold_mib=32))
+        assert wait_until(lambda: jobs[-1].queued(), timeout=15)
+    for job in jobs:
+        assert job.finish(timeout=60)[0] == 0, node.read_log()
+    for job in jobs:
+        assert job.resumes() >= 1, job.name  # it was suspended and came back intact
+        assert not job.corrupt(), job.name
+    events = node_events(node)
+    admitted = [e["job"] for e in events if e.get("event") == "queued job admitted"]
+    assert admitted == ["s1", "s2", "s3"]
+    assert sum(1 for e in events if e.get("event") == "queued job suspended") >= 3
+
+
+# --- the queue's state machine, without a daemon ---------------------------------------------
+
+
+def test_queue_admits_in_policy_order_and_reports_positions():
+    queue = JobQueue(Fifo())
+    a = queue.submit(0.0, "a", pid=10, uid=0)
+    b = queue.submit(1.0, "b", pid=11, uid=0)
+    actions = queue.decide(1.0, gpus=[3], gpu_memory_bytes=None)
+    assert [(x.kind, x.job.name, x.job.gpus) for x in actions] == [(ADMIT, "a", (3,))]
+    rows = {r["name"]: r for r in queue.status()}
+    assert rows["b"]["position"] == 1 and rows["a"]["position"] is None
+    queue.remove(a.ticket)
+    assert [(x.kind, x.job.name) for x in queue.decide(2.0, [3], None)] == [(ADMIT, "b")]
+    assert b.waited_s == pytest.approx(1.0)
+
+
+def test_queue_suspends_holds_gpus_until_stopped_then_resumes():
+    queue = JobQueue(DiscretizedLas(thresholds_gpu_s=(1.0,), starvation_factor=0))
+    a = queue.submit(0.0, "a", pid=10, uid=0)
+    queue.decide(0.0, [0], None)
+    queue.advance(2.0)  # 2 GPU-s: past the threshold
+    b = queue.submit(2.0, "b", pid=11, uid=0)
+    assert [(x.kind, x.job.name) for x in queue.decide(2.0, [0], None)] == [(SUSPEND, "a")]
+    assert queue.decide(2.1, [0], None) == []  # a still holds the GPU until it has stopped
+    queue.stopped(a.ticket, 2.2)
+    assert [(x.kind, x.job.name) for x in queue.decide(2.2, [0], None)] == [(ADMIT, "b")]
+    queue.remove(b.ticket)
+    assert [(x.kind, x.job.name) for x in queue.decide(3.0, [0], None)] == [(RESUME, "a")]
+    assert a.attained_service == pytest.approx(2.2)  # it computes until it has stopped, at 2.2
