@@ -240,7 +240,7 @@ def wait_for_admission(
     if role:
         fields["role"] = role
     for key, value in (("persistent_bytes", persistent_bytes), ("peak_bytes", peak_bytes)):
-        size = _size(value)
+        size = _persistent(value)
         if size:
             fields[key] = size
     with CoordinatorClient(socket) as client:
