@@ -45,7 +45,7 @@ bool seqlock_try_read(const JobBlock::Word& sequence, std::chrono::milliseconds 
     }
     if (patience.count() == 0 && attempt >= 16) return false;
     if (attempt >= 64) std::this_thread::yield();
-    if ((attempt & 63) == 63) {
+    if ((attempt & 1023) == 1023) {
       auto now = std::chrono::steady_clock::now();
       if (deadline == std::chrono::steady_clock::time_point{}) {
         deadline = now + patience;
