@@ -31,7 +31,7 @@ def read_number(path, default):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--socket", required=True)
+    parser.add_argument("--socket", help="the coordinator's socket (default: where cotenant looks)")
     parser.add_argument("--role", required=True)
     parser.add_argument("--name")
     parser.add_argument("--device", type=int, default=0)
@@ -71,7 +71,8 @@ def main():
             burst.append(allocator.allocate(16 * MiB))
         while burst and len(burst) * 16 > want_burst:
             allocator.free(burst.pop())
-        time.sleep(max(0.0, iteration_us / 1e6 - (time.monotonic() - started)))
+        # At most a second, and none for an iteration time that is no number (inf, NaN).
+        time.sleep(min(1.0, max(0.0, iteration_us / 1e6 - (time.monotonic() - started))))
         channel.record_iteration(iteration_us)
 
 
