@@ -472,6 +472,23 @@ def test_a_silent_metrics_connection_is_closed_after_the_idle_timeout(node):
         assert silent.recv(1) == b""
 
 
+def test_the_metrics_port_serves_at_most_16_connections_at_once(node):
+    port = free_port()
+    node.args += ["--metrics-port", str(port)]
+    node.start_coordinator()
+    assert wait_until(lambda: _listening_addresses(port), timeout=10)
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(16)]
+    try:
+        time.sleep(0.5)  # all sixteen taken by the server's threads
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as extra:
+            assert extra.recv(1) == b""  # closed at once, not after the 30 s idle timeout
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: b"cotenant_jobs" in urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/metrics", timeout=5).read(), timeout=10)
+
+
 # --- errors are messages ----------------------------------------------------------------------------
 
 

@@ -727,8 +727,7 @@ class Coordinator:
                     f"uid {uid} may not change job {job.name!r} (id {job.job_id}): it belongs to uid {job.uid}, and "
                     "only its owner, root or the coordinator's own user may change it", req.id)
             if op == "set_cap":
-                job.user_cap = args["memory_cap"]
-                self._save_state()  # durable before the reply acknowledges it
+                self._change_durably(job, "user_cap", args["memory_cap"])
                 if self._device_total(job.device) is None:
                     self._apply(job, cap=job.user_cap)
                 else:
@@ -737,8 +736,7 @@ class Coordinator:
                 return protocol.reply_ok(req.id, job=job.name, memory_cap=job.cap, user_cap=job.user_cap)
             if op == "set_share":
                 share = args["share"]
-                job.pinned_share = None if share == "auto" else float(share)
-                self._save_state()  # durable before the reply acknowledges it
+                self._change_durably(job, "pinned_share", None if share == "auto" else float(share))
                 if job.pinned_share is not None:
                     self._apply(job, share=job.pinned_share)
                 _event("share set", job=job.name, share=share, by_pid=pid, by_uid=uid)
@@ -748,6 +746,18 @@ class Coordinator:
                 _event("command sent", job=job.name, command=args["command"], sequence=sequence, by_pid=pid)
                 return protocol.reply_ok(req.id, job=job.name, command=args["command"], sequence=sequence)
         raise ProtocolError(protocol.UNKNOWN_OP, f"op {op!r} is not handled", req.id)
+
+    def _change_durably(self, job: Job, setting: str, value: Any) -> None:
+        """Sets an administrator setting of `job` and saves the state before
+        the caller replies: no acknowledged change is lost. When the state
+        cannot be saved the setting is undone and the request fails."""
+        previous = getattr(job, setting)
+        setattr(job, setting, value)
+        try:
+            self._save_state()
+        except OSError:
+            setattr(job, setting, previous)
+            raise
 
     def _register(self, req: protocol.Request, pid: int, uid: int) -> Dict[str, Any]:
         args = req.args
