@@ -212,12 +212,21 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     queues or refuses it otherwise (with the reason).
 
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
-    Raises NoGpuError without a usable GPU, and RuntimeError when PyTorch's own
-    allocator already holds CUDA memory (the message says how to fix it).
+    Raises NoGpuError without a usable GPU, RuntimeError when PyTorch's own
+    allocator already holds CUDA memory (the message says how to fix it), and
+    ValueError for a name that cannot name a job (over 63 bytes, or a number).
+    When a coordinator's socket is there but registration fails, the job runs
+    on its own and says so (a RuntimeWarning and a line on stderr).
     """
     role = parse_role(role)
     to_cap(memory_cap)  # a bad cap fails before CUDA is touched
     persistent_bytes = parse_persistent_memory(persistent_memory)
+    if name is not None:
+        from cotenant.coordinator.protocol import job_name_problem
+
+        problem = job_name_problem(name)
+        if problem:
+            raise ValueError(f"cotenant.enable(name=...): {problem}")
     index = parse_device(device)
     if index is None:
         index = parse_device(os.environ.get("COTENANT_DEVICE") or 0)
@@ -513,23 +522,26 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
         from cotenant.coordinator import client
     except ImportError:
         return  # this installation has no coordinator: the job runs on its own
-    refused = getattr(client, "AdmissionRefused", None)
     # Probe first: without a coordinator, enable() creates no CUDA context
-    # (the device's size below needs one).
+    # (the device's size below needs one). No socket file: none was started,
+    # and the job runs on its own quietly. Any other failure is said loudly:
+    # the user expects this job to be managed.
     try:
-        client.CoordinatorClient(socket, 1.0).close()
-    except Exception:
-        return  # no coordinator running (or none this user may reach): the job runs on its own
+        client.CoordinatorClient(socket, 5.0).close()
+    except client.CoordinatorNotRunning:
+        return
+    except Exception as error:
+        _warn_unmanaged(error)
+        return
     try:
         registration = client.register(role or "cap_only", device, name=name, socket=socket,
                                        memory_cap=cap_bytes, persistent_bytes=persistent_bytes,
                                        device_total_bytes=_C.device_total_bytes(device))
+    except client.AdmissionRefused:
+        raise  # the coordinator says this job can never fit: the user must know
     except Exception as error:
-        if refused is not None and isinstance(error, refused):
-            raise  # the coordinator says this job can never fit: the user must know
         # A broken coordinator must not stop training: the job runs on its own.
-        warnings.warn(f"cotenant: could not register with the coordinator ({error}); "
-                      f"running without it", RuntimeWarning, stacklevel=3)
+        _warn_unmanaged(error)
         return
     if registration is None:
         return  # no coordinator running
@@ -540,6 +552,13 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     block_name = registration.block_name
     _C.start_job_channel(block_name, device)
     _state.job_channel = True
+
+
+def _warn_unmanaged(error: BaseException) -> None:
+    message = (f"cotenant: this job runs WITHOUT the coordinator: {error}. No cap or share the coordinator "
+               "sets will reach it, and the coordinator does not count its memory")
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    print(message, file=sys.stderr, flush=True)  # also where warnings are filtered out
 
 
 def _activate_gate(role, device) -> None:

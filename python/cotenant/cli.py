@@ -39,6 +39,29 @@ def _format_size(value: Optional[int]) -> str:
     return format_size(value)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, not {text!r}")
+    return port
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"give a number greater than 0, not {text!r}")
+        return value
+
+    return parse
+
+
 def _gpu_list(text: str) -> List[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -164,6 +187,11 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     if args.socket:
         env["COTENANT_SOCKET"] = args.socket
     if args.name:
+        from cotenant.coordinator.protocol import job_name_problem
+
+        problem = job_name_problem(args.name)
+        if problem:
+            raise ValueError(f"--name: {problem}")
         env["COTENANT_JOB_NAME"] = args.name
     autoenable = os.path.join(os.path.dirname(cotenant.__file__), "_autoenable")
     # Every directory the package spans (sources and build tree) must stay importable in the child.
@@ -185,7 +213,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("cotenant run: give the command after --, e.g. `cotenant run --opportunistic -- python train.py`",
               file=sys.stderr)
         return EXIT_USAGE
-    env = child_environment(args)
+    try:
+        env = child_environment(args)
+    except ValueError as error:
+        print(f"cotenant run: {error}", file=sys.stderr)
+        return EXIT_USAGE
     if args.queue:
         from cotenant.queue_commands import wait_for_admission
 
@@ -204,16 +236,34 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    import grp
+
     from cotenant.coordinator import daemon, policy
     from cotenant.coordinator.paths import default_socket_path
     from cotenant.queue_commands import scheduler_options
 
+    from cotenant.coordinator import daemon, policy
+    from cotenant.coordinator.paths import default_serving_path
+
+    socket_path = args.socket or default_serving_path()
+    if socket_path is None:
+        print("cotenant coordinator: no place for the socket: $XDG_RUNTIME_DIR is not set and /run/cotenant is not "
+              "yours; give --socket PATH in a directory only you can write, e.g. --socket "
+              "~/.cotenant/coordinator.sock (jobs then need COTENANT_SOCKET set to it)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.group:
+        try:
+            grp.getgrnam(args.group)
+        except KeyError:
+            print(f"cotenant coordinator: --group {args.group!r} is no group on this machine", file=sys.stderr)
+            return EXIT_USAGE
     memory = policy.MemoryPolicyConfig(headroom_bytes=_parse_size(args.headroom))
     config = daemon.CoordinatorConfig(
-        socket_path=args.socket or default_socket_path(), gpus=args.gpus, group=args.group,
-        metrics_port=args.metrics_port, memory=memory,
+        socket_path=socket_path, gpus=args.gpus, group=args.group,
+        metrics_port=args.metrics_port, metrics_address=args.metrics_address, memory=memory,
         gpu_memory_bytes=_parse_size(args.gpu_memory) if args.gpu_memory else None,
         scheduler=args.scheduler, scheduler_options=scheduler_options(args),
+        idle_timeout_s=args.idle_timeout, max_connections_per_uid=args.max_connections_per_uid,
     )
     return daemon.run(config, args.log_level)
 
@@ -251,15 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="subcommand", required=True)
 
     def with_socket(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--socket", help="coordinator socket (default: $COTENANT_SOCKET, $XDG_RUNTIME_DIR/cotenant/"
-                       "coordinator.sock, /run/cotenant/coordinator.sock, or /tmp/cotenant-UID/coordinator.sock)")
+        p.add_argument("--socket", help="coordinator socket (default: $COTENANT_SOCKET, else your own coordinator's "
+                       "$XDG_RUNTIME_DIR/cotenant/coordinator.sock when it runs, else the node's "
+                       "/run/cotenant/coordinator.sock)")
         return p
 
     p = with_socket(sub.add_parser("coordinator", help="run the per-node coordinator daemon"))
     p.add_argument("--gpus", type=_gpu_list, help="GPU indices to manage, e.g. 0,1 (default: all)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-address", default="127.0.0.1",
+                   help="address the metrics listen on (default 127.0.0.1; they name every job)")
     p.add_argument("--headroom", default="512MiB", help="device memory kept free on every GPU (default 512MiB)")
-    p.add_argument("--group", help="a group whose members may change caps and shares")
+    p.add_argument("--group", help="a group whose members may use the coordinator (register jobs, read the "
+                                   "status, change their own jobs)")
+    p.add_argument("--idle-timeout", type=_positive(float), default=30.0,
+                   help="seconds a silent connection (socket or metrics) stays open (default 30)")
+    p.add_argument("--max-connections-per-uid", type=_positive(int), default=64,
+                   help="open connections one user may hold; more are refused as busy (default 64)")
     p.add_argument("--gpu-memory", help="device memory per GPU, when nvidia-smi cannot tell (e.g. 80GiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_scheduler_arguments(p)

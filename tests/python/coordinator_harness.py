@@ -50,10 +50,12 @@ class Node:
         self.jobs = []
         self.log = open(os.path.join(self.directory, "coordinator.log"), "ab")
 
-    def start_coordinator(self, wait=True):
+    def start_coordinator(self, wait=True, prefix=(), env=None):
+        """prefix: a command the coordinator runs under (setpriv, unshare, ...);
+        env: variables added to its environment."""
         self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", self.socket, *self.args],
-            env=child_env(), stdout=self.log, stderr=self.log,
+            [*prefix, sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", self.socket, *self.args],
+            env={**child_env(), **(env or {})}, stdout=self.log, stderr=self.log,
         )
         if wait:
             assert wait_until(self.answers, timeout=10), "the coordinator did not start: " + self.read_log()
@@ -70,25 +72,27 @@ class Node:
         self.coordinator.wait()
 
     def start_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, expect_registration=True,
-                  prefix=(), python=None, code_dir=None):
-        job = self.spawn_job(role, name, hold_mib, iteration_us, persistent_mib, prefix, python, code_dir)
+                  prefix=(), python=None, code_dir=None, env=None, socket=...):
+        job = self.spawn_job(role, name, hold_mib, iteration_us, persistent_mib, prefix, python, code_dir, env, socket)
         job.wait_started()
         if expect_registration:
             assert job.registration, f"job {name} did not register: {job.info} {self.read_log()}"
         return job
 
     def spawn_job(self, role, name, hold_mib=64, iteration_us=10000, persistent_mib=0, prefix=(), python=None,
-                  code_dir=None):
+                  code_dir=None, env=None, socket=...):
         """Starts a job without waiting for its registration. code_dir: a directory holding the
         cotenant package and simulated_job.py to run from instead of this checkout (see
-        readable_code_copy())."""
+        readable_code_copy()); env: variables added to its environment; socket: None to let
+        the job find the coordinator on the default path."""
         control = os.path.join(self.directory, name)
-        env = child_env()
+        env = {**child_env(), **(env or {})}
         if code_dir:
             env["PYTHONPATH"] = code_dir
+        socket = self.socket if socket is ... else socket
         process = subprocess.Popen(
             [*prefix, python or sys.executable, os.path.join(code_dir or HERE, "simulated_job.py"),
-             "--socket", self.socket,
+             *(["--socket", socket] if socket else []),
              "--role", role, "--name", name, "--hold-mib", str(hold_mib), "--iteration-us", str(iteration_us),
              "--persistent-mib", str(persistent_mib), "--control", control],
             env=env, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -181,14 +185,21 @@ def connect_raw(socket_path):
 
 def readable_code_copy():
     """A world-readable copy of the cotenant package (sources and compiled modules,
-    wherever they are installed) and of simulated_job.py, for a job run as another
-    uid, which may not be able to read this checkout or the installed package
-    (e.g. under a home directory of mode 0700). The caller removes it."""
+    wherever they are installed), of prometheus_client (for a coordinator) and of
+    simulated_job.py, for a job or coordinator run as another uid, which may not be
+    able to read this checkout or the installed packages (e.g. under a home directory
+    of mode 0700). The caller removes it."""
+    import prometheus_client
+
     root = tempfile.mkdtemp(prefix="cotenant-code-")
     package = os.path.join(root, "cotenant")
-    for part in cotenant.__path__:  # sources and a build tree's modules are merged
+    # Sources and a build tree's compiled modules are merged; the first part
+    # (the one Python imports from) wins where both have a file.
+    for part in reversed(cotenant.__path__):
         shutil.copytree(part, package, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.dirname(prometheus_client.__file__), os.path.join(root, "prometheus_client"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(HERE, "simulated_job.py"), root)
     for directory, subdirectories, files in os.walk(root):
         os.chmod(directory, 0o755)

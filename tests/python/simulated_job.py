@@ -17,6 +17,7 @@ Prints one JSON line (the registration) when ready, or {"registration": null}.
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -62,7 +63,7 @@ def write_file(path, text):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--socket", required=True)
+    parser.add_argument("--socket", help="the coordinator's socket (default: where cotenant looks)")
     parser.add_argument("--role", required=True)
     parser.add_argument("--name")
     parser.add_argument("--device", type=int, default=int(os.environ.get("COTENANT_DEVICE", "0")))
@@ -117,7 +118,11 @@ def main():
             burst.append(allocator.allocate(16 * MiB))
         while burst and len(burst) * 16 > want_burst:
             allocator.free(burst.pop())
-        time.sleep(max(0.0, iteration_us / 1e6 - (time.monotonic() - started)))
+        if not math.isfinite(iteration_us):
+            # A job whose numbers are no numbers: its report's share becomes NaN.
+            channel.set_user_share(float("nan"))
+        # At most a second, and none for an iteration time that is no number (inf, NaN).
+        time.sleep(min(1.0, max(0.0, iteration_us / 1e6 - (time.monotonic() - started))))
         # The end of an iteration, as `with cotenant.iteration():` marks it: the
         # job's one IterationTracker measures the time since the last mark.
         channel.iteration_boundary()

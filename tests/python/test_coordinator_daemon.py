@@ -368,18 +368,6 @@ def test_status_larger_than_the_request_limit_still_arrives(node):
     assert len(json.dumps(view)) > 64 * 1024
 
 
-def test_default_socket_path_prefers_the_environment_then_the_runtime_directory(monkeypatch, tmp_path):
-    from cotenant.coordinator.paths import default_socket_path
-
-    monkeypatch.setenv("COTENANT_SOCKET", "/somewhere/c.sock")
-    assert default_socket_path() == "/somewhere/c.sock"
-    monkeypatch.delenv("COTENANT_SOCKET")
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    assert default_socket_path() == str(tmp_path / "cotenant" / "coordinator.sock")
-    monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert default_socket_path() in ("/run/cotenant/coordinator.sock", f"/tmp/cotenant-{os.getuid()}/coordinator.sock")
-
-
 def test_sigterm_stops_the_coordinator_but_leaves_jobs_and_their_blocks(node):
     node.start_coordinator()
     job = node.start_job("opportunistic", "o", hold_mib=32)

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import random
 import socket
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Set, Union
 
-from cotenant.coordinator import protocol
+from cotenant.coordinator import paths, protocol
 from cotenant.coordinator.paths import default_socket_path
 
 __all__ = [
-    "AdmissionRefused", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Registration",
-    "default_socket_path", "history", "register", "set_cap", "set_share", "send_command", "status",
-    "QueueEnded", "cancel", "wait_for_admission",
+    "AdmissionRefused", "CoordinatorClient", "CoordinatorError", "CoordinatorNotRunning", "CoordinatorUnavailable",
+    "Registration", "UntrustedCoordinator", "default_socket_path", "history", "register", "set_cap", "set_share",
+    "send_command", "status", "trusted_coordinator_uids", "QueueEnded", "cancel", "wait_for_admission",
 ]
 
 
@@ -42,41 +45,151 @@ class CoordinatorUnavailable(ConnectionError):
     """No coordinator answers on the socket."""
 
 
+class CoordinatorNotRunning(CoordinatorUnavailable):
+    """There is no socket file at the path: no coordinator was started there
+    (a job then runs on its own, silently)."""
+
+
+class UntrustedCoordinator(CoordinatorError):
+    """The socket is served by a uid the client does not trust: neither root,
+    nor the client's own uid, nor $COTENANT_COORDINATOR_USER."""
+
+    def __init__(self, message: str):
+        super().__init__(protocol.UNTRUSTED_COORDINATOR, message)
+
+
+def trusted_coordinator_uids() -> Set[int]:
+    """Who may serve a coordinator this process talks to: root, itself, and
+    the service account named by $COTENANT_COORDINATOR_USER (a user name or uid)."""
+    uids = {0, os.getuid(), os.geteuid()}
+    configured = os.environ.get(paths.COORDINATOR_USER_ENV, "").strip()
+    if configured:
+        try:
+            uids.add(int(configured) if configured.isdigit() else pwd.getpwnam(configured).pw_uid)
+        except KeyError:
+            raise CoordinatorError(
+                protocol.UNTRUSTED_COORDINATOR,
+                f"${paths.COORDINATOR_USER_ENV} names {configured!r}, which is no user on this machine; "
+                "set it to the coordinator's user name or uid") from None
+    return uids
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"
+
+
+# Connecting retries while the coordinator's listen queue is full (EAGAIN) or
+# it refuses this uid's extra connections (busy): from 5 ms, doubling, at most
+# 250 ms apart, for the client's whole timeout.
+_FIRST_BACKOFF_S = 0.005
+_MAX_BACKOFF_S = 0.25
+
+
 class CoordinatorClient:
-    """One connection; requests are answered in order."""
+    """One connection; requests are answered in order. The client checks who
+    serves the socket (SO_PEERCRED) before it sends anything."""
 
     def __init__(self, socket_path: Optional[str] = None, timeout: float = 5.0) -> None:
         self.socket_path = socket_path or default_socket_path()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        try:
-            self._sock.connect(self.socket_path)
-        except (FileNotFoundError, ConnectionRefusedError) as error:
-            self._sock.close()
-            raise CoordinatorUnavailable(
-                f"no cotenant coordinator at {self.socket_path} ({error.strerror}); start one with "
-                "`cotenant coordinator`, or pass --socket / set COTENANT_SOCKET"
-            ) from None
-        except PermissionError:
-            self._sock.close()
-            raise
-        self._file = self._sock.makefile("rb")
+        self.timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self._backoff = _FIRST_BACKOFF_S
+        self._connect()
         self._next_id = 1
+
+    def _connect(self) -> None:
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(max(0.05, self._deadline - time.monotonic()))
+            try:
+                sock.connect(self.socket_path)
+                break
+            except FileNotFoundError:
+                sock.close()
+                raise CoordinatorNotRunning(
+                    f"no cotenant coordinator at {self.socket_path} (no such socket); start one with "
+                    "`cotenant coordinator`, or pass --socket / set COTENANT_SOCKET") from None
+            except ConnectionRefusedError:
+                sock.close()
+                raise CoordinatorUnavailable(
+                    f"the coordinator socket {self.socket_path} exists but no coordinator listens on it (it "
+                    "died?); start one with `cotenant coordinator`") from None
+            except (BlockingIOError, socket.timeout) as error:  # the listen queue is full
+                sock.close()
+                if isinstance(error, socket.timeout) or not self._wait_before_retry():
+                    raise self._timed_out("did not accept the connection") from None
+            except PermissionError:
+                sock.close()
+                raise
+        self._sock = sock
+        self._file = sock.makefile("rb")
+        _pid, uid, _gid = protocol.peer_credentials(sock)
+        if uid not in trusted_coordinator_uids():
+            self.close()
+            raise UntrustedCoordinator(
+                f"the socket {self.socket_path} is served by uid {uid} ({_user_name(uid)}), not by root, you or "
+                f"the coordinator user you trust (${paths.COORDINATOR_USER_ENV}): refusing to talk to it, as "
+                f"another user may be impersonating the coordinator. If uid {uid} runs your node's coordinator, "
+                f"set {paths.COORDINATOR_USER_ENV}={_user_name(uid)}")
+
+    def _wait_before_retry(self) -> bool:
+        """Sleeps the next backoff step; False when the deadline has passed."""
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(self._backoff * random.uniform(0.5, 1.0), remaining))
+        self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
+        return True
+
+    def _timed_out(self, what: str) -> CoordinatorUnavailable:
+        return CoordinatorUnavailable(
+            f"the coordinator at {self.socket_path} {what} within {self.timeout:g} s: it may be hung or "
+            "overloaded; check its log, or restart it")
 
     def request(self, op: str, **fields: Any) -> Dict[str, Any]:
         message = protocol.request(op, self._next_id, **fields)
         self._next_id += 1
-        self._sock.sendall(protocol.encode(message))
-        line = self._file.readline(protocol.MAX_REPLY_BYTES + 1)
-        if not line:
-            raise CoordinatorUnavailable(f"the coordinator at {self.socket_path} closed the connection")
-        reply = json.loads(line)
+        while True:
+            reply = self._exchange(message)
+            error = reply.get("error", {}) if not reply.get("ok") else {}
+            # "busy" comes unasked, before the request is read: sending it again is safe.
+            if error.get("code") == protocol.BUSY and reply.get("id") is None and self._wait_before_retry():
+                self.close()
+                self._connect()
+                continue
+            break
         if not reply.get("ok"):
-            error = reply.get("error", {})
             code, text = error.get("code", "unknown"), error.get("message", "the coordinator refused the request")
             if code == protocol.ADMISSION_REFUSED:
                 raise AdmissionRefused(code, text)
             raise CoordinatorError(code, text)
+        return reply
+
+    def _exchange(self, message: Dict[str, Any]) -> Dict[str, Any]:
+        self._sock.settimeout(max(0.05, self._deadline - time.monotonic()))
+        try:
+            self._sock.sendall(protocol.encode(message))
+        except BrokenPipeError:
+            pass  # closed at once (busy): its reply is still there to read
+        try:
+            line = self._file.readline(protocol.MAX_REPLY_BYTES + 1)
+        except socket.timeout:
+            raise self._timed_out("did not answer") from None
+        except ConnectionResetError:
+            line = b""
+        if not line:
+            raise CoordinatorUnavailable(f"the coordinator at {self.socket_path} closed the connection")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise CoordinatorError(protocol.BAD_JSON,
+                                   f"the coordinator at {self.socket_path} answered with something that is not "
+                                   "JSON; run the job and the coordinator from the same cotenant version") from None
+        if not isinstance(reply, dict):
+            raise CoordinatorError(protocol.BAD_REQUEST, f"the coordinator at {self.socket_path} sent {reply!r}")
         return reply
 
     def close(self) -> None:
@@ -148,13 +261,19 @@ def register(
     timeout: float = 5.0,
 ) -> Optional[Registration]:
     """Registers the calling process as a job. Returns None when no coordinator
-    is running (the job then runs on its own). Raises AdmissionRefused when
-    the coordinator says the job can never fit, CoordinatorError otherwise."""
+    was started on the socket (no socket file: the job then runs on its own).
+    Raises ValueError for a name that cannot name a job, AdmissionRefused when
+    the coordinator says the job can never fit, CoordinatorUnavailable when a
+    coordinator's socket is there but nothing answers, CoordinatorError
+    (UntrustedCoordinator among them) otherwise."""
     if role not in protocol.ROLES:
         raise ValueError(f"role must be one of {', '.join(protocol.ROLES)}, not {role!r}")
     fields: Dict[str, Any] = {"role": role, "device": int(device)}
     if name:
-        fields["name"] = name[: protocol.MAX_NAME_CHARS]
+        problem = protocol.job_name_problem(name)
+        if problem:
+            raise ValueError(problem)
+        fields["name"] = name
     cap = _cap(memory_cap)
     if cap is not None:
         fields["memory_cap"] = cap
@@ -165,7 +284,7 @@ def register(
         fields["device_total_bytes"] = int(device_total_bytes)
     try:
         client = CoordinatorClient(socket, timeout)
-    except CoordinatorUnavailable:
+    except CoordinatorNotRunning:
         return None
     with client:
         reply = client.request("register", **fields)
@@ -236,7 +355,10 @@ def wait_for_admission(
 
     fields: Dict[str, Any] = {"gpus": int(gpus)}
     if name:
-        fields["name"] = name[: protocol.MAX_NAME_CHARS]
+        problem = protocol.job_name_problem(name)
+        if problem:
+            raise ValueError(problem)
+        fields["name"] = name
     if role:
         fields["role"] = role
     for key, value in (("persistent_bytes", persistent_bytes), ("peak_bytes", peak_bytes)):

@@ -1,7 +1,9 @@
 """The per-node coordinator daemon (asyncio).
 
 Control plane: a Unix socket (mode 0660) speaking protocol.py; every peer is
-identified by SO_PEERCRED. Data plane: one JobBlock per job in shared memory,
+identified by SO_PEERCRED. The socket, state file and history live in a run
+directory made and opened safely (rundir.py); docs/coordinator.md states the
+security model. Data plane: one JobBlock per job in shared memory,
 written here (cap, share, commands) and by the job's C++ JobChannel thread
 (its numbers and a heartbeat). Every `tick_s` the daemon reads every block,
 reclaims dead jobs, runs the policies (policy.py) and writes the caps and
@@ -25,18 +27,18 @@ import grp
 import json
 import logging
 import os
+import resource
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional
 
-from cotenant.coordinator import paths, policy, protocol
+from cotenant.coordinator import paths, policy, protocol, report
 from cotenant.coordinator.protocol import ProtocolError
 from cotenant.coordinator.queue_service import QueueService
+from cotenant.coordinator.rundir import AlreadyRunning, RunDirectory, UnsafeRunDirectory
 
 log = logging.getLogger("cotenant.coordinator")
 
@@ -65,12 +67,43 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class RateLimit(logging.Filter):
+    """At most `burst` warnings and errors of one event per `window_s`; the
+    rest are counted and the count rides on the event's next line, so a flood
+    of failures (hostile clients, a full descriptor table) cannot fill the disk."""
+
+    def __init__(self, burst: int = 10, window_s: float = 60.0) -> None:
+        super().__init__()
+        self.burst, self.window_s = burst, window_s
+        self._windows: Dict[str, List[float]] = {}  # event -> [window start, lines, suppressed]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        event = record.getMessage()
+        if len(self._windows) > 1000:
+            self._windows.clear()
+        window = self._windows.setdefault(event, [record.created, 0, 0])
+        if record.created - window[0] >= self.window_s:
+            suppressed = window[2]
+            window[:] = [record.created, 0, 0]
+            if suppressed:
+                record.fields = {**getattr(record, "fields", {}), "suppressed_before": suppressed}
+        if window[1] >= self.burst:
+            window[2] += 1
+            return False
+        window[1] += 1
+        return True
+
+
 def configure_logging(level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter())
-    log.handlers[:] = [handler]
+    handler.addFilter(RateLimit())
+    for logger in (log, logging.getLogger("asyncio")):  # asyncio's own errors: JSON and bounded too
+        logger.handlers[:] = [handler]
+        logger.propagate = False
     log.setLevel(level.upper())
-    log.propagate = False
 
 
 def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
@@ -97,23 +130,6 @@ def process_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, ValueError):
         return True
-
-
-def peer_credentials(sock: socket.socket) -> tuple:
-    """(pid, uid, gid) of the process at the other end of a Unix socket."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)
-
-
-def supplementary_groups(pid: int) -> List[int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return [int(g) for g in line.split()[1:]]
-    except OSError:
-        pass
-    return []
 
 
 def detect_gpu_memory() -> Dict[int, int]:
@@ -158,6 +174,7 @@ class Job:
     share: float = 1.0
     registered_at: float = field(default_factory=time.monotonic)
     adopted: bool = False
+    invalid_reports: int = 0  # reads whose numbers report.check() refused
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
         """True while the solo baseline is being measured. A guaranteed job that
@@ -200,7 +217,7 @@ class Job:
             "effective_share": r.get("effective_share"),
             "baseline_us": self.baseline.baseline_us, "slowdown": self.slowdown(),
             "heartbeat_age_s": (now_ns - heartbeat) / 1e9 if heartbeat else None,
-            "block": self.block.name, "adopted": self.adopted,
+            "block": self.block.name, "adopted": self.adopted, "invalid_reports": self.invalid_reports,
         }
 
 
@@ -256,8 +273,9 @@ class CoordinatorConfig:
     socket_path: str
     gpus: Optional[List[int]] = None         # None: every GPU a job names
     gpu_memory_bytes: Optional[int] = None   # overrides detection, for every GPU
-    group: Optional[str] = None              # admin group (besides our uid and root)
+    group: Optional[str] = None              # whose members may reach the socket (besides our uid and root)
     metrics_port: Optional[int] = None
+    metrics_address: str = "127.0.0.1"      # the metrics name every job: loopback unless asked
     memory: policy.MemoryPolicyConfig = field(default_factory=policy.MemoryPolicyConfig)
     share: policy.SharePolicyConfig = field(default_factory=policy.SharePolicyConfig)
     baseline: policy.BaselineConfig = field(default_factory=policy.BaselineConfig)
@@ -271,6 +289,9 @@ class CoordinatorConfig:
     detect_gpus: bool = True
     scheduler: str = "fifo"                  # the job queue's policy (cotenant.scheduling.policies)
     scheduler_options: Dict[str, Any] = field(default_factory=dict)
+    idle_timeout_s: float = 30.0       # a connection (socket or metrics) silent this long is closed
+    max_connections_per_uid: int = 64  # more from one uid are refused with "busy" (clients retry)
+    listen_backlog: int = 4096         # connections waiting for accept (the kernel caps it at somaxconn)
 
 
 class Coordinator:
@@ -292,27 +313,44 @@ class Coordinator:
         from cotenant.scheduling.policies import make_policy
 
         self.queue = QueueService(self, make_policy(config.scheduler, **config.scheduler_options))
+        self._run_dir: Optional[RunDirectory] = None
+        self._connections: Dict[int, int] = collections.Counter()  # uid -> open connections
 
     # --- lifecycle -----------------------------------------------------------
 
     async def serve(self) -> None:
-        self._prepare_socket_dir()
+        try:
+            self._run_dir = RunDirectory(self.socket_path, self.admin_gid)
+            self._run_dir.lock()  # before anything else: one coordinator per socket
+        except (UnsafeRunDirectory, AlreadyRunning, OSError) as error:
+            raise SystemExit(f"cotenant coordinator: {error}") from None
+        _raise_descriptor_limit()
         if self.config.detect_gpus and self.config.gpu_memory_bytes is None:
             self.gpu_memory.update(detect_gpu_memory())
         self._adopt_existing_jobs()
-        self._history_file = open(paths.history_path(self.socket_path), "a", buffering=1)
+        try:
+            self._history_file = self._run_dir.open_append(paths.HISTORY_SUFFIX)
+            listening = self._run_dir.listen(self.config.listen_backlog)
+        except (UnsafeRunDirectory, AlreadyRunning, OSError) as error:
+            raise SystemExit(f"cotenant coordinator: cannot serve {self.socket_path}: {error}") from None
         self._server = await asyncio.start_unix_server(
-            self._handle_connection, path=self.socket_path, limit=protocol.MAX_MESSAGE_BYTES + 1
+            self._handle_connection, sock=listening, limit=protocol.MAX_MESSAGE_BYTES + 1
         )
-        os.chmod(self.socket_path, 0o660)
-        if self.admin_gid is not None:
-            os.chown(self.socket_path, -1, self.admin_gid)
-        if self.metrics is not None:
-            from prometheus_client import start_http_server
+        if self.config.metrics_port is not None:
+            from cotenant.coordinator.metrics_http import serve_metrics
 
-            start_http_server(self.config.metrics_port, registry=self.metrics.registry)
+            address = self.config.metrics_address
+            try:
+                serve_metrics(self.metrics.registry, address, self.config.metrics_port, self.config.idle_timeout_s)
+            except (OSError, OverflowError) as error:
+                self._run_dir.remove_socket()
+                raise SystemExit(
+                    f"cotenant coordinator: cannot serve metrics on {address}:{self.config.metrics_port} "
+                    f"({getattr(error, 'strerror', None) or error}); choose another --metrics-port, or stop what "
+                    "uses that one") from None
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.set_exception_handler(_loop_error)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             try:
                 loop.add_signal_handler(sig, self._stopping.set)
             except (NotImplementedError, RuntimeError):
@@ -326,10 +364,7 @@ class Coordinator:
             tick.cancel()
             self._server.close()
             await self._server.wait_closed()
-            try:
-                os.unlink(self.socket_path)
-            except FileNotFoundError:
-                pass
+            self._run_dir.remove_socket()  # only the socket this coordinator made
             self._save_state()
             self._history_file.close()
             # Blocks stay: running jobs keep their caps and a new coordinator re-adopts them.
@@ -337,23 +372,6 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stopping.set()
-
-    def _prepare_socket_dir(self) -> None:
-        directory = os.path.dirname(self.socket_path)
-        os.makedirs(directory, mode=0o770 if self.admin_gid is not None else 0o755, exist_ok=True)
-        if os.path.exists(self.socket_path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.settimeout(1.0)
-                probe.connect(self.socket_path)
-            except OSError:
-                os.unlink(self.socket_path)  # stale socket of a dead coordinator
-            else:
-                raise SystemExit(
-                    f"a coordinator already serves {self.socket_path}; stop it first or give another --socket"
-                )
-            finally:
-                probe.close()
 
     # --- adoption and persistence -----------------------------------------------
 
@@ -410,13 +428,14 @@ class Coordinator:
 
     def _load_state(self) -> Dict[str, Any]:
         try:
-            with open(paths.state_path(self.socket_path)) as f:
-                state = json.load(f)
-            return state if isinstance(state, dict) else {}
-        except (OSError, ValueError):
+            return self._run_dir.read_json(paths.STATE_SUFFIX)
+        except (UnsafeRunDirectory, OSError) as error:
+            _event("state file not read", logging.WARNING, reason=str(error))
             return {}
 
     def _save_state(self) -> None:
+        """Writes the state durably: when this returns, a kill -9 or a power
+        cut loses none of it (replies that acknowledge a change come after)."""
         state: Dict[str, Any] = {
             str(j.job_id): {
                 "user_cap": j.user_cap, "pinned_share": j.pinned_share, "persistent_bytes": j.persistent_bytes,
@@ -426,11 +445,7 @@ class Coordinator:
         }
         state["_next_job_id"] = self.next_job_id
         state["_gpu_memory"] = {str(k): v for k, v in self.gpu_memory.items()}
-        path = paths.state_path(self.socket_path)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, path)  # atomic: a kill -9 leaves the old or the new file
+        self._run_dir.write_durably(paths.STATE_SUFFIX, json.dumps(state, allow_nan=False).encode())
         self._state_dirty = False
 
     # --- the control loop ------------------------------------------------------
@@ -448,9 +463,7 @@ class Coordinator:
         now_ns = _core().monotonic_ns()
         for job in list(self.jobs.values()):
             if process_alive(job.pid):  # a dead job's block is not read: it may be stuck mid-update
-                report = job.block.report()  # never waits: None while the job's writer is mid-update
-                if report is not None:
-                    job.report = report
+                self._read_report(job)  # never waits: keeps the last report while the job's writer is mid-update
             reason = self._death_reason(job, now_ns)
             if reason:
                 self._reclaim(job, reason)
@@ -464,6 +477,17 @@ class Coordinator:
             self.metrics.update(self.jobs)
         if self._state_dirty:
             self._save_state()
+
+    def _read_report(self, job: Job) -> None:
+        new = job.block.report()  # None while the job's writer is mid-update (gives up after 2 ms)
+        if new is None:
+            return
+        job.report, refused = report.check(new, job.report)
+        if refused:
+            job.invalid_reports += 1
+            if job.invalid_reports == 1:  # once per job: the count is in `status`
+                _event("job reported invalid numbers", logging.WARNING, job=job.name, job_id=job.job_id,
+                       fields=refused, action="each keeps its last valid value")
 
     def _death_reason(self, job: Job, now_ns: int) -> str:
         if job.report.get("state") == "exited":
@@ -597,21 +621,18 @@ class Coordinator:
         self.history.append(record)
         if self._history_file is None:
             return
-        self._history_file.write(json.dumps(record) + "\n")
+        self._history_file.write(json.dumps(record, allow_nan=False) + "\n")
         if self._history_file.tell() > self.config.history_max_bytes:
-            path = paths.history_path(self.socket_path)
             self._history_file.close()
-            os.replace(path, path + ".1")
-            self._history_file = open(path, "a", buffering=1)
+            self._run_dir.rename(paths.HISTORY_SUFFIX, paths.HISTORY_SUFFIX + ".1")
+            self._history_file = self._run_dir.open_append(paths.HISTORY_SUFFIX)
 
     # --- the control plane -----------------------------------------------------
 
-    def _is_admin(self, pid: int, uid: int, gid: int) -> bool:
-        if uid in (0, os.getuid()):
-            return True
-        if self.admin_gid is not None:
-            return gid == self.admin_gid or self.admin_gid in supplementary_groups(pid)
-        return False
+    def _may_change(self, job: Job, uid: int) -> bool:
+        """Only the job's owner, root or the coordinator's own uid (which can
+        write every block anyway) may change a job."""
+        return uid in (0, job.uid, os.geteuid())
 
     def _count_error(self, code: str) -> None:
         if self.metrics is not None:
@@ -620,15 +641,38 @@ class Coordinator:
     async def _handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         try:
-            pid, uid, gid = peer_credentials(sock)
+            pid, uid, gid = protocol.peer_credentials(sock)
         except OSError:
             writer.close()
             return
+        if self._connections[uid] >= self.config.max_connections_per_uid:
+            _event("connection refused", logging.WARNING, uid=uid, open=self._connections[uid],
+                   reason="too many connections from this uid")
+            try:
+                await self._send(writer, protocol.reply_error(
+                    None, protocol.BUSY,
+                    f"uid {uid} already has {self._connections[uid]} connections open to the coordinator, the most "
+                    "it allows one user (--max-connections-per-uid); close some and retry"))
+            except (ConnectionError, TimeoutError):
+                pass
+            writer.close()
+            return
+        self._connections[uid] += 1
+        try:
+            await self._serve_connection(reader, writer, pid, uid, gid)
+        finally:
+            self._connections[uid] -= 1
+            if not self._connections[uid]:
+                del self._connections[uid]
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                pid: int, uid: int, gid: int) -> None:
         last_id = -1
         try:
             while not reader.at_eof():
                 try:
-                    line = await reader.readline()
+                    # A connection silent for the idle timeout is closed: idle ones cannot pile up.
+                    line = await asyncio.wait_for(reader.readline(), self.config.idle_timeout_s)
                 except (ValueError, asyncio.LimitOverrunError):
                     # The line is longer than the limit: no way to find the next one.
                     await self._send(writer, protocol.reply_error(
@@ -657,7 +701,7 @@ class Coordinator:
                     self._count_error(protocol.INTERNAL)
                     reply = protocol.reply_error(None, protocol.INTERNAL, f"the coordinator failed: {error}")
                 await self._send(writer, reply)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
             try:
@@ -665,21 +709,26 @@ class Coordinator:
             except Exception:  # noqa: BLE001
                 pass
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, reply: Dict[str, Any]) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, reply: Dict[str, Any]) -> None:
         try:
             data = protocol.encode(reply, protocol.MAX_REPLY_BYTES)
         except ProtocolError as error:
             data = protocol.encode(protocol.reply_error(reply.get("id"), error.code, error.message))
+        except ValueError as error:  # a number JSON cannot carry: the reply fails, not the connection
+            data = protocol.encode(protocol.reply_error(reply.get("id"), protocol.INTERNAL,
+                                                        f"the coordinator could not encode its reply: {error}"))
         writer.write(data)
-        await writer.drain()
+        # A peer that does not read its reply is dropped after the idle timeout.
+        await asyncio.wait_for(writer.drain(), self.config.idle_timeout_s)
 
     def _find_job(self, ref: str, request_id: int) -> Job:
+        """A number is a job id, anything else a name (names are never numbers)."""
         for job in self.jobs.values():
-            if job.name == ref or str(job.job_id) == ref:
+            if (str(job.job_id) == ref) if ref.isdigit() else (job.name == ref):
                 return job
-        raise ProtocolError(protocol.NO_SUCH_JOB,
-                            f"no job named {ref!r}; `cotenant status` lists the jobs and their ids", request_id)
+        what = f"no job with id {ref}" if ref.isdigit() else f"no job named {ref!r}"
+        raise ProtocolError(protocol.NO_SUCH_JOB, f"{what}; `cotenant status` lists the jobs and their ids",
+                            request_id)
 
     def _dispatch(self, req: protocol.Request, pid: int, uid: int, gid: int) -> Dict[str, Any]:
         op, args = req.op, req.args
@@ -706,14 +755,13 @@ class Coordinator:
             return protocol.reply_ok(req.id, unregistered=[j.name for j in mine])
         if op in protocol.ADMIN_OPS:
             job = self._find_job(args["job"], req.id)
-            if not (self._is_admin(pid, uid, gid) or (job.pid == pid and job.uid == uid)):
+            if not self._may_change(job, uid):
                 raise ProtocolError(
                     protocol.PERMISSION_DENIED,
-                    f"process {pid} (uid {uid}) may not change job {job.name!r}: only the job itself, the "
-                    "coordinator's user, root or the coordinator's admin group may", req.id)
+                    f"uid {uid} may not change job {job.name!r} (id {job.job_id}): it belongs to uid {job.uid}, and "
+                    "only its owner, root or the coordinator's own user may change it", req.id)
             if op == "set_cap":
-                job.user_cap = self._resolve_cap(args["memory_cap"], job.device, req.id)
-                self._state_dirty = True
+                self._change_durably(job, "user_cap", self._resolve_cap(args["memory_cap"], job.device, req.id))
                 if self._device_total(job.device) is None:
                     self._apply(job, cap=job.user_cap)
                 else:
@@ -722,8 +770,7 @@ class Coordinator:
                 return protocol.reply_ok(req.id, job=job.name, memory_cap=job.cap, user_cap=job.user_cap)
             if op == "set_share":
                 share = args["share"]
-                job.pinned_share = None if share == "auto" else float(share)
-                self._state_dirty = True
+                self._change_durably(job, "pinned_share", None if share == "auto" else float(share))
                 if job.pinned_share is not None:
                     self._apply(job, share=job.pinned_share)
                 _event("share set", job=job.name, share=share, by_pid=pid, by_uid=uid)
@@ -733,6 +780,18 @@ class Coordinator:
                 _event("command sent", job=job.name, command=args["command"], sequence=sequence, by_pid=pid)
                 return protocol.reply_ok(req.id, job=job.name, command=args["command"], sequence=sequence)
         raise ProtocolError(protocol.UNKNOWN_OP, f"op {op!r} is not handled", req.id)
+
+    def _change_durably(self, job: Job, setting: str, value: Any) -> None:
+        """Sets an administrator setting of `job` and saves the state before
+        the caller replies: no acknowledged change is lost. When the state
+        cannot be saved the setting is undone and the request fails."""
+        previous = getattr(job, setting)
+        setattr(job, setting, value)
+        try:
+            self._save_state()
+        except OSError:
+            setattr(job, setting, previous)
+            raise
 
     def _register(self, req: protocol.Request, pid: int, uid: int) -> Dict[str, Any]:
         args = req.args
@@ -761,7 +820,9 @@ class Coordinator:
         self.next_job_id += 1
         name = args.get("name") or f"job{job_id}"
         if any(j.name == name for j in self.jobs.values()):
-            name = f"{name[:50]}-{job_id}"
+            suffix = f"-{job_id}"  # the whole name must fit the block's 63 bytes
+            room = protocol.MAX_NAME_BYTES - len(suffix)
+            name = name.encode()[:room].decode(errors="ignore") + suffix
         user_cap = self._resolve_cap(args.get("memory_cap"), device, req.id)
         guaranteed_exists = any(j.device == device and j.role == policy.GUARANTEED for j in self.jobs.values())
         # Opportunistic jobs start slow (or paused) and climb; guaranteed jobs run unthrottled.
@@ -770,8 +831,14 @@ class Coordinator:
             share = 0.0
         block_name = paths.job_block_name(self.socket_path, job_id)
         self._unlink_quietly(block_name)  # a leftover of a coordinator that died mid-registration
-        block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=device,
-                                        pid=pid, uid=uid, memory_cap=user_cap, share=share)
+        try:
+            block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=device,
+                                            pid=pid, uid=uid, memory_cap=user_cap, share=share)
+        except _core().Error as error:  # e.g. /dev/shm is full: this job is refused, the others go on
+            _event("job block not created", logging.WARNING, job=name, pid=pid, reason=str(error))
+            raise ProtocolError(protocol.RESOURCE_EXHAUSTED,
+                                f"the coordinator could not create this job's shared-memory block: {error}",
+                                req.id) from None
         self._give_block_to(block_name, uid)
         job = Job(job_id=job_id, name=name, role=role, device=device, pid=pid, uid=uid, block=block,
                   user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
@@ -817,6 +884,24 @@ class Coordinator:
             "jobs": [j.status(now_ns) for j in sorted(self.jobs.values(), key=lambda j: (j.device, j.job_id))],
             "queue": self.queue.status(),
         }
+
+
+def _raise_descriptor_limit() -> None:
+    """Every connection costs a descriptor: take all the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def _loop_error(loop: asyncio.AbstractEventLoop, context: Dict[str, Any]) -> None:
+    """asyncio's own failures (e.g. accept() with no descriptor left): one
+    JSON event, rate-limited like the others."""
+    error = context.get("exception")
+    _event("event loop error", logging.WARNING, message=context.get("message", ""),
+           error=f"{type(error).__name__}: {error}" if error else None)
 
 
 def run(config: CoordinatorConfig, log_level: str = "info") -> int:

@@ -4,24 +4,71 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
+from typing import Optional
 
 SOCKET_ENV = "COTENANT_SOCKET"
+RUN_DIR_ENV = "COTENANT_RUN_DIR"                   # the node's run directory, default /run/cotenant
+COORDINATOR_USER_ENV = "COTENANT_COORDINATOR_USER"  # a service account clients trust besides root
+SOCKET_NAME = "coordinator.sock"
+
+
+def node_socket_path() -> str:
+    """The node's coordinator: $COTENANT_RUN_DIR/coordinator.sock, by default
+    /run/cotenant/coordinator.sock (only root can make /run/cotenant, so no
+    other user can squat it)."""
+    return os.path.join(os.environ.get(RUN_DIR_ENV) or "/run/cotenant", SOCKET_NAME)
+
+
+def user_socket_path() -> Optional[str]:
+    """A user's own coordinator, in the private $XDG_RUNTIME_DIR; None without one."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        return os.path.join(runtime, "cotenant", SOCKET_NAME)
+    return None
 
 
 def default_socket_path() -> str:
-    """$COTENANT_SOCKET, else $XDG_RUNTIME_DIR/cotenant/coordinator.sock, else
-    /run/cotenant/coordinator.sock when /run/cotenant is (or can be made)
-    writable, else /tmp/cotenant-<uid>/coordinator.sock."""
+    """Where a job or a command looks for the coordinator: $COTENANT_SOCKET;
+    else the user's own coordinator ($XDG_RUNTIME_DIR/cotenant/coordinator.sock)
+    when one listens there; else the node's (/run/cotenant/coordinator.sock).
+    Never a path under /tmp, which another user could have made first."""
     explicit = os.environ.get(SOCKET_ENV)
     if explicit:
         return explicit
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return os.path.join(runtime, "cotenant", "coordinator.sock")
-    run_dir = "/run/cotenant"
-    if os.access(run_dir, os.W_OK) or (not os.path.exists(run_dir) and os.access("/run", os.W_OK)):
-        return os.path.join(run_dir, "coordinator.sock")
-    return os.path.join("/tmp", f"cotenant-{os.getuid()}", "coordinator.sock")
+    own = user_socket_path()
+    if own is not None and _is_socket(own):
+        return own
+    return node_socket_path()
+
+
+def default_serving_path() -> Optional[str]:
+    """Where `cotenant coordinator` serves without --socket: $COTENANT_SOCKET;
+    root: the node's path; another user: their own $XDG_RUNTIME_DIR, else the
+    node's path when its directory is theirs (a service account given
+    /run/cotenant). None when there is no such place (the caller says to give --socket)."""
+    explicit = os.environ.get(SOCKET_ENV)
+    if explicit:
+        return explicit
+    node = node_socket_path()
+    if os.geteuid() == 0:
+        return node
+    own = user_socket_path()
+    if own is not None:
+        return own
+    try:
+        if os.stat(os.path.dirname(node)).st_uid == os.geteuid():
+            return node
+    except OSError:
+        pass
+    return None
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def node_key(socket_path: str) -> str:
@@ -38,9 +85,15 @@ def job_block_name(socket_path: str, job_id: int) -> str:
     return "/" + job_block_prefix(socket_path) + str(job_id)
 
 
+# Files next to the socket, in its run directory (rundir.py).
+STATE_SUFFIX = ".state.json"
+HISTORY_SUFFIX = ".history.jsonl"
+LOCK_SUFFIX = ".lock"
+
+
 def state_path(socket_path: str) -> str:
-    return socket_path + ".state.json"
+    return socket_path + STATE_SUFFIX
 
 
 def history_path(socket_path: str) -> str:
-    return socket_path + ".history.jsonl"
+    return socket_path + HISTORY_SUFFIX

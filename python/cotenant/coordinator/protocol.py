@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_REPLY_BYTES = 32 * 1024 * 1024
-MAX_NAME_CHARS = 63  # the job block stores 63 bytes of name
+MAX_NAME_BYTES = 63  # the job block stores 63 bytes of name (UTF-8)
 
 ROLES = ("guaranteed", "opportunistic", "cap_only")
 COMMANDS = ("spill_all", "restore_all", "suspend", "resume")
@@ -39,7 +41,10 @@ TOO_LARGE = "too_large"
 PERMISSION_DENIED = "permission_denied"
 NO_SUCH_JOB = "no_such_job"
 ADMISSION_REFUSED = "admission_refused"
+RESOURCE_EXHAUSTED = "resource_exhausted"  # e.g. /dev/shm is full
+BUSY = "busy"  # this uid has too many connections open: retry after closing some
 INTERNAL = "internal_error"
+UNTRUSTED_COORDINATOR = "untrusted_coordinator"  # raised by the client, never sent
 
 
 class ProtocolError(Exception):
@@ -68,12 +73,37 @@ def _optional(inner):
     return check
 
 
-def _string(max_chars: int):
+def _string(max_bytes: int):
     def check(value: Any) -> bool:
-        return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
+        return isinstance(value, str) and value.isprintable() and 0 < len(value.encode()) <= max_bytes
 
-    check.describe = f"a printable string of 1 to {max_chars} characters"
+    check.describe = f"a printable string of 1 to {max_bytes} bytes (UTF-8)"
     return check
+
+
+def job_name_problem(name: Any) -> Optional[str]:
+    """Why `name` cannot name a job (a sentence that says what to do), or None.
+    Lengths are in bytes, as the job's block stores them; a number is refused
+    because `set-cap 3` means job id 3."""
+    if not isinstance(name, str) or not name:
+        return f"a job name must be a non-empty string, not {name!r}"
+    if not name.isprintable():
+        return f"the job name {name!r} holds unprintable characters; use letters, digits and punctuation"
+    size = len(name.encode())
+    if size > MAX_NAME_BYTES:
+        return (f"the job name {name!r} is {size} bytes in UTF-8; a name may be at most {MAX_NAME_BYTES} bytes: "
+                "shorten it")
+    if name.isdigit():
+        return f"the job name {name!r} is a number, which would be taken for a job id; use e.g. 'job-{name}'"
+    return None
+
+
+def _job_name(value: Any) -> bool:
+    return job_name_problem(value) is None
+
+
+_job_name.describe = (f"a printable name of 1 to {MAX_NAME_BYTES} bytes (UTF-8) that is not a number "
+                      "(numbers are job ids)")
 
 
 def _choice(options):
@@ -117,7 +147,7 @@ def _cap_value(value: Any) -> bool:
 
 
 _cap_value.describe = 'bytes (an int >= 1), null, or a cap such as "6GiB", "0.5" or "none"'
-_JOB_REF = _string(MAX_NAME_CHARS)  # a job name or its decimal id
+_JOB_REF = _string(MAX_NAME_BYTES)  # a job name or its decimal id
 
 # op -> {field: (check, required)}. Fields not listed are refused.
 SCHEMA: Dict[str, Dict[str, tuple]] = {
@@ -125,7 +155,7 @@ SCHEMA: Dict[str, Dict[str, tuple]] = {
     "register": {
         "role": (_choice(ROLES), True),
         "device": (_int(0, 1023), True),
-        "name": (_string(MAX_NAME_CHARS), False),
+        "name": (_job_name, False),
         "memory_cap": (_cap_value, False),
         "persistent_bytes": (_int(0), False),
         "device_total_bytes": (_int(1), False),
@@ -138,7 +168,7 @@ SCHEMA: Dict[str, Dict[str, tuple]] = {
     "command": {"job": (_JOB_REF, True), "command": (_choice(COMMANDS), True)},
     # The job queue (queue.py): a process asks for GPUs and polls until it is admitted.
     "submit": {
-        "name": (_string(MAX_NAME_CHARS), False),
+        "name": (_job_name, False),
         "role": (_choice(ROLES), False),
         "gpus": (_int(1, 1024), False),
         "persistent_bytes": (_int(0), False),
@@ -149,8 +179,8 @@ SCHEMA: Dict[str, Dict[str, tuple]] = {
 }
 QUEUE_OPS = frozenset({"submit", "queue_state", "cancel"})
 
-# Ops that change another job or the node: need the coordinator's uid, root,
-# or the configured group (a job may still act on itself).
+# Ops that change a job: only the job's owner (its uid), root or the
+# coordinator's own uid may (docs/coordinator.md, "Security model").
 ADMIN_OPS = frozenset({"set_cap", "set_share", "command"})
 
 
@@ -223,3 +253,11 @@ def reply_error(request_id: Optional[int], code: str, message: str) -> Dict[str,
 
 def request(op: str, request_id: int, **fields: Any) -> Dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": request_id, "op": op, **fields}
+
+
+def peer_credentials(sock: socket.socket) -> Tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, from
+    the kernel (SO_PEERCRED): for a server, who connected; for a client, who
+    created the listening socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)

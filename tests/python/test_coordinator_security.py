@@ -1,0 +1,548 @@
+"""The coordinator against a careless or hostile user of its own uid: planted
+links, bad numbers and names, lost acknowledgements, two coordinators at once,
+floods of connections, a full /dev/shm, and errors that must be messages.
+The rules are docs/coordinator.md's "Security model"; the tests that need
+other uids are in test_permissions.py."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import warnings
+
+import pytest
+
+from cotenant import _core
+from cotenant.coordinator import client, paths, protocol
+from coordinator_harness import MiB, Node, child_env, connect_raw, wait_until
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    yield n
+    n.close()
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "cotenant.cli", *args], env=child_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def raw_request(socket_path, **message):
+    with connect_raw(socket_path) as sock:
+        sock.sendall(json.dumps({"v": 1, "id": 1, **message}).encode() + b"\n")
+        return json.loads(sock.makefile("rb").readline())
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# --- the run directory: no link followed, no directory another user could change ---------------
+
+
+def test_a_link_planted_as_the_state_files_temporary_is_not_followed(node, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, node.socket + ".state.json.tmp")
+    node.start_coordinator()
+    node.start_job("opportunistic", "o", hold_mib=16)  # a registration writes the state
+    assert victim.read_text() == "precious"
+    state = os.stat(paths.state_path(node.socket), follow_symlinks=False)
+    assert stat.S_ISREG(state.st_mode)
+
+
+def test_a_link_planted_as_the_history_file_stops_the_coordinator_with_a_message(node, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, paths.history_path(node.socket))
+    node.start_coordinator(wait=False)
+    assert node.coordinator.wait(timeout=30) != 0
+    log = node.read_log()
+    assert "is a symbolic link" in log and "Traceback" not in log
+    assert victim.read_text() == "precious"
+    assert not os.path.exists(node.socket)
+
+
+def test_a_link_planted_as_the_state_file_is_neither_read_nor_written_through(node, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text(json.dumps({"_next_job_id": 1000}))
+    os.symlink(victim, paths.state_path(node.socket))
+    node.start_coordinator()
+    reg = client.register("opportunistic", 0, name="first", socket=node.socket)
+    assert reg.job_id == 1  # the planted "_next_job_id" was not read
+    assert json.loads(victim.read_text()) == {"_next_job_id": 1000}
+
+
+def test_a_run_directory_other_users_may_write_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o777)
+    out = cli("coordinator", "--socket", str(run / "c.sock"), "--gpu-memory", "1GiB", timeout=30)
+    assert out.returncode != 0
+    assert "writable by other users" in out.stderr and "Traceback" not in out.stderr
+    assert os.listdir(run) == []
+
+
+def test_a_new_run_directory_is_0750_and_given_to_the_group(tmp_path):
+    group = _some_group_other_than_ours()
+    node = Node(extra_args=["--group", group.gr_name])
+    node.socket = str(tmp_path / "run" / "c.sock")
+    try:
+        node.start_coordinator()
+        run = os.stat(tmp_path / "run")
+        assert stat.S_IMODE(run.st_mode) == 0o750 and run.st_gid == group.gr_gid
+        sock = os.stat(node.socket)
+        assert stat.S_IMODE(sock.st_mode) == 0o660 and sock.st_gid == group.gr_gid
+    finally:
+        node.close()
+
+
+def _some_group_other_than_ours():
+    import grp
+
+    for group in grp.getgrall():
+        if group.gr_gid != os.getegid() and (os.geteuid() == 0 or group.gr_gid in os.getgroups()):
+            return group
+    pytest.skip("this user may give files to no group but its own")
+
+
+# --- where clients look: no /tmp fallback ------------------------------------------------------
+
+
+def test_default_socket_path_is_the_environment_then_a_running_own_coordinator_then_the_nodes(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv("COTENANT_SOCKET", "/somewhere/c.sock")
+    assert paths.default_socket_path() == "/somewhere/c.sock"
+    monkeypatch.delenv("COTENANT_SOCKET")
+    monkeypatch.delenv("COTENANT_RUN_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    # No coordinator of one's own runs: the node's (a root coordinator) is the one to find.
+    assert paths.default_socket_path() == "/run/cotenant/coordinator.sock"
+    (tmp_path / "cotenant").mkdir()
+    own = socket.socket(socket.AF_UNIX)
+    own.bind(str(tmp_path / "cotenant" / "coordinator.sock"))
+    try:
+        assert paths.default_socket_path() == str(tmp_path / "cotenant" / "coordinator.sock")
+    finally:
+        own.close()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("COTENANT_RUN_DIR", str(tmp_path / "node"))
+    assert paths.default_socket_path() == str(tmp_path / "node" / "coordinator.sock")
+
+
+def test_a_user_coordinator_with_no_private_directory_has_no_default_place(monkeypatch, tmp_path):
+    monkeypatch.delenv("COTENANT_SOCKET", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("COTENANT_RUN_DIR", str(tmp_path))  # a directory this user does not own
+    uid = os.stat(tmp_path).st_uid + 1
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+    assert paths.default_serving_path() is None  # never /tmp/cotenant-<uid>, which another user can make first
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert paths.default_serving_path() == str(tmp_path / "cotenant" / "coordinator.sock")
+
+
+# --- per-job validation: one job's numbers cannot break the view of everyone ---------------------
+
+
+def test_a_job_reporting_inf_or_nan_breaks_neither_status_nor_history(node):
+    node.start_coordinator()
+    node.start_job("guaranteed", "g", hold_mib=32)
+    bad = node.start_job("opportunistic", "bad", hold_mib=32)
+    bad.set_iteration_us("inf")
+    time.sleep(1.5)  # it reports inf within a second
+    json.dumps(client.status(node.socket), allow_nan=False)  # raises on inf or NaN
+    bad.set_iteration_us("nan")
+    time.sleep(1.5)
+    view = client.status(node.socket)
+    json.dumps(view, allow_nan=False)  # raises on inf or NaN
+    assert {j["name"] for j in view["jobs"]} == {"g", "bad"}
+    json.dumps(client.history(node.socket), allow_nan=False)
+    table = cli("status", "--socket", node.socket)
+    assert table.returncode == 0 and "bad (" in table.stdout
+    with open(paths.history_path(node.socket)) as f:
+        for line in f:
+            json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in the history file"))
+    assert node.job("bad")["invalid_reports"] >= 2 and node.job("g")["invalid_reports"] == 0
+    warned = [line for line in node.read_log().splitlines() if "job reported invalid numbers" in line]
+    assert len(warned) == 1  # once per job, however many reports
+
+
+def test_report_check_keeps_the_last_valid_value_of_each_refused_field():
+    from cotenant.coordinator import report
+
+    last = {"iteration_ewma_ns": 900_000, "device_bytes": 4 * MiB}
+    new = {"iteration_ewma_ns": -1, "device_bytes": -1, "host_bytes": 2 * MiB,
+           "applied_share": 1.5, "effective_share": float("nan")}
+    checked, refused = report.check(new, last)
+    assert checked == {"iteration_ewma_ns": 900_000, "device_bytes": 4 * MiB, "host_bytes": 2 * MiB}
+    assert sorted(refused) == ["applied_share", "device_bytes", "effective_share", "iteration_ewma_ns"]
+
+
+# --- names in bytes; ids and names never confused ----------------------------------------------
+
+
+def test_a_name_of_at_most_63_characters_but_more_than_63_bytes_is_refused_at_registration(node):
+    node.start_coordinator()
+    name = "é" * 32  # 32 characters, 64 bytes
+    with pytest.raises(ValueError, match="64 bytes in UTF-8; a name may be at most 63 bytes"):
+        client.register("opportunistic", 0, name=name, socket=node.socket)
+    reply = raw_request(node.socket, op="register", role="opportunistic", device=0, name=name)
+    assert reply["error"]["code"] == protocol.BAD_REQUEST and "63 bytes" in reply["error"]["message"]
+    assert node.status()["jobs"] == []
+    out = cli("run", "--opportunistic", "--name", name, "--", "true")
+    assert out.returncode == 2 and "at most 63 bytes" in out.stderr
+
+
+def test_a_duplicate_name_is_renamed_within_63_bytes_and_stored_whole(node):
+    node.start_coordinator()
+    name = "é" * 31  # 62 bytes
+    first = client.register("opportunistic", 0, name=name, socket=node.socket)
+    second = client.register("opportunistic", 1, name=name, socket=node.socket)
+    assert first.name == name and second.name != name
+    assert len(second.name.encode()) <= 63 and second.name.endswith(f"-{second.job_id}")
+    assert _core.JobBlock.open(second.block_name).identity()["name"] == second.name
+
+
+def test_a_name_that_is_a_number_is_refused_so_a_number_always_means_a_job_id(node):
+    node.start_coordinator()
+    with pytest.raises(ValueError, match="would be taken for a job id"):
+        client.register("opportunistic", 0, name="3", socket=node.socket)
+    reply = raw_request(node.socket, op="register", role="opportunistic", device=0, name="3")
+    assert reply["error"]["code"] == protocol.BAD_REQUEST
+    jobs = [client.register("opportunistic", d, name=f"n{d}", socket=node.socket) for d in range(3)]
+    assert client.set_cap(str(jobs[2].job_id), 64 * MiB, node.socket)["job"] == "n2"
+    with pytest.raises(client.CoordinatorError, match="no job with id 99"):
+        client.set_cap("99", 64 * MiB, node.socket)
+
+
+# --- durable acknowledgement ---------------------------------------------------------------------
+
+
+def test_an_acknowledged_set_cap_or_set_share_survives_a_kill_right_after_the_reply(node):
+    node.start_coordinator()
+    job_id = str(node.start_job("opportunistic", "o", hold_mib=16).registration["job_id"])
+
+    def saved():
+        with open(paths.state_path(node.socket)) as f:
+            return json.load(f)[job_id]
+
+    for trial in range(3):
+        client.set_cap("o", (100 + trial) * MiB, node.socket)
+        node.kill_coordinator()  # well within one 50 ms tick of the reply
+        assert saved()["user_cap"] == (100 + trial) * MiB
+        node.start_coordinator()
+        client.set_share("o", 0.25 + trial / 10, node.socket)
+        node.kill_coordinator()
+        assert saved()["pinned_share"] == 0.25 + trial / 10
+        node.start_coordinator()
+
+
+def test_the_state_file_and_its_directory_are_fsynced_before_the_write_returns(tmp_path, monkeypatch):
+    from cotenant.coordinator.rundir import RunDirectory
+
+    run = RunDirectory(str(tmp_path / "run" / "c.sock"))
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        info = os.fstat(fd)
+        synced.append((info.st_dev, info.st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        run.write_durably(paths.STATE_SUFFIX, b'{"a": 1}')
+    finally:
+        run.close()
+    state = os.stat(tmp_path / "run" / ("c.sock" + paths.STATE_SUFFIX))
+    directory = os.stat(tmp_path / "run")
+    assert synced == [(state.st_dev, state.st_ino), (directory.st_dev, directory.st_ino)]
+
+
+# --- one coordinator per socket -------------------------------------------------------------------
+
+
+def test_two_coordinators_started_together_leave_exactly_one_serving(node, tmp_path):
+    # nvidia-smi taking a second widens the window between the checks and the bind.
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nsleep 1\necho '0, 1024'\n")
+    fake.chmod(0o755)
+    env = {**child_env(), "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+    command = [sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", node.socket]
+    both = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    try:
+        assert wait_until(lambda: any(p.poll() is not None for p in both), timeout=20), "both still run"
+        loser = next(p for p in both if p.poll() is not None)
+        winner = next(p for p in both if p is not loser)
+        assert loser.returncode != 0 and "already serves" in loser.stderr.read()
+        assert winner.poll() is None and wait_until(node.answers, timeout=10)
+        assert os.path.exists(node.socket)
+    finally:
+        for p in both:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_stopping_a_coordinator_leaves_a_socket_it_did_not_create(node):
+    node.start_coordinator()
+    os.unlink(node.socket)
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(node.socket)
+    other.listen()
+    try:
+        node.coordinator.send_signal(signal.SIGTERM)
+        assert node.coordinator.wait(timeout=10) == 0
+        assert os.path.exists(node.socket)
+        connect_raw(node.socket).close()  # still the other listener's
+    finally:
+        other.close()
+
+
+def test_sighup_stops_the_coordinator_cleanly(node):
+    node.start_coordinator()
+    job = node.start_job("opportunistic", "o", hold_mib=16)
+    node.coordinator.send_signal(signal.SIGHUP)
+    assert node.coordinator.wait(timeout=10) == 0
+    assert not os.path.exists(node.socket)
+    assert '"coordinator stopped"' in node.read_log()
+    assert job.alive() and len(node.blocks()) == 1
+
+
+# --- many clients at once; enable() never silently unmanaged --------------------------------------
+
+
+def test_300_clients_at_once_all_get_through_when_the_coordinator_resumes(node):
+    node.start_coordinator()
+    results = [None] * 300
+
+    def ask(i):
+        try:
+            results[i] = client.status(node.socket)["coordinator"]["pid"]
+        except Exception as error:  # noqa: BLE001 - recorded for the assertion
+            results[i] = repr(error)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(results))]
+    node.coordinator.send_signal(signal.SIGSTOP)  # accepts nothing: every connection waits in the queue
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+    finally:
+        node.coordinator.send_signal(signal.SIGCONT)
+    for t in threads:
+        t.join(timeout=30)
+    failures = [r for r in results if r != node.coordinator.pid]
+    assert not failures, f"{len(failures)} of {len(results)} failed, e.g. {failures[:3]}"
+
+
+class _NoGpuExtension:
+    """What _join_coordinator needs of cotenant._C, without a GPU."""
+
+    HAS_JOB_CHANNEL = False
+
+    @staticmethod
+    def device_total_bytes(device):
+        return 1 << 30
+
+
+def test_enable_says_loudly_when_a_coordinator_socket_is_there_but_cannot_be_joined(node, capfd):
+    from cotenant import api
+
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(node.socket)  # a socket file nobody listens on: a coordinator died
+    dead.close()
+    with pytest.warns(RuntimeWarning, match="runs WITHOUT the coordinator"):
+        api._join_coordinator(_NoGpuExtension(), "opportunistic", 0, "j", node.socket, None)
+    assert "runs WITHOUT the coordinator" in capfd.readouterr().err
+    os.unlink(node.socket)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no coordinator was started: quiet, as documented
+        api._join_coordinator(_NoGpuExtension(), "opportunistic", 0, "j", node.socket, None)
+
+
+# --- resource limits ------------------------------------------------------------------------------
+
+
+def test_a_silent_connection_is_closed_after_the_idle_timeout(node):
+    node.args += ["--idle-timeout", "0.5"]
+    node.start_coordinator()
+    with connect_raw(node.socket) as silent:
+        silent.settimeout(30)
+        assert silent.recv(1) == b""  # closed by the coordinator
+    assert node.answers()
+
+
+def test_connections_beyond_the_per_uid_limit_are_refused_as_busy_until_some_close(node):
+    node.args += ["--max-connections-per-uid", "8"]
+    node.start_coordinator()
+    held = [connect_raw(node.socket) for _ in range(8)]
+    try:
+        for i, sock in enumerate(held):  # each answered: all eight are counted
+            sock.sendall(json.dumps({"v": 1, "id": 1, "op": "hello"}).encode() + b"\n")
+            assert json.loads(sock.makefile("rb").readline())["ok"]
+        with connect_raw(node.socket) as extra:
+            reply = json.loads(extra.makefile("rb").readline())
+        assert reply["error"]["code"] == protocol.BUSY and "--max-connections-per-uid" in reply["error"]["message"]
+    finally:
+        held.pop().close()
+    try:
+        assert client.status(node.socket)["jobs"] == []  # one slot free again: served
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_thousand_idle_connections_of_one_user_hold_no_more_than_its_quota(node):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} descriptors; the test needs 1,200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    node.start_coordinator()
+    pid = node.coordinator.pid
+    flood = []
+    try:
+        for _ in range(1000):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.settimeout(5)
+            try:
+                sock.connect(node.socket)
+            except OSError:
+                sock.close()
+                continue
+            flood.append(sock)
+        # The coordinator closes what is over the quota (64) at once; it keeps a few descriptors of its own.
+        assert wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) < 64 + 40, timeout=10), (
+            len(os.listdir(f"/proc/{pid}/fd")))
+        assert node.coordinator.poll() is None
+        assert len(node.read_log()) < 16 * 1024  # the refusals are logged, but not a line each
+    finally:
+        for sock in flood:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert wait_until(node.answers, timeout=10)
+
+
+def _listening_addresses(port):
+    """The local addresses of TCP sockets listening on `port` (hex, as /proc/net/tcp* shows them)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    local, _remote, state = line.split()[1:4]
+                    address, hex_port = local.split(":")
+                    if state == "0A" and int(hex_port, 16) == port:
+                        found.append(address)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def test_metrics_listen_on_the_loopback_address_only_by_default(node):
+    port = free_port()
+    node.args += ["--metrics-port", str(port)]
+    node.start_coordinator()
+    assert wait_until(lambda: _listening_addresses(port), timeout=10)
+    assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1
+    assert b"cotenant_jobs" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+
+
+def test_a_silent_metrics_connection_is_closed_after_the_idle_timeout(node):
+    port = free_port()
+    node.args += ["--metrics-port", str(port), "--idle-timeout", "0.5"]
+    node.start_coordinator()
+    assert wait_until(lambda: _listening_addresses(port), timeout=10)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as silent:
+        assert silent.recv(1) == b""
+
+
+def test_the_metrics_port_serves_at_most_16_connections_at_once(node):
+    port = free_port()
+    node.args += ["--metrics-port", str(port)]
+    node.start_coordinator()
+    assert wait_until(lambda: _listening_addresses(port), timeout=10)
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(16)]
+    try:
+        time.sleep(0.5)  # all sixteen taken by the server's threads
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as extra:
+            assert extra.recv(1) == b""  # closed at once, not after the 30 s idle timeout
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: b"cotenant_jobs" in urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/metrics", timeout=5).read(), timeout=10)
+
+
+# --- errors are messages ----------------------------------------------------------------------------
+
+
+def test_a_busy_metrics_port_stops_the_coordinator_with_a_message(node):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node.args += ["--metrics-port", str(port)]
+        node.start_coordinator(wait=False)
+        assert node.coordinator.wait(timeout=30) != 0
+    log = node.read_log()
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in log and "Traceback" not in log
+    assert not os.path.exists(node.socket)
+
+
+def test_a_bad_metrics_port_is_a_usage_error():
+    out = cli("coordinator", "--socket", "/nonexistent/c.sock", "--metrics-port", "70000")
+    assert out.returncode == 2 and "from 1 to 65535" in out.stderr
+
+
+def test_a_hung_coordinator_gives_the_cli_a_message(node):
+    node.start_coordinator()
+    node.coordinator.send_signal(signal.SIGSTOP)
+    try:
+        out = cli("status", "--socket", node.socket)
+    finally:
+        node.coordinator.send_signal(signal.SIGCONT)
+    assert out.returncode == 1
+    assert "did not answer within 5 s" in out.stderr and "Traceback" not in out.stderr
+
+
+# --- a full /dev/shm -------------------------------------------------------------------------------
+
+
+def _small_dev_shm_prefix():
+    """Runs a command with its own /dev/shm of 64 KiB, filled up; None where
+    no private mount namespace can be made (needs root)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    script = ("mount --make-rprivate / && mount -t tmpfs -o size=64k tmpfs /dev/shm && "
+              "(head -c 1M /dev/zero > /dev/shm/filler 2>/dev/null; exec \"$@\")")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", "true"], capture_output=True)
+    return ["unshare", "-m", "sh", "-c", script, "sh"] if probe.returncode == 0 else None
+
+
+def test_a_full_dev_shm_refuses_the_registration_with_a_message_and_the_coordinator_goes_on(node):
+    prefix = _small_dev_shm_prefix()
+    if prefix is None:
+        pytest.skip("needs root and unshare(1) to give the coordinator a small /dev/shm")
+    node.start_coordinator(prefix=prefix)
+    with pytest.raises(client.CoordinatorError) as refused:
+        client.register("opportunistic", 0, name="j", socket=node.socket)
+    assert refused.value.code == protocol.RESOURCE_EXHAUSTED
+    assert "No space left on device" in str(refused.value) and "/dev/shm is full" in str(refused.value)
+    assert node.status()["jobs"] == []  # still serving
+    assert node.coordinator.poll() is None
