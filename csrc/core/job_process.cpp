@@ -26,7 +26,10 @@ JobChannelHooks job_channel_hooks(JobProcess& process) {
     }
     return process.launches_paused() || process.pause_launches();
   };
-  hooks.stats = [&process] { return process.allocator().stats(); };
+  hooks.stats = [&process] {
+    process.settle();
+    return process.allocator().stats();
+  };
   hooks.iterations = [&process] { return process.iterations(); };
   hooks.effective_share = [&process] { return process.effective_share(); };
   return hooks;

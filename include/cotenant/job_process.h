@@ -46,6 +46,10 @@ class JobProcess {
   // The share in force: min(the job's own, the coordinator's); 1 without a gate.
   virtual double effective_share() const = 0;
   virtual IterationStats iterations() const = 0;
+  // Called at every poll of the job channel: a process whose own ops provide
+  // no safe point (the simulated job) moves its pending pages here. A real
+  // job moves them at its next op entry (with backoff), so this does nothing.
+  virtual void settle() {}
 };
 
 // The job channel's hooks for `process` (which must outlive the channel).
@@ -64,6 +68,10 @@ class SimulatedJobProcess final : public JobProcess {
   void set_coordinator_share(double share) override;
   double effective_share() const override;
   IterationStats iterations() const override { return iterations_.stats(); }
+  // No op entries here: every poll is the safe point a real job's next op is.
+  void settle() override {
+    if (allocator_.has_pending_migrations()) allocator_.apply_pending_migrations();
+  }
 
   // The job's own side, as its code would call it.
   void set_user_share(double share);

@@ -63,7 +63,7 @@ def test_timeline_without_matplotlib_names_the_timeline_extra(without_extras, tm
 def test_coordinator_metrics_port_without_prometheus_client_names_the_metrics_extra(without_extras, tmp_path):
     socket_path = tmp_path / "c.sock"
     out = run_cli(without_extras, "coordinator", "--socket", str(socket_path), "--gpu-memory", "1GiB",
-                  "--metrics-port", "0")
+                  "--metrics-port", "65000")
     assert out.returncode == 1
     assert "cotenant coordinator --metrics-port needs prometheus_client" in out.stderr
     assert "pip install 'cotenant[metrics]'" in out.stderr
