@@ -5,6 +5,7 @@ from cotenant.coordinator.client import (  # noqa: F401
     CoordinatorError,
     CoordinatorUnavailable,
     Registration,
+    UntrustedCoordinator,
     register,
     send_command,
     set_cap,
