@@ -9,7 +9,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <type_traits>
 
 #include "../cuda/cuda_backend.h"
 #include "../cuda/cuda_driver.h"
@@ -186,23 +185,6 @@ COTENANT_TORCH_BINDINGS(allocator) {
     job_channel.reset();
     job_process.reset();
   });
-  m.def("job_report", []() -> py::object {
-    std::lock_guard<std::mutex> lock(channel_mutex);
-    if (!job_channel) return py::none();
-    const shm::JobReport report = job_channel->report();
-    py::dict d;
-    shm::for_each_field(report, [&d](const char* name, const auto& value) {
-      using T = std::decay_t<decltype(value)>;
-      if constexpr (std::is_same_v<T, shm::JobRole>) {
-        d[name] = shm::job_role_name(value);
-      } else if constexpr (std::is_same_v<T, shm::JobState>) {
-        d[name] = shm::job_state_name(value);
-      } else {
-        d[name] = value;
-      }
-    });
-    return d;
-  }, "What this job last reported to the coordinator (None without a channel).");
 }
 
 }  // namespace cotenant::torch_ext

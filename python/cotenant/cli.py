@@ -205,13 +205,21 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     return env
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def command_after_dashes(args: argparse.Namespace, verb: str) -> Optional[List[str]]:
+    """The program to start (what follows `--`), or None after saying how to give one."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("cotenant run: give the command after --, e.g. `cotenant run --opportunistic -- python train.py`",
-              file=sys.stderr)
+        print(f"cotenant {verb}: give the command after --, e.g. `cotenant {verb} --opportunistic -- python "
+              "train.py`", file=sys.stderr)
+        return None
+    return command
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = command_after_dashes(args, "run")
+    if command is None:
         return EXIT_USAGE
     try:
         env = child_environment(args)

@@ -76,14 +76,10 @@ def wait_for_admission(args: argparse.Namespace, env: Dict[str, str], on_queued=
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Queues the command and returns at once; a waiter process starts it once admitted."""
-    from cotenant.cli import child_environment
+    from cotenant.cli import child_environment, command_after_dashes
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        print("cotenant submit: give the command after --, e.g. `cotenant submit --opportunistic -- python train.py`",
-              file=sys.stderr)
+    command = command_after_dashes(args, "submit")
+    if command is None:
         return EXIT_USAGE
     env = child_environment(args)
     read_end, write_end = os.pipe()

@@ -64,6 +64,20 @@ bool eventually(Predicate predicate, std::chrono::milliseconds within = 1000ms) 
   return predicate();
 }
 
+// A job on a 256 MiB simulated device, driven through the same JobProcess a
+// real job's channel uses.
+struct SimulatedJob {
+  SimulatedJob() : backend(config()), allocator(backend), process(allocator) {}
+  static SimulatedDeviceConfig config() {
+    SimulatedDeviceConfig c;
+    c.device_capacity = 256 * MiB;
+    return c;
+  }
+  SimulatedBackend backend;
+  CachingAllocator allocator;
+  SimulatedJobProcess process;
+};
+
 }  // namespace
 
 TEST_CASE("block_identity_control_and_report_round_trip", "[job_channel]") {
@@ -169,10 +183,8 @@ TEST_CASE("a_throwing_hook_is_counted_and_not_retried", "[job_channel]") {
 
 TEST_CASE("iteration_times_are_the_trackers_figures_in_nanoseconds", "[job_channel]") {
   CoordinatorBlock coordinator("iterations");
-  SimulatedDeviceConfig config;
-  SimulatedBackend backend(config);
-  CachingAllocator allocator(backend);
-  SimulatedJobProcess process(allocator);
+  SimulatedJob job;
+  auto& process = job.process;
   JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
   process.iteration_tracker().record(100'000);
   process.iteration_tracker().record(200'000);
@@ -186,13 +198,10 @@ TEST_CASE("iteration_times_are_the_trackers_figures_in_nanoseconds", "[job_chann
 
 TEST_CASE("suspend_stops_launches_for_every_role_and_a_cap_change_brings_nothing_back", "[job_channel]") {
   CoordinatorBlock coordinator("suspend");
-  SimulatedDeviceConfig config;
-  config.device_capacity = 256 * MiB;
-  SimulatedBackend backend(config);
-  CachingAllocator allocator(backend);
+  SimulatedJob job;
+  auto& [backend, allocator, process] = job;
   std::vector<DevicePtr> live;
   for (int i = 0; i < 4; ++i) live.push_back(allocator.allocate(16 * MiB, 0));
-  SimulatedJobProcess process(allocator);
   JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
 
   coordinator.command(shm::JobCommand::kSuspend);
@@ -226,10 +235,8 @@ TEST_CASE("suspend_stops_launches_for_every_role_and_a_cap_change_brings_nothing
 
 TEST_CASE("a_launch_stop_that_did_not_take_is_retried_at_the_next_poll", "[job_channel]") {
   CoordinatorBlock coordinator("suspend-retry");
-  SimulatedDeviceConfig config;
-  SimulatedBackend backend(config);
-  CachingAllocator allocator(backend);
-  SimulatedJobProcess process(allocator);
+  SimulatedJob job;
+  auto& process = job.process;
   JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
   process.set_pause_fails(true);  // work in flight does not drain
   coordinator.command(shm::JobCommand::kSuspend);
@@ -245,10 +252,8 @@ TEST_CASE("a_launch_stop_that_did_not_take_is_retried_at_the_next_poll", "[job_c
 
 TEST_CASE("the_coordinator_share_reaches_the_job_as_a_cap_on_its_own_share", "[job_channel]") {
   CoordinatorBlock coordinator("share");
-  SimulatedDeviceConfig config;
-  SimulatedBackend backend(config);
-  CachingAllocator allocator(backend);
-  SimulatedJobProcess process(allocator);
+  SimulatedJob job;
+  auto& process = job.process;
   JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
   process.set_user_share(0.6);
   coordinator.set(kNoCap, 0.25);
@@ -303,16 +308,13 @@ TEST_CASE("destroyed_channel_reports_the_job_exited", "[job_channel]") {
 
 TEST_CASE("shrinking_cap_spills_a_simulated_allocator_and_reports_its_bytes", "[job_channel]") {
   CoordinatorBlock coordinator("allocator");
-  SimulatedDeviceConfig config;
-  config.device_capacity = 256 * MiB;
-  SimulatedBackend backend(config);
-  CachingAllocator allocator(backend);
+  SimulatedJob job;
+  auto& [backend, allocator, process] = job;
   std::vector<DevicePtr> live;
   for (int i = 0; i < 8; ++i) live.push_back(allocator.allocate(16 * MiB, 0));
   const char pattern[] = "survives the spill";
   backend.write(live[0], pattern, sizeof pattern);
 
-  SimulatedJobProcess process(allocator);
   JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
   channel.poll_once();
   auto before = shm::read_report(coordinator.block());
