@@ -681,3 +681,14 @@ def test_a_job_whose_pid_now_names_another_process_is_reclaimed():
     assert daemon.process_alive(me, ticks)
     assert not daemon.process_alive(me, ticks + 1)  # the same pid, started at another time: another process
     assert daemon.process_alive(me)                 # no start time recorded: the pid alone
+
+
+def test_a_job_that_exits_while_no_coordinator_runs_leaves_no_block(node):
+    node.start_coordinator()
+    registration = client.register("opportunistic", 0, name="short", socket=node.socket)
+    channel = registration.open_channel()
+    node.kill_coordinator()  # and none starts again on this path
+    assert os.path.exists("/dev/shm" + registration.block_name)
+    channel.close()  # the job ends
+    assert not os.path.exists("/dev/shm" + registration.block_name)
+    assert node.blocks() == []
