@@ -172,8 +172,13 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     """The environment that enables cotenant in an unmodified child program."""
     import cotenant
 
+    from cotenant import settings
+
     env = dict(os.environ if base is None else base)
+    settings.check_all(env)  # a malformed COTENANT_CONF fails here, before the program starts
     env["COTENANT_ENABLE"] = "1"
+    if args.allow_uncapped:
+        env["COTENANT_ALLOW_UNCAPPED"] = "1"
     if args.cap_only:
         env.pop("COTENANT_ROLE", None)  # no role: a memory cap and nothing else
     else:
@@ -217,7 +222,28 @@ def command_after_dashes(args: argparse.Namespace, verb: str) -> Optional[List[s
     return command
 
 
+def cannot_enable(args: argparse.Namespace, command: List[str], env: Dict[str, str], verb: str) -> bool:
+    """Says so, and returns True, when cotenant could not be enabled in `command`
+    and the user did not allow it to run uncapped (cotenant.launch: fail closed)."""
+    from cotenant import launch, settings
+
+    if settings.flag("disable", env):
+        return False  # COTENANT_DISABLE=1: the user asked for no cotenant
+    problem = launch.preflight(command, args.device)
+    if problem is None:
+        return False
+    if args.allow_uncapped:
+        print(f"cotenant {verb}: WARNING: the program runs without cotenant (no cap, no gate): {problem}",
+              file=sys.stderr)
+        return False
+    print(f"cotenant {verb}: cannot enable cotenant: {problem}. Nothing was started; {launch.ALLOW_HINT}.",
+          file=sys.stderr)
+    return True
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from cotenant import launch
+
     command = command_after_dashes(args, "run")
     if command is None:
         return EXIT_USAGE
@@ -226,6 +252,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"cotenant run: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if cannot_enable(args, command, env, "run"):
+        return launch.EXIT_NOT_ENABLED
     if args.queue:
         from cotenant.queue_commands import wait_for_admission
 
@@ -233,7 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if code is not None:
             return code
     try:
-        os.execvpe(command[0], command, env)  # same pid: the coordinator sees the real job
+        launch.exec_job(command, env)  # same pid: the coordinator sees the real job
     except FileNotFoundError:
         print(f"cotenant run: no program named {command[0]!r} on PATH", file=sys.stderr)
         return 127
@@ -366,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
                                             "admits an opportunistic job only when it fits")
         p.add_argument("--name", help="job name shown by `cotenant status`")
         p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+        p.add_argument("--allow-uncapped", action="store_true",
+                       help="start the program even when cotenant cannot be enabled in it (no driver or GPU, "
+                            "python -E/-I/-S, not a Python program), with a warning; by default that is an "
+                            "error (exit status 2)")
         add_queue_arguments(p)
         p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
 

@@ -295,14 +295,17 @@ def test_cotenant_run_enables_the_child_through_environment_variables(node):
               "print(os.environ['PYTHONPATH'])")
     out = subprocess.run(
         [sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--cap", "2GiB", "--name", "sidecar",
-         "--device", "1", "--socket", node.socket, "--", sys.executable, "-c", script],
-        env=child_env(), capture_output=True, text=True, timeout=30,
+         "--device", "1", "--socket", node.socket, "--allow-uncapped", "--", sys.executable, "-c", script],
+        env=child_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    variables, pythonpath = out.stdout.splitlines()
-    assert json.loads(variables) == {
+    variables, pythonpath = out.stdout.splitlines()[-2:]
+    variables = json.loads(variables)
+    assert variables.pop("COTENANT_JOB_PID").isdigit()  # the job's pid: its children are not jobs
+    assert variables == {
         "COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic", "COTENANT_MEMORY_CAP": str(2 << 30),
         "COTENANT_DEVICE": "1", "COTENANT_SOCKET": node.socket, "COTENANT_JOB_NAME": "sidecar",
+        "COTENANT_ALLOW_UNCAPPED": "1",
     }
     assert pythonpath.split(os.pathsep)[0].endswith(os.path.join("cotenant", "_autoenable"))
 
@@ -317,7 +320,8 @@ def test_cotenant_run_refuses_a_bad_cap_before_starting_the_child():
 def test_cotenant_run_cap_only_gives_the_child_a_cap_and_no_role():
     script = "import os; print(os.environ.get('COTENANT_ROLE', '-'), os.environ['COTENANT_MEMORY_CAP'])"
     out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--cap-only", "--cap", "6GiB", "--",
-                          sys.executable, "-c", script], env={**child_env(), "COTENANT_ROLE": "guaranteed"},
+                          sys.executable, "-c", script],
+                         env={**child_env(), "COTENANT_ROLE": "guaranteed", "COTENANT_DISABLE": "1"},
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["-", str(6 << 30)]
@@ -381,8 +385,8 @@ def test_sigterm_stops_the_coordinator_but_leaves_jobs_and_their_blocks(node):
 def test_cotenant_run_passes_persistent_memory_for_admission_and_refuses_a_bad_one():
     script = "import os; print(os.environ.get('COTENANT_PERSISTENT_MEMORY'))"
     out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "10GiB",
-                          "--", sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
-                         timeout=30)
+                          "--", sys.executable, "-c", script], env={**child_env(), "COTENANT_DISABLE": "1"},
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "10GiB"
     bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "heaps",

@@ -62,7 +62,9 @@ def trusted_coordinator_uids() -> Set[int]:
     """Who may serve a coordinator this process talks to: root, itself, and
     the service account named by $COTENANT_COORDINATOR_USER (a user name or uid)."""
     uids = {0, os.getuid(), os.geteuid()}
-    configured = os.environ.get(paths.COORDINATOR_USER_ENV, "").strip()
+    from cotenant import settings
+
+    configured = settings.get("coordinator_user") or ""
     if configured:
         try:
             uids.add(int(configured) if configured.isdigit() else pwd.getpwnam(configured).pw_uid)
