@@ -124,7 +124,7 @@ setup(
     ext_modules=[CMakeExtension("cotenant._core")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",  # as torch 2.11
-    install_requires=[TORCH_REQUIREMENT],
+    install_requires=[TORCH_REQUIREMENT, "tomli>=1.1; python_version < \"3.11\""],  # the coordinator's --config
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": [

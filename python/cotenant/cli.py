@@ -49,19 +49,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"give a number greater than 0, not {text!r}")
-        return value
-
-    return parse
-
-
 def _gpu_list(text: str) -> List[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -274,15 +261,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import grp
 
-    from cotenant.coordinator import daemon, policy
-    from cotenant.coordinator.paths import default_socket_path
+    from cotenant.coordinator import daemon
+    from cotenant.coordinator import settings as coordinator_settings
+    from cotenant.coordinator.paths import default_serving_path
     from cotenant.queue_commands import scheduler_options
 
-    from cotenant.coordinator import daemon, policy
-    from cotenant.coordinator.paths import default_serving_path
-
     socket_path = args.socket or default_serving_path()
-    if socket_path is None:
+    if socket_path is None and not args.print_config:
         print("cotenant coordinator: no place for the socket: $XDG_RUNTIME_DIR is not set and /run/cotenant is not "
               "yours; give --socket PATH in a directory only you can write, e.g. --socket "
               "~/.cotenant/coordinator.sock (jobs then need COTENANT_SOCKET set to it)", file=sys.stderr)
@@ -293,14 +278,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         except KeyError:
             print(f"cotenant coordinator: --group {args.group!r} is no group on this machine", file=sys.stderr)
             return EXIT_USAGE
-    memory = policy.MemoryPolicyConfig(headroom_bytes=_parse_size(args.headroom))
     config = daemon.CoordinatorConfig(
-        socket_path=socket_path, gpus=args.gpus, group=args.group,
-        metrics_port=args.metrics_port, metrics_address=args.metrics_address, memory=memory,
+        socket_path=socket_path or "", gpus=args.gpus, group=args.group,
+        metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         gpu_memory_bytes=_parse_size(args.gpu_memory) if args.gpu_memory else None,
         scheduler=args.scheduler, scheduler_options=scheduler_options(args),
-        idle_timeout_s=args.idle_timeout, max_connections_per_uid=args.max_connections_per_uid,
     )
+    config = coordinator_settings.apply(config, args)  # the --config file, then the flags
+    if args.print_config:
+        print(coordinator_settings.format_toml(config), end="")
+        return 0
     return daemon.run(config, args.log_level)
 
 
@@ -347,16 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-address", default="127.0.0.1",
                    help="address the metrics listen on (default 127.0.0.1; they name every job)")
-    p.add_argument("--headroom", default="512MiB", help="device memory kept free on every GPU (default 512MiB)")
     p.add_argument("--group", help="a group whose members may use the coordinator (register jobs, read the "
                                    "status, change their own jobs)")
-    p.add_argument("--idle-timeout", type=_positive(float), default=30.0,
-                   help="seconds a silent connection (socket or metrics) stays open (default 30)")
-    p.add_argument("--max-connections-per-uid", type=_positive(int), default=64,
-                   help="open connections one user may hold; more are refused as busy (default 64)")
     p.add_argument("--gpu-memory", help="device memory per GPU, when nvidia-smi cannot tell (e.g. 80GiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_scheduler_arguments(p)
+    from cotenant.coordinator import settings as coordinator_settings
+
+    coordinator_settings.add_arguments(p)
     p.set_defaults(func=cmd_coordinator)
 
     p = with_socket(sub.add_parser("status", help="show the jobs, their memory and shares"))
