@@ -554,7 +554,8 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     try:
         registration = client.register(role or "cap_only", device, name=name, socket=socket,
                                        memory_cap=cap_bytes, persistent_bytes=persistent_bytes,
-                                       device_total_bytes=_C.device_total_bytes(device))
+                                       device_total_bytes=_C.device_total_bytes(device),
+                                       gpu_uuid=gpu_uuid(device) or None)
     except client.AdmissionRefused:
         raise  # the coordinator says this job can never fit: the user must know
     except Exception as error:
@@ -570,6 +571,19 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     block_name = registration.block_name
     _C.start_job_channel(block_name, device)
     _state.job_channel = True
+
+
+def gpu_uuid(device: int) -> str:
+    """The UUID ("GPU-...") of CUDA device `device` as this process numbers it,
+    or "" when torch cannot say. The coordinator and the launch gate's segment
+    know GPUs by it: CUDA indices differ between CUDA_VISIBLE_DEVICES."""
+    import torch
+
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:
+        return ""
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
 def _warn_unmanaged(error: BaseException) -> None:

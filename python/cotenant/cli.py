@@ -61,6 +61,39 @@ def _gpu_list(text: str) -> List[int]:
 COLUMNS = ("GPU", "JOB", "PID", "ROLE", "STATE", "CAP", "DEVICE", "HOST", "SHARE", "ITER/BASE")
 
 
+def short_gpu(key: str) -> str:
+    """A GPU's key as the job table shows it: a UUID's first group ("GPU-5f1c0d3e"), or "index:N"."""
+    return key[:12] if key.startswith("GPU-") else key
+
+
+def job_state(job: Dict[str, Any]) -> str:
+    """What a job is doing: queued (waiting for admission), suspended (its memory on
+    the host), throttled (an opportunistic job held below its full share), running;
+    else the job's own state (starting, exited)."""
+    state = job["state"]
+    if state in ("queued", "suspended"):
+        return state
+    if state == "running" and job["role"] == "opportunistic" and job["share"] < 1.0:
+        return "throttled"
+    return state
+
+
+def gpu_lines(view: Dict[str, Any]) -> List[str]:
+    """One line per GPU: its UUID, index, memory, and what its jobs hold and have moved."""
+    lines = []
+    for gpu in view.get("gpus", []):
+        where = f" (index {gpu['index']})" if gpu.get("index") is not None else ""
+        jobs = gpu.get("jobs", 0)
+        lines.append(
+            f"{gpu['gpu']}{where}: {_format_size(gpu.get('total_bytes'))} total, "
+            f"{_format_size(gpu.get('device_bytes', 0))} on the device and {_format_size(gpu.get('host_bytes', 0))} "
+            f"on the host for {jobs} job{'s' if jobs != 1 else ''}; spilled {_format_size(gpu.get('spilled_bytes', 0))},"
+            f" restored {_format_size(gpu.get('restored_bytes', 0))}, {gpu.get('page_moves', 0)} page moves")
+        if gpu.get("note"):
+            lines.append(f"  note: {gpu['note']}")
+    return lines
+
+
 def status_rows(view: Dict[str, Any]) -> List[List[str]]:
     rows = []
     for job in view["jobs"]:
@@ -72,8 +105,9 @@ def status_rows(view: Dict[str, Any]) -> List[List[str]]:
         else:
             ratio = "-"
         share = f"{job['share']:.2f}" + ("*" if job.get("share_pinned") else "")
+        gpu = short_gpu(job["gpu_key"]) if job.get("gpu_key") else str(job["gpu"])
         rows.append([
-            str(job["gpu"]), f"{job['name']} ({job['job_id']})", str(job["pid"]), job["role"], job["state"],
+            gpu, f"{job['name']} ({job['job_id']})", str(job["pid"]), job["role"], job_state(job),
             _format_size(job["cap"]), _format_size(job["device_bytes"]), _format_size(job["host_bytes"]), share, ratio,
         ])
     return rows
@@ -82,7 +116,10 @@ def status_rows(view: Dict[str, Any]) -> List[List[str]]:
 def format_status(view: Dict[str, Any]) -> str:
     rows = [list(COLUMNS)] + status_rows(view)
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+    lines = gpu_lines(view)
+    if lines:
+        lines.append("")
+    lines += ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     if not view["jobs"]:
         lines.append("(no jobs registered)")
     for job in view["jobs"]:
@@ -399,7 +436,16 @@ def build_parser() -> argparse.ArgumentParser:
     from cotenant.scheduling.command import add_simulate_command
 
     add_simulate_command(sub)
+    describe_subcommands(sub)
     return parser
+
+
+def describe_subcommands(sub: "argparse._SubParsersAction") -> None:
+    """Each subcommand's --help opens with what it does: its line in `cotenant --help`."""
+    for choice in sub._choices_actions:
+        command = sub.choices[choice.dest]
+        if not command.description and choice.help:
+            command.description = choice.help[0].upper() + choice.help[1:] + "."
 
 
 def main(argv: Optional[List[str]] = None) -> int:

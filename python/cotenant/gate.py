@@ -129,7 +129,7 @@ def _activate(role: Optional[str], device: int) -> None:
             _state.share = settings["initial_share"]
         _C.gate_set_share(_state.share)
         _C.gate_activate(role, device, settings["segment_name"], settings["max_in_flight"],
-                         settings["share_window_s"], _gpu_uuid(torch, device))
+                         settings["share_window_s"], _gpu_uuid(device))
         _state.role, _state.device = role, device
         # Leave the segment while the interpreter (and CUDA) still run: a
         # guaranteed job that exits must not leave its busy flag behind.
@@ -141,13 +141,10 @@ def _activate(role: Optional[str], device: int) -> None:
         # step hook, for every role (the one measurement).
 
 
-def _gpu_uuid(torch, device: int) -> str:
-    """The GPU's UUID ("GPU-..."), or "" when torch cannot say."""
-    try:
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-    except Exception:
-        return ""
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+def _gpu_uuid(device: int) -> str:
+    from cotenant.api import gpu_uuid
+
+    return gpu_uuid(device)
 
 
 def _deactivate() -> None:

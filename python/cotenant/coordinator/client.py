@@ -261,6 +261,7 @@ def register(
     persistent_bytes: Union[int, str, None] = None,
     device_total_bytes: Optional[int] = None,
     timeout: float = 5.0,
+    gpu_uuid: Optional[str] = None,
 ) -> Optional[Registration]:
     """Registers the calling process as a job. Returns None when no coordinator
     was started on the socket (no socket file: the job then runs on its own).
@@ -284,6 +285,8 @@ def register(
         fields["persistent_bytes"] = persistent
     if device_total_bytes:
         fields["device_total_bytes"] = int(device_total_bytes)
+    if gpu_uuid:  # the GPU itself, whatever index CUDA_VISIBLE_DEVICES gives it here
+        fields["gpu_uuid"] = gpu_uuid
     try:
         client = CoordinatorClient(socket, timeout)
     except CoordinatorNotRunning:
