@@ -11,12 +11,13 @@ shares that changed.
 
 Failures:
   * the daemon dies: blocks stay, each job keeps its last cap and share and
-    keeps publishing; a restarted daemon on the same socket path finds the
-    blocks by name (paths.job_block_prefix), re-adopts the live jobs and
-    reloads administrator settings and baselines from the state file;
-  * a job dies: its pid is gone (or a zombie), it reported "exited", or its
-    heartbeat stopped for `stale_heartbeat_s`: its block is unlinked and its
-    memory returns to the others at the next tick.
+    keeps publishing; a restarted daemon on the same socket path re-adopts
+    the live jobs its durable state names (block name, owner token,
+    identity) and reloads administrator settings and baselines from it;
+  * a job dies: its process is gone (or a zombie, or its pid names a process
+    with another start time) or it reported "exited": its block is unlinked
+    and its memory returns to the others at the next tick. A live process
+    whose heartbeat stopped (SIGSTOP, a hang) is kept with its memory.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import json
 import logging
 import os
 import resource
+import secrets
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -112,8 +115,31 @@ def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
 # --- processes ---------------------------------------------------------------
 
 
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (killed, not yet reaped) counts as dead."""
+def _proc_stat(pid: int) -> Optional[List[bytes]]:
+    """/proc/<pid>/stat's fields from the state on (field 3, index 0), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int:
+    """When `pid` started (clock ticks since boot, /proc/<pid>/stat field 22);
+    0 where it cannot be read. With the pid it names one process for good:
+    a pid the kernel reuses has another start time."""
+    fields = _proc_stat(pid) if pid > 0 else None
+    try:
+        return int(fields[19]) if fields else 0
+    except (IndexError, ValueError):
+        return 0
+
+
+def process_alive(pid: int, start_ticks: int = 0) -> bool:
+    """True while `pid` runs (and, given its start time, is still the same
+    process); a zombie (killed, not yet reaped) counts as dead. A stopped
+    process (SIGSTOP) is alive."""
     if pid <= 0:
         return False
     try:
@@ -122,13 +148,21 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
-        return state not in (b"Z", b"X")
-    except (OSError, ValueError):
+    fields = _proc_stat(pid)
+    if fields is None:
         return True
+    if fields[0] in (b"Z", b"X"):
+        return False
+    try:
+        return not start_ticks or int(fields[19]) == start_ticks
+    except (IndexError, ValueError):
+        return True
+
+
+def process_stopped(pid: int) -> bool:
+    """True while `pid` is stopped (SIGSTOP, a debugger)."""
+    fields = _proc_stat(pid) if pid > 0 else None
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 # --- state -------------------------------------------------------------------
@@ -156,6 +190,9 @@ class Job:
     registered_at: float = field(default_factory=time.monotonic)
     adopted: bool = False
     invalid_reports: int = 0  # reads whose numbers report.check() refused
+    pid_start_ticks: int = 0  # with pid, names the process for good (a reused pid starts later)
+    owner_token: int = 0      # in the block's header and the durable state: what restart adopts
+    silent_since: Optional[float] = None  # a live process's heartbeat stopped (stopped, or hung) at this time
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
         """True while the solo baseline is being measured. A guaranteed job that
@@ -179,6 +216,15 @@ class Job:
             allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
         )
 
+    def state(self) -> str:
+        """queued, paused (the process is stopped), unresponsive (live, its
+        heartbeat stopped), or what the job reports (starting, running, ...)."""
+        if not self.admitted:
+            return "queued"
+        if self.silent_since is not None:
+            return "paused" if process_stopped(self.pid) else "unresponsive"
+        return self.report.get("state", "starting")
+
     def status(self, now_ns: int) -> Dict[str, Any]:
         r = self.report
         heartbeat = r.get("heartbeat_ns", 0)
@@ -186,7 +232,7 @@ class Job:
             "job_id": self.job_id, "name": self.name, "gpu": self.device, "gpu_key": self.gpu,
             "gpu_uuid": None if gpus.is_synthetic(self.gpu) else self.gpu, "pid": self.pid, "uid": self.uid,
             "role": self.role,
-            "state": "queued" if not self.admitted else r.get("state", "starting"),
+            "state": self.state(),
             "queue_reason": self.queue_reason,
             "cap": self.cap, "user_cap": self.user_cap, "share": self.share,
             "share_pinned": self.pinned_share is not None,
@@ -392,49 +438,109 @@ class Coordinator:
     # --- adoption and persistence -----------------------------------------------
 
     def _adopt_existing_jobs(self) -> None:
-        core = _core()
+        """Adopts the live jobs that this coordinator's durable state names, and
+        only those: each block must carry the owner token the state recorded and
+        belong to this coordinator's uid or the job's (docs/coordinator.md,
+        "What is adopted on restart"). Identity comes from the state, never from
+        the block, which its job can write. Other blocks under this
+        coordinator's prefix are not read: its own leftovers (a registration cut
+        short) are removed, anyone else's are left alone."""
         saved = self._load_state()
-        prefix = paths.job_block_prefix(self.socket_path)
-        try:
-            names = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
-        except OSError:
-            names = []
-        for entry in names:
-            name = "/" + entry
+        named = set()
+        for key, entry in saved.items():
+            if key.startswith("_") or not isinstance(entry, dict):
+                continue
             try:
-                block = core.JobBlock.open(name)
-                identity = block.identity()
-                report = block.report() or {"pid": identity["pid"], "state": "starting"}
-            except (core.Error, ValueError, OSError) as error:
-                _event("unreadable job block removed", logging.WARNING, block=name, reason=str(error))
-                self._unlink_quietly(name)
+                job = self._adopt(int(key), entry)
+            except (KeyError, TypeError, ValueError) as error:
+                _event("state entry not adopted", logging.WARNING, job_id=key, reason=f"incomplete entry: {error}")
                 continue
-            pid = report["pid"] or identity["pid"]
-            if report["state"] == "exited" or not process_alive(pid):
-                block.unlink()
-                _event("dead job reclaimed at start", job=identity["name"], pid=pid)
-                continue
-            control = block.control()
-            job = Job(
-                job_id=identity["job_id"], name=identity["name"], role=identity["role"], device=identity["device"],
-                gpu=gpus.gpu_key(identity.get("gpu_uuid"), identity["device"]),
-                pid=pid, uid=identity["uid"], block=block, report=report,
-                cap=control["memory_cap"], share=control["share"], adopted=True,
-            )
-            extra = saved.get(str(job.job_id), {})
-            job.user_cap = extra.get("user_cap")
-            job.pinned_share = extra.get("pinned_share")
-            job.persistent_bytes = extra.get("persistent_bytes", 0)
-            job.admitted = extra.get("admitted", True)
-            job.queue_reason = extra.get("queue_reason", "")
-            if extra.get("baseline_us"):
-                job.baseline = policy.Baseline(start_count=0, baseline_us=extra["baseline_us"])
-            self.jobs[job.job_id] = job
-            self.next_job_id = max(self.next_job_id, job.job_id + 1)
-            _event("job re-adopted", job=job.name, job_id=job.job_id, pid=pid, role=job.role, cap=job.cap, share=job.share)
+            named.add(entry.get("block"))
+            if job is not None:
+                self.jobs[job.job_id] = job
+                self.next_job_id = max(self.next_job_id, job.job_id + 1)
+                _event("job re-adopted", job=job.name, job_id=job.job_id, pid=job.pid, role=job.role, cap=job.cap,
+                       share=job.share)
+        self._remove_own_leftovers(named)
         self.next_job_id = max(self.next_job_id, saved.get("_next_job_id", 1))
         for key, total in saved.get("_gpu_totals", {}).items():
             self.gpu_totals.setdefault(key, total)
+
+    def _adopt(self, job_id: int, entry: Dict[str, Any]) -> Optional[Job]:
+        core = _core()
+        name, token, uid, pid = entry["block"], int(entry["owner_token"]), int(entry["uid"]), int(entry["pid"])
+        start_ticks = int(entry.get("pid_start_ticks", 0))
+        if not name.startswith("/" + paths.job_block_prefix(self.socket_path)):
+            raise ValueError(f"block {name!r} is not this coordinator's")
+        if not process_alive(pid, start_ticks):
+            self._unlink_if_ours(name, uid)
+            _event("dead job reclaimed at start", job=entry.get("name"), job_id=job_id, pid=pid)
+            return None
+        problem = self._block_owner_problem(name, uid)
+        if problem is None:
+            try:
+                block = core.JobBlock.open(name)
+                if block.owner_token() != token or block.identity()["job_id"] != job_id:
+                    block.close()
+                    problem = "its owner token or job id is not the one this coordinator recorded"
+            except (core.Error, ValueError, OSError) as error:
+                problem = f"unreadable: {error}"
+        if problem is not None:
+            _event("job block not adopted", logging.WARNING, block=name, job_id=job_id, reason=problem)
+            return None
+        job = Job(job_id=job_id, name=entry["name"], role=entry["role"], device=int(entry["device"]), pid=pid,
+                  gpu=str(entry.get("gpu") or gpus.gpu_key(None, int(entry["device"]))), uid=uid, block=block, report=block.report() or {"pid": pid, "state": "starting"},
+                  adopted=True, pid_start_ticks=start_ticks, owner_token=token)
+        job.user_cap = entry.get("user_cap")
+        job.pinned_share = entry.get("pinned_share")
+        job.persistent_bytes = entry.get("persistent_bytes", 0)
+        job.admitted = entry.get("admitted", True)
+        job.queue_reason = entry.get("queue_reason", "")
+        if entry.get("baseline_us"):
+            job.baseline = policy.Baseline(start_count=0, baseline_us=entry["baseline_us"])
+        # The control section is the coordinator's: rewrite what the state says
+        # (a job may have scribbled over its copy in the block).
+        job.cap, job.share = entry.get("cap"), float(entry.get("share", 1.0))
+        block.set_control(memory_cap=job.cap, share=job.share)
+        return job
+
+    def _block_owner_problem(self, name: str, job_uid: int) -> Optional[str]:
+        try:
+            info = os.stat("/dev/shm" + name, follow_symlinks=False)
+        except OSError as error:
+            return f"cannot inspect it: {error.strerror}"
+        if not stat.S_ISREG(info.st_mode):
+            return "it is not a regular shared-memory object"
+        if info.st_uid not in (os.geteuid(), job_uid):
+            return f"it belongs to uid {info.st_uid}, neither this coordinator's nor the job's"
+        if info.st_mode & 0o007:
+            return f"every user may access it (mode {stat.S_IMODE(info.st_mode):04o})"
+        return None
+
+    def _unlink_if_ours(self, name: str, job_uid: int) -> None:
+        if self._block_owner_problem(name, job_uid) is None:
+            self._unlink_quietly(name)
+
+    def _remove_own_leftovers(self, named: set) -> None:
+        prefix = paths.job_block_prefix(self.socket_path)
+        try:
+            entries = [e for e in os.listdir("/dev/shm") if e.startswith(prefix) and "/" + e not in named]
+        except OSError:
+            return
+        foreign = 0
+        for entry in entries:
+            try:
+                owner = os.stat("/dev/shm/" + entry, follow_symlinks=False).st_uid
+            except OSError:
+                continue
+            if owner == os.geteuid():
+                self._unlink_quietly("/" + entry)
+                _event("leftover job block removed", block="/" + entry)
+            else:
+                foreign += 1
+        if foreign:
+            _event("blocks of other users ignored", logging.WARNING, count=foreign, prefix=prefix,
+                   reason="not named by this coordinator's state; they are never read or adopted")
 
     @staticmethod
     def _unlink_quietly(name: str) -> None:
@@ -455,6 +561,8 @@ class Coordinator:
         cut loses none of it (replies that acknowledge a change come after)."""
         state: Dict[str, Any] = {
             str(j.job_id): {
+                "name": j.name, "role": j.role, "device": j.device, "gpu": j.gpu, "pid": j.pid, "pid_start_ticks": j.pid_start_ticks,
+                "uid": j.uid, "block": j.block.name, "owner_token": j.owner_token, "cap": j.cap, "share": j.share,
                 "user_cap": j.user_cap, "pinned_share": j.pinned_share, "persistent_bytes": j.persistent_bytes,
                 "admitted": j.admitted, "queue_reason": j.queue_reason, "baseline_us": j.baseline.baseline_us,
             }
@@ -479,7 +587,7 @@ class Coordinator:
         now = time.monotonic() if now is None else now
         now_ns = _core().monotonic_ns()
         for job in list(self.jobs.values()):
-            if process_alive(job.pid):  # a dead job's block is not read: it may be stuck mid-update
+            if process_alive(job.pid, job.pid_start_ticks):  # a dead job's block is not read: it may be stuck mid-update
                 self._read_report(job)  # never waits: keeps the last report while the job's writer is mid-update
             reason = self._death_reason(job, now_ns)
             if reason:
@@ -507,14 +615,27 @@ class Coordinator:
                        fields=refused, action="each keeps its last valid value")
 
     def _death_reason(self, job: Job, now_ns: int) -> str:
+        """Why `job` is gone, or "" while it lives. Only a process that is gone
+        (or whose pid now names another process) or that said it exited is
+        reclaimed: a live process whose heartbeat stopped (SIGSTOP, a debugger,
+        a hang) still holds its GPU memory, so it keeps its block, its cap and
+        its memory in the plan, and shows as paused or unresponsive."""
         if job.report.get("state") == "exited":
             return "it exited"
-        if not process_alive(job.pid):
+        if not process_alive(job.pid, job.pid_start_ticks):
             return f"its process {job.pid} is gone"
         heartbeat = job.report.get("heartbeat_ns", 0)
-        if heartbeat and (now_ns - heartbeat) / 1e9 > self.config.stale_heartbeat_s:
-            return f"its heartbeat stopped {(now_ns - heartbeat) / 1e9:.1f} s ago"
-        if not heartbeat and time.monotonic() - job.registered_at > self.config.attach_timeout_s:
+        silent = heartbeat and (now_ns - heartbeat) / 1e9 > self.config.stale_heartbeat_s
+        if silent and job.silent_since is None:
+            job.silent_since = time.monotonic()
+            _event("job silent, kept", logging.WARNING, job=job.name, job_id=job.job_id, pid=job.pid,
+                   state=job.state(), heartbeat_age_s=round((now_ns - heartbeat) / 1e9, 1),
+                   reason="its process lives and holds its memory; it is reclaimed only when the process is gone")
+        elif not silent and job.silent_since is not None:
+            job.silent_since = None
+            _event("job heard again", job=job.name, job_id=job.job_id, pid=job.pid)
+        if (not heartbeat and time.monotonic() - job.registered_at > self.config.attach_timeout_s
+                and not process_stopped(job.pid)):
             # E.g. the coordinator died between creating the block and replying:
             # the job never learnt its block and runs on its own.
             return f"it never attached to its block in {self.config.attach_timeout_s:.0f} s"
@@ -525,7 +646,7 @@ class Coordinator:
         try:
             job.block.unlink()
         except Exception:  # noqa: BLE001
-            self._unlink_quietly(paths.job_block_name(self.socket_path, job.job_id))
+            self._unlink_quietly(job.block.name)
         if self.metrics is not None:
             self.metrics.reclaimed.inc()
             self.metrics.forget(job)
@@ -871,11 +992,14 @@ class Coordinator:
         share = 1.0 if role == policy.GUARANTEED or not guaranteed_exists else 0.0
         if not admitted:
             share = 0.0
-        block_name = paths.job_block_name(self.socket_path, job_id)
-        self._unlink_quietly(block_name)  # a leftover of a coordinator that died mid-registration
+        owner_token = secrets.randbits(64)
+        block_name = paths.job_block_name(self.socket_path, job_id, owner_token)
+        start_ticks = process_start_ticks(pid)
         try:
             block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=index,
-                                            pid=pid, uid=uid, memory_cap=user_cap, share=share, gpu_uuid=uuid or "")
+                                            pid=pid, uid=uid, memory_cap=user_cap, share=share,
+                                            pid_start_ticks=start_ticks, owner_token=owner_token,
+                                            gpu_uuid=uuid or "")
         except _core().Error as error:  # e.g. /dev/shm is full: this job is refused, the others go on
             _event("job block not created", logging.WARNING, job=name, pid=pid, reason=str(error))
             raise ProtocolError(protocol.RESOURCE_EXHAUSTED,
@@ -884,7 +1008,7 @@ class Coordinator:
         self._give_block_to(block_name, uid)
         job = Job(job_id=job_id, name=name, role=role, device=index, gpu=device, pid=pid, uid=uid, block=block,
                   user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
-                  cap=user_cap, share=share)
+                  cap=user_cap, share=share, pid_start_ticks=start_ticks, owner_token=owner_token)
         job.report = block.report() or {}
         self.jobs[job_id] = job
         self._plan_device(device, time.monotonic())

@@ -90,8 +90,10 @@ def job_block_prefix(socket_path: str) -> str:
     return f"cotenant-{node_key(socket_path)}-job-"
 
 
-def job_block_name(socket_path: str, job_id: int) -> str:
-    return "/" + job_block_prefix(socket_path) + str(job_id)
+def job_block_name(socket_path: str, job_id: int, owner_token: int) -> str:
+    """A job's block: the job id and the block's random owner token, so no
+    other user can create a job's name before the coordinator does."""
+    return "/" + job_block_prefix(socket_path) + f"{job_id}-{owner_token:016x}"
 
 
 # Files next to the socket, in its run directory (rundir.py).
