@@ -34,7 +34,8 @@ cotenant.settings): gate_max_in_flight / COTENANT_GATE_MAX_IN_FLIGHT (k,
 default 2), gate_window_ms / COTENANT_GATE_WINDOW_MS (the share's window,
 default 50), share / COTENANT_SHARE (the job's own share at start, default 1),
 gpu_segment / COTENANT_GPU_SEGMENT (the segment's name, default from the
-GPU's UUID).
+GPU's UUID), gate_group / COTENANT_GATE_GROUP (a group whose members' jobs
+share the segment, for jobs of several users on one GPU).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def activation_settings(environ: Optional[Dict[str, str]] = None) -> Dict[str, A
         "share_window_s": settings.value("gate_window_ms", environ, DEFAULT_WINDOW_MS) / 1000.0,
         "initial_share": settings.value("share", environ),
         "segment_name": settings.get("gpu_segment", environ) or "",
+        "group_gid": settings.value("gate_group", environ),
     }
 
 
@@ -129,7 +131,7 @@ def _activate(role: Optional[str], device: int) -> None:
             _state.share = settings["initial_share"]
         _C.gate_set_share(_state.share)
         _C.gate_activate(role, device, settings["segment_name"], settings["max_in_flight"],
-                         settings["share_window_s"], _gpu_uuid(device))
+                         settings["share_window_s"], _gpu_uuid(device), settings["group_gid"])
         _state.role, _state.device = role, device
         # Leave the segment while the interpreter (and CUDA) still run: a
         # guaranteed job that exits must not leave its busy flag behind.

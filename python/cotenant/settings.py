@@ -124,6 +124,21 @@ def _text(text: str) -> str:
     return text
 
 
+def _group(text: str) -> int:
+    """A group name or number, as its gid."""
+    import grp
+
+    name = text.strip()
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        pass
+    if name.isdigit():
+        return int(name)
+    raise ValueError(f"no group named {name!r} on this machine; give an existing group's name or number "
+                     "(the same group as the coordinator's --group)")
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str                       # its name in COTENANT_CONF
@@ -149,6 +164,8 @@ SETTINGS = (
     Setting("gate_window_ms", "COTENANT_GATE_WINDOW_MS", _number(1.0), "50", "the share's duty-cycle window (ms)"),
     Setting("gpu_segment", "COTENANT_GPU_SEGMENT", _text, "/cotenant-gpu-mine",
             "the per-GPU segment's name (default: from the GPU's UUID)"),
+    Setting("gate_group", "COTENANT_GATE_GROUP", _group, "cotenant",
+            "a group whose members' jobs share each GPU's gate segment (jobs of several users on one GPU)"),
     Setting("host_pages", "COTENANT_HOST_PAGES", _one_of("pinned", "auto"), "pinned",
             "pinned: the pinned-host fallback even where host VMM exists"),
     Setting("spill_without_cap", "COTENANT_SPILL_WITHOUT_CAP", _boolean, "1",
