@@ -858,21 +858,32 @@ void CachingAllocator::free(DevicePtr address) {
         address));
   }
   Block* block = it->second;
+  // The events first: a backend that cannot record one (the driver shutting
+  // down, a stream of another device) leaves the block allocated and the
+  // books as they were, so a caller that must not throw (a tensor's deleter)
+  // can report the error and go on.
+  std::vector<EventHandle> events;
+  events.reserve(block->used_on.size());
+  try {
+    for (StreamId stream : block->used_on) {
+      events.push_back(s.take_event());
+      s.backend.record_event(events.back(), stream);
+    }
+  } catch (...) {
+    s.spare_events.insert(s.spare_events.end(), events.begin(), events.end());
+    throw;
+  }
   s.allocated.erase(it);
   block->allocated = false;
   const PoolKind pool = block->size_class;
   s.stats.allocation.decrease(pool, 1);
   s.stats.allocated_bytes.decrease(pool, static_cast<std::int64_t>(block->size));
   s.stats.requested_bytes.decrease(pool, static_cast<std::int64_t>(block->requested));
-  if (block->used_on.empty()) {
+  if (events.empty()) {
     s.retire(block);
     return;
   }
-  for (StreamId stream : block->used_on) {
-    EventHandle event = s.take_event();
-    s.backend.record_event(event, stream);
-    block->events.push_back(event);
-  }
+  block->events = std::move(events);
   s.waiting.push_back(block);
 }
 

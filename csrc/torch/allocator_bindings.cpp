@@ -164,6 +164,9 @@ COTENANT_TORCH_BINDINGS(allocator) {
     return pause_launches(std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6)));
   }, py::arg("timeout_s"));
   m.def("_resume_launches", [] { resume_launches(); });
+  m.def("_raw_delete", [](std::uintptr_t address) {
+    CotenantCudaAllocator::instance().raw_delete(reinterpret_cast<void*>(address));
+  }, py::arg("address"), "The allocator's raw_delete, as torch calls it (for tests: it never throws).");
 
   // ---- the coordinator's job channel ----
   // What each command does is the core's job_channel_hooks() over a

@@ -624,3 +624,12 @@ def test_the_real_triton_launcher_is_the_one_patched():
 
     module = importlib.import_module(api._TRITON_LAUNCHER)
     assert callable(getattr(module.CachingAutotuner, "run", None))
+
+def test_raw_delete_never_throws_and_says_what_failed(capfd):
+    # torch calls raw_delete from destructors (thrust's and workspaces' frees):
+    # an exception there would call std::terminate.
+    _C = _extension_or_skip()
+    _C._raw_delete(0xDEAD000)
+    err = capfd.readouterr().err
+    assert "cotenant: freeing CUDA memory at 0xdead000 failed, so it stays allocated" in err
+    assert "did not allocate" in err
