@@ -446,7 +446,7 @@ struct CachingAllocator::State {
   }
 
   // The end of a block's life as "active": free it, or for a pinned
-  // fallback allocation, hand the memory back at once.
+  // fallback allocation, keep it pinned in pinned_free for reuse.
   void retire(Block* block) {
     stats.active.decrease(block->size_class, 1);
     stats.active_bytes.decrease(block->size_class, static_cast<std::int64_t>(block->size));
@@ -491,7 +491,13 @@ struct CachingAllocator::State {
     }
     const PoolKind pool = PoolKind::kLarge;
     size = round_up(size, page_bytes);
-    const DevicePtr base = backend.allocate_pinned_host(size);
+    DevicePtr base = backend.allocate_pinned_host(size);
+    if (base == 0 && !pinned_free.empty()) {
+      // Host memory is short: the cached blocks (other streams', or too
+      // large to reuse) go back first, then one more try.
+      release_pinned_cache();
+      base = backend.allocate_pinned_host(size);
+    }
     if (base == 0) return nullptr;
     Block* block = add_segment(base, size, stream, pool, /*pinned_fallback=*/true);
     const auto bytes = static_cast<std::int64_t>(size);
