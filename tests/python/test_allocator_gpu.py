@@ -266,6 +266,57 @@ def test_cuda_graph_capture_and_replay_match_eager():
     assert out["equal"] == [True, True, True]
 
 
+def test_triton_launches_wait_for_a_pause_and_count_as_ops():
+    # Triton kernels launch outside ATen. A hand-written @triton.jit kernel is
+    # seen only through Triton's launch hooks; torch.compile's kernels through
+    # those or Inductor's launcher. Either launch must wait while launches are
+    # paused (a safe point moves pages then).
+    out = run_script("""
+        import threading
+        import triton
+        import triton.language as tl
+        from cotenant import _C
+
+        @triton.jit
+        def add_one(x_ptr, n, BLOCK: tl.constexpr):
+            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+        x = torch.zeros(1024, device="cuda")
+        compiled = torch.compile(lambda t: t.add_(1))
+        launches = {"hand-written": lambda: add_one[(4,)](x, 1024, BLOCK=256), "torch.compile": lambda: compiled(x)}
+        for launch in launches.values():
+            launch()  # compiled and loaded
+        torch.cuda.synchronize()
+        result = {}
+        for name, launch in launches.items():
+            _C._count_op_entries(True)
+            before = _C._counted_op_entries()
+            launch()
+            counted = _C._counted_op_entries() - before
+            _C._count_op_entries(False)
+            assert _C._pause_launches(10.0)
+            done = threading.Event()
+            thread = threading.Thread(target=lambda: (launch(), done.set()))
+            thread.start()
+            held = not done.wait(0.5)
+            _C._resume_launches()
+            thread.join(60)
+            result[name] = {"counted": counted, "held": held, "done": done.is_set()}
+        torch.cuda.synchronize()
+        result["value"] = x[0].item()
+        result["in_flight"] = _C.ops_in_flight()
+        result["hooked"] = _C.triton_launch_enter in triton.knobs.runtime.launch_enter_hook.calls
+        print(json.dumps(result))
+    """)
+    assert out["hooked"] is True
+    for name in ("hand-written", "torch.compile"):
+        assert out[name]["counted"] >= 1, name
+        assert out[name]["held"] is True and out[name]["done"] is True, name
+    assert out["value"] == 6.0  # two warm-ups, two counted launches, two held ones
+    assert out["in_flight"] == 0
+
+
 def test_torch_compile_smoke():
     out = run_script("""
         def f(x, y):
