@@ -215,8 +215,17 @@ def test_spill_all_and_restore_all_keep_addresses_and_values():
 
 
 def test_record_stream_holds_a_block_until_the_other_stream_is_done():
+    # Both kernels run once first: CUDA loads a kernel's module at its first
+    # launch (lazy loading), and loading waits for the work already on the
+    # device, so a first x.add_(1) behind the sleep would wait it out and
+    # leave the side stream idle by the time x is freed.
     out = run_script("""
         side = torch.cuda.Stream()
+        warm = torch.zeros(16, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1000)
+            warm.add_(1)
+        torch.cuda.synchronize()
         x = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
         ptr = x.data_ptr()
         with torch.cuda.stream(side):
@@ -226,13 +235,15 @@ def test_record_stream_holds_a_block_until_the_other_stream_is_done():
         del x
         y = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
         reused_while_busy = y.data_ptr() == ptr
+        busy_at_reuse = not side.query()
         side.synchronize()
         del y
         z = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
         z2 = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
-        print(json.dumps({"reused_while_busy": reused_while_busy,
+        print(json.dumps({"reused_while_busy": reused_while_busy, "busy_at_reuse": busy_at_reuse,
                           "reused_after": ptr in (z.data_ptr(), z2.data_ptr())}))
     """)
+    assert out["busy_at_reuse"] is True, "the side stream was already idle: the test shows nothing"
     assert out["reused_while_busy"] is False
     assert out["reused_after"] is True
 
