@@ -5,13 +5,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <pwd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cerrno>
 #include <cstring>
 #include <string>
 
 #include "cotenant/errors.h"
 #include "cotenant/shm/gpu_block.h"
+#include "cotenant/shm/shm_region.h"
 
 namespace cotenant::shm {
 namespace {
@@ -22,24 +26,38 @@ bool pid_exists(std::uint64_t pid) {
   return errno == EPERM;  // exists, owned by another user
 }
 
+std::string user_name(uid_t uid) {
+  if (const passwd* entry = ::getpwuid(uid)) return entry->pw_name;
+  return "uid " + std::to_string(uid);
+}
+
 // Exclusive flock() on the shared-memory object for the duration of open():
 // serialises creators and re-initialisation; released when the fd closes,
 // including when its holder dies.
+//
+// The object is trusted only if it belongs to the caller and not every user may
+// write it: a segment another user created first (under the caller's name)
+// could be written by them, and would set the caller's share. Such a segment
+// is refused with the owner's name, not reinitialised.
 class ObjectLock {
  public:
   explicit ObjectLock(const std::string& name) : name_(name) {
-    fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT, 0660);
+    const mode_t old_umask = ::umask(0117);  // born 0660: never a moment with a wider mode
+    fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0660);
+    const int error = errno;
+    ::umask(old_umask);
     if (fd_ < 0) {
-      int error = errno;
       throw Error("could not open the GPU peer segment '" + name + "': " + std::strerror(error) +
-                  (error == EACCES ? " (it belongs to another user; each user has their own segment)" : ""));
+                  (error == EACCES ? " (another user created it and may not share it with you; remove /dev/shm" +
+                                         name + " as root or its owner, or set COTENANT_GPU_SEGMENT to another name)"
+                                   : ""));
     }
-    (void)::fchmod(fd_, 0660);
+    check_owner();
     while (::flock(fd_, LOCK_EX) != 0) {
       if (errno != EINTR) {
-        int error = errno;
+        int lock_error = errno;
         ::close(fd_);
-        throw Error("could not lock the GPU peer segment '" + name + "': " + std::strerror(error));
+        throw Error("could not lock the GPU peer segment '" + name + "': " + std::strerror(lock_error));
       }
     }
   }
@@ -52,15 +70,34 @@ class ObjectLock {
     if (::fstat(fd_, &info) != 0) throw Error("could not inspect the GPU peer segment '" + name_ + "'");
     return static_cast<std::size_t>(info.st_size);
   }
-  void grow_to(std::size_t bytes) const {
-    if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
-      int error = errno;
-      throw Error("could not size the GPU peer segment '" + name_ + "' to " + std::to_string(bytes) +
-                  " bytes: " + std::strerror(error) + " (is /dev/shm full?)");
-    }
-  }
+  // Takes the pages now (shm::reserve_pages): a full /dev/shm is an error
+  // here, not a SIGBUS at the first touch.
+  void grow_to(std::size_t bytes) const { reserve_pages(fd_, bytes, name_); }
 
  private:
+  void check_owner() {
+    struct stat info {};
+    if (::fstat(fd_, &info) != 0) {
+      int error = errno;
+      ::close(fd_);
+      throw Error("could not inspect the GPU peer segment '" + name_ + "': " + std::strerror(error));
+    }
+    const uid_t me = ::geteuid();
+    std::string problem;
+    if (info.st_uid != me) {
+      problem = "belongs to " + user_name(info.st_uid) + ", not to " + user_name(me);
+    } else if (info.st_mode & 0002) {
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+      problem = std::string("may be written by every user (mode ") + mode + ")";
+    }
+    if (problem.empty()) return;
+    ::close(fd_);
+    throw Error("the GPU peer segment '" + name_ + "' " + problem +
+                ": whoever can write it sets this job's share, so cotenant does not use it. Remove /dev/shm" + name_ +
+                " (as root or its owner) and start the job again, or set COTENANT_GPU_SEGMENT to another name");
+  }
+
   std::string name_;
   int fd_ = -1;
 };

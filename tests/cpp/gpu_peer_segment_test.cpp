@@ -5,6 +5,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <fcntl.h>
@@ -189,6 +190,33 @@ TEST_CASE("a_segment_with_foreign_bytes_or_another_version_is_reinitialised", "[
   CHECK(segment.block().block_bytes.load() == sizeof(GpuBlock));
   segment.claim_guaranteed(::getpid());
   CHECK(segment.view().guaranteed.live);
+}
+
+// Whoever can write the segment sets the job's share: one that another user
+// created first, or that every user may write, is refused with the fix, and
+// nothing in it is touched.
+TEST_CASE("a_segment_another_user_could_write_is_refused_with_the_fix", "[segment][security]") {
+  ScopedName n;
+  int fd = ::shm_open(n.name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::fchmod(fd, 0666) == 0);  // as a careless or hostile creator leaves it
+  try {
+    (void)GpuPeerSegment::open(n.name, 0);
+    FAIL("a segment every user may write was used");
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    CHECK(message.find("written by every user (mode 0666)") != std::string::npos);
+    CHECK(message.find("COTENANT_GPU_SEGMENT") != std::string::npos);
+  }
+  struct stat info {};
+  REQUIRE(::fstat(fd, &info) == 0);
+  CHECK(info.st_size == 0);  // nothing written into it
+  if (::geteuid() == 0) {    // another owner needs root to arrange
+    REQUIRE(::fchmod(fd, 0660) == 0);
+    REQUIRE(::fchown(fd, 65534, 65534) == 0);
+    CHECK_THROWS_WITH(GpuPeerSegment::open(n.name, 0), Catch::Contains("belongs to") && Catch::Contains("not to"));
+  }
+  ::close(fd);
 }
 
 TEST_CASE("claiming_an_opportunistic_slot_twice_returns_the_same_slot", "[segment]") {
