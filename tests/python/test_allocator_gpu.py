@@ -147,6 +147,26 @@ def test_enable_after_a_cuda_allocation_says_how_to_fix_it():
     assert "cotenant run" in out["error"]
 
 
+def test_the_extension_refuses_to_install_after_a_cuda_allocation_too():
+    # enable() refuses in Python first; _C.install() has its own check, which
+    # reads PyTorch's allocator statistics. The result is flushed before the
+    # process ends and faulthandler names the frame of a crash, so a failure
+    # here says whether the check or the interpreter's exit went wrong.
+    out = run_script("""
+        import faulthandler, sys
+        faulthandler.enable()
+        from cotenant import _C
+        x = torch.ones(1024, device="cuda")
+        try:
+            _C.install()
+            print(json.dumps({"error": None}), flush=True)
+        except RuntimeError as error:
+            print(json.dumps({"error": str(error)}), flush=True)
+    """, use_cotenant=False)
+    assert "must run before the first CUDA allocation" in out["error"]
+    assert "4.00 KiB" in out["error"] and "cuda:0" in out["error"]
+
+
 # ---- training loops -----------------------------------------------------------------------
 
 
