@@ -477,12 +477,33 @@ _TRITON_LAUNCHER = "torch._inductor.runtime.triton_heuristics"
 
 
 def _count_triton_launches_as_ops() -> None:
-    """The Triton kernels of torch.compile launch outside ATen: each launch
-    counts as one op, as a graph replay does, so a safe point on another thread
-    waits for it and it waits while pages move. The launcher module is patched
-    when torch.compile first imports it (importing it here would cost every
-    job most of a second)."""
+    """Triton kernels launch outside ATen: each launch counts as one op, as a
+    graph replay does, so a safe point on another thread waits for it and it
+    waits while pages move. Two places see them, each patched when it is
+    first imported (importing them here would cost every job most of a
+    second):
+      - Triton's launch hooks (triton.knobs.runtime.launch_enter_hook and
+        launch_exit_hook) see every launch through Triton's own launcher:
+        hand-written @triton.jit kernels, and torch.compile's kernels that
+        Inductor launches through Triton;
+      - Inductor's CachingAutotuner.run sees every torch.compile launch,
+        also those of Inductor's static launcher, which calls no hook."""
+    _after_import(_TRITON_KNOBS, _add_triton_launch_hooks)
     _after_import(_TRITON_LAUNCHER, _patch_triton_launcher)
+
+
+_TRITON_KNOBS = "triton.knobs"
+
+
+def _add_triton_launch_hooks(knobs) -> None:
+    runtime = getattr(knobs, "runtime", None)
+    enter = getattr(runtime, "launch_enter_hook", None)
+    leave = getattr(runtime, "launch_exit_hook", None)
+    if not (hasattr(enter, "add") and hasattr(leave, "add")):
+        return  # a Triton without hook chains: Inductor's launches are still counted
+    _C = _extension()
+    enter.add(_C.triton_launch_enter)  # a chain adds a hook once, however often enable() wires it
+    leave.add(_C.triton_launch_exit)
 
 
 def _patch_triton_launcher(module) -> None:
@@ -497,6 +518,7 @@ def _patch_triton_launcher(module) -> None:
         try:
             return original(self, *args, **kwargs)
         finally:
+            _C.triton_launch_exit()  # a failed launch skipped Triton's exit hook: end it here
             _C.end_explicit_op()
 
     run._cotenant_counted = True

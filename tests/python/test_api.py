@@ -613,6 +613,9 @@ def test_each_triton_launch_of_torch_compile_counts_as_one_op(monkeypatch):
         def end_explicit_op(self):
             calls.append("end")
 
+        def triton_launch_exit(self):
+            calls.append("end-triton")
+
     class CachingAutotuner:
         def run(self, *args, stream, **kwargs):
             calls.append(("run", args, stream))
@@ -625,16 +628,124 @@ def test_each_triton_launch_of_torch_compile_counts_as_one_op(monkeypatch):
     api._patch_triton_launcher(module)
     api._patch_triton_launcher(module)  # a second enable() does not wrap twice
     assert CachingAutotuner().run(1, 2, stream=7) == "launched"
-    assert calls == ["begin", ("run", (1, 2), 7), "end"]
+    assert calls == ["begin", ("run", (1, 2), 7), "end-triton", "end"]
     calls.clear()
     with pytest.raises(RuntimeError):
         CachingAutotuner().run(stream=0, fail=True)
-    assert calls == ["begin", ("run", (), 0), "end"]  # the op ends even when the launch fails
+    assert calls == ["begin", ("run", (), 0), "end-triton", "end"]  # the op ends even when the launch fails
+
+
+@pytest.fixture
+def triton_launch_hooks():
+    """Triton's launch hook chains with cotenant's hooks added as enable() adds
+    them, and taken out again after the test (they are process-wide)."""
+    _C = _extension_or_skip()
+    knobs = pytest.importorskip("triton.knobs", reason="Triton is not installed")
+    _C._count_op_entries(True)  # installs the interception point (explicit ops need none)
+    _C._count_op_entries(False)
+    api._add_triton_launch_hooks(knobs)
+    api._add_triton_launch_hooks(knobs)  # a second enable() adds nothing
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    try:
+        assert enter.calls.count(_C.triton_launch_enter) == 1
+        assert leave.calls.count(_C.triton_launch_exit) == 1
+        yield _C, enter, leave
+    finally:
+        enter.remove(_C.triton_launch_enter)
+        leave.remove(_C.triton_launch_exit)
+    assert _C.ops_in_flight() == 0
+
+
+def _launch_metadata():
+    # What Triton's launcher hands its hooks (CompiledKernel.launch_metadata).
+    from triton.compiler.compiler import LazyDict
+
+    return LazyDict({"name": "add_kernel", "function": 0, "stream": 0})
+
+
+def test_a_triton_launch_waits_while_launches_are_paused(triton_launch_hooks):
+    # Triton's generated launcher calls launch_enter_hook(metadata), launches
+    # the kernel, then calls launch_exit_hook(metadata): the same calls here,
+    # without a GPU.
+    _C, enter, leave = triton_launch_hooks
+    metadata = _launch_metadata()
+    launched = threading.Event()
+
+    def launch():
+        enter(metadata)
+        launched.set()
+        leave(metadata)
+
+    assert _C._pause_launches(1.0)
+    try:
+        thread = threading.Thread(target=launch)
+        thread.start()
+        assert not launched.wait(0.3), "a Triton kernel was launched while launches were paused"
+    finally:
+        _C._resume_launches()
+    thread.join(10)
+    assert launched.is_set()
+    assert _C.ops_in_flight() == 0
+
+
+def test_a_triton_launch_being_enqueued_holds_off_a_pause(triton_launch_hooks):
+    _C, enter, leave = triton_launch_hooks
+    metadata = _launch_metadata()
+    enter(metadata)
+    assert _C.ops_in_flight() == 1
+    paused = []
+    other = threading.Thread(target=lambda: paused.append(_C._pause_launches(0.2)))
+    other.start()
+    other.join()
+    assert paused == [False], "a pause went ahead while a Triton kernel was being launched"
+    leave(metadata)
+    assert _C.ops_in_flight() == 0
+    assert _C._pause_launches(1.0)
+    _C._resume_launches()
+
+
+def test_a_failed_triton_launch_does_not_hold_launches_forever(triton_launch_hooks):
+    # Triton's launcher skips the exit hook when the launch fails: the
+    # thread's next launch, or Inductor's wrapper around the launch, ends it.
+    _C, enter, leave = triton_launch_hooks
+    metadata = _launch_metadata()
+    enter(metadata)  # the launch fails: no exit hook
+    enter(metadata)
+    assert _C.ops_in_flight() == 1
+    leave(metadata)
+    leave(metadata)  # a second exit ends nothing
+    assert _C.ops_in_flight() == 0
+
+    class CachingAutotuner:
+        def run(self, *args, stream, **kwargs):
+            enter(metadata)
+            raise RuntimeError("the launch failed after Triton's enter hook")
+
+    import types
+
+    api._patch_triton_launcher(types.SimpleNamespace(CachingAutotuner=CachingAutotuner))
+    with pytest.raises(RuntimeError):
+        CachingAutotuner().run(stream=0)
+    assert _C.ops_in_flight() == 0
+    assert _C._pause_launches(1.0)
+    _C._resume_launches()
 
 
 def test_the_real_triton_launcher_is_the_one_patched():
-    # Names the real module and class, so a rename in torch fails here, not silently.
+    # Names the real modules, so a rename in torch or Triton fails here, not silently.
     import importlib
 
     module = importlib.import_module(api._TRITON_LAUNCHER)
     assert callable(getattr(module.CachingAutotuner, "run", None))
+    knobs = importlib.import_module(api._TRITON_KNOBS)
+    assert callable(knobs.runtime.launch_enter_hook.add) and callable(knobs.runtime.launch_exit_hook.add)
+
+
+def test_raw_delete_never_throws_and_says_what_failed(capfd):
+    # torch calls raw_delete from destructors (thrust's and workspaces' frees):
+    # an exception there would call std::terminate.
+    _C = _extension_or_skip()
+    _C._raw_delete(0xDEAD000)
+    err = capfd.readouterr().err
+    assert "cotenant: freeing CUDA memory at 0xdead000 failed, so it stays allocated" in err
+    assert "did not allocate" in err
