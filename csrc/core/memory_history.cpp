@@ -61,10 +61,14 @@ void MemoryHistory::configure(HistorySettings settings) {
   max_entries_ = std::max<std::size_t>(1, settings.max_entries);
   skipped_.assign(kActionNames.size(), false);
   for (HistoryAction action : settings.skip_actions) skipped_[static_cast<std::size_t>(action)] = true;
-  if (!settings.enabled || settings.clear || ring_.size() > max_entries_) {
-    // A ring resized smaller starts over, as PyTorch's does on a new size.
+  if (!settings.enabled || settings.clear) {
     ring_.clear();
     next_ = 0;
+  } else {
+    // Oldest first again, keeping the newest max_entries_ (the size may have changed).
+    std::rotate(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_), ring_.end());
+    next_ = 0;
+    if (ring_.size() > max_entries_) ring_.erase(ring_.begin(), ring_.end() - static_cast<std::ptrdiff_t>(max_entries_));
   }
   if (!settings.enabled) block_contexts_.clear();
   enabled_.store(settings.enabled, std::memory_order_release);

@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "cotenant/errors.h"
 #include "cotenant/memory_history.h"
@@ -146,6 +147,27 @@ TEST_CASE("ring_keeps_the_newest_max_entries_oldest_first", "[history]") {
     CHECK(entries[i].action == HistoryAction::kAlloc);
     CHECK(entries[i].address == blocks[i + 2]);
   }
+  allocator.set_event_sink(nullptr);
+}
+
+TEST_CASE("changing_max_entries_keeps_the_newest_entries_in_order", "[history]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  MemoryHistory history;
+  history.configure(recording(ContextLevel::kNever, 3));
+  allocator.set_event_sink(&history);
+  std::vector<DevicePtr> blocks;
+  for (int i = 0; i < 5; ++i) blocks.push_back(allocator.allocate(4096 * (i + 1), 0));  // ring wrapped
+  history.configure(recording(ContextLevel::kNever, 4));                              // grows
+  blocks.push_back(allocator.allocate(4096 * 6, 0));
+  auto entries = history.entries();
+  REQUIRE(entries.size() == 4);
+  for (int i = 0; i < 4; ++i) CHECK(entries[i].address == blocks[i + 2]);
+  history.configure(recording(ContextLevel::kNever, 2));  // shrinks: the newest two stay
+  entries = history.entries();
+  REQUIRE(entries.size() == 2);
+  CHECK(entries[0].address == blocks[4]);
+  CHECK(entries[1].address == blocks[5]);
   allocator.set_event_sink(nullptr);
 }
 
@@ -367,5 +389,43 @@ TEST_CASE("a_pinned_fallback_segment_is_one_host_part_and_a_segment_alloc_entry"
   allocator.free(over);
   allocator.empty_cache();
   CHECK(history.entries().back().action == HistoryAction::kSegmentFree);
+  allocator.set_event_sink(nullptr);
+}
+
+TEST_CASE("threads_recording_at_once_each_get_their_own_contexts", "[history]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  MemoryHistory history;
+  HistorySettings settings = recording(ContextLevel::kAlloc, 100000);
+  settings.recorder = [] { return label("thread"); };
+  history.configure(settings);
+  allocator.set_event_sink(&history);
+  constexpr int kThreads = 4, kRounds = 200;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kRounds; ++i) {
+        const HistoryContext mine = label("t" + std::to_string(t));
+        DevicePtr address;
+        {
+          MemoryHistory::ContextScope scope(mine);
+          address = allocator.allocate(4096 * (1 + i % 7), static_cast<StreamId>(t));
+        }
+        CHECK(label_of(history.context_of(address)) == "t" + std::to_string(t));
+        allocator.free(address);
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  std::size_t allocs = 0, frees = 0;
+  for (const HistoryEntry& e : history.entries()) {
+    if (e.action == HistoryAction::kAlloc) {
+      ++allocs;
+      CHECK(label_of(e.context) == "t" + std::to_string(e.stream));
+    }
+    frees += e.action == HistoryAction::kFreeCompleted;
+  }
+  CHECK(allocs == kThreads * kRounds);
+  CHECK(frees == kThreads * kRounds);
   allocator.set_event_sink(nullptr);
 }
