@@ -80,7 +80,7 @@ def train(kind, steps, on_step=None):
 '''
 
 
-def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=600):
+def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=600, as_job=False):
     """Runs `body` in a fresh process and returns the JSON object it prints last."""
     prelude = "import cotenant\ncotenant.enable()\n" if use_cotenant else ""
     code = prelude + MODELS + textwrap.dedent(body)
@@ -89,7 +89,10 @@ def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, 
     if pythonpath_prefix:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath_prefix, env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    from coordinator_harness import AS_JOB
+
+    launcher = AS_JOB if as_job else [sys.executable]  # as_job: the process `cotenant run` marks as the job
+    result = subprocess.run([*launcher, "-c", code], env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -323,7 +326,7 @@ def test_autoenable_enables_cotenant_from_the_environment():
         x = torch.ones(1, device="cuda")
         print(json.dumps({"enabled": cotenant.is_enabled(), "cap": cotenant.memory_cap(),
                           "allocated": torch.cuda.memory_allocated() == cotenant.memory_stats()["allocated_bytes"]}))
-    """, use_cotenant=False, pythonpath_prefix=[AUTOENABLE_DIR],
+    """, use_cotenant=False, pythonpath_prefix=[AUTOENABLE_DIR], as_job=True,
         env_extra={"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "1GiB"})
     assert out == {"enabled": True, "cap": 1 << 30, "allocated": True}
 

@@ -42,7 +42,7 @@ def _gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-def _run_python(code, env_extra=None, pythonpath_prefix=None, timeout=120):
+def _run_python(code, env_extra=None, pythonpath_prefix=None, timeout=120, as_job=False):
     env = dict(os.environ)
     for key in list(env):
         if key.startswith("COTENANT_") and key != "COTENANT_REQUIRE_TORCH_EXTENSION":
@@ -50,7 +50,10 @@ def _run_python(code, env_extra=None, pythonpath_prefix=None, timeout=120):
     if pythonpath_prefix:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath_prefix, env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+    from coordinator_harness import AS_JOB
+
+    launcher = AS_JOB if as_job else [sys.executable]
+    return subprocess.run([*launcher, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -106,6 +109,11 @@ def test_enable_without_a_gpu_raises_no_gpu_error_that_says_what_to_do():
     assert result.returncode == 0, result.stderr
     assert "NoGpuError: cotenant found no usable NVIDIA GPU" in result.stdout
     assert "enabled: False" in result.stdout
+    from cotenant import launch
+
+    if "no NVIDIA driver found" in (launch.driver_problem(0) or ""):
+        # Not the CUDA runtime's "driver version is insufficient", which blames a driver that is not there.
+        assert "no NVIDIA driver found" in result.stdout and "insufficient" not in result.stdout
 
 
 def test_enable_does_nothing_when_cotenant_disable_is_set():
@@ -236,7 +244,7 @@ def test_environment_enabling_is_off_unless_cotenant_enable_is_set():
 
 @pytest.mark.parametrize("variable, value, message", [
     ("COTENANT_MEMORY_CAP", "6 apples", 'COTENANT_MEMORY_CAP=\'6 apples\': cannot use "6 apples" as a memory cap'),
-    ("COTENANT_PERSISTENT_MEMORY", "lots", "cannot use 'lots' as persistent memory"),
+    ("COTENANT_PERSISTENT_MEMORY", "lots", "COTENANT_PERSISTENT_MEMORY='lots': cannot use 'lots' as persistent memory"),
 ])
 def test_environment_enabling_rejects_a_bad_size_before_touching_cuda(variable, value, message):
     result = _run_python("""
@@ -260,7 +268,7 @@ def test_environment_enabling_rejects_a_bad_role():
         except ValueError as error:
             print("ValueError:", error)
     """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_ROLE": "vip"})
-    assert "ValueError: unknown role 'vip'" in result.stdout, result.stderr
+    assert "ValueError: COTENANT_ROLE='vip': unknown role 'vip'" in result.stdout, result.stderr
 
 
 def test_autoenable_reports_why_it_did_not_enable_and_runs_the_sites_own_sitecustomize(tmp_path):
@@ -270,16 +278,22 @@ def test_autoenable_reports_why_it_did_not_enable_and_runs_the_sites_own_sitecus
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     (site_dir / "sitecustomize.py").write_text("import os\nos.environ['SITE_HOOK_RAN'] = 'yes'\n")
-    result = _run_python("""
+    program = """
         import os
         print("site hook:", os.environ.get("SITE_HOOK_RAN"))
         print("program ran")
-    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic"},
-        pythonpath_prefix=[AUTOENABLE_DIR, str(site_dir)])
+    """
+    job = {"COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic"}
+    refused = _run_python(program, env_extra=job, pythonpath_prefix=[AUTOENABLE_DIR, str(site_dir)], as_job=True)
+    assert refused.returncode == 2 and "program ran" not in refused.stdout  # fails closed
+    assert "cannot enable cotenant in this program: cotenant found no usable NVIDIA GPU" in refused.stderr
+    result = _run_python(program, env_extra={**job, "COTENANT_ALLOW_UNCAPPED": "1"},
+                         pythonpath_prefix=[AUTOENABLE_DIR, str(site_dir)], as_job=True)
     assert result.returncode == 0, result.stderr
     assert "program ran" in result.stdout
     assert "site hook: yes" in result.stdout
-    assert "cotenant: not enabled in this process: cotenant found no usable NVIDIA GPU" in result.stderr
+    assert "cotenant: not enabled, the program runs WITHOUT a cap or gate" in result.stderr
+    assert "cotenant found no usable NVIDIA GPU" in result.stderr
 
 
 # ---- the op-entry interception point (CPU ops are ATen ops too) ------------------------------

@@ -305,7 +305,12 @@ def test_activation_settings_come_from_the_environment():
     settings = gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "3",
                                                 "COTENANT_GATE_WINDOW_MS": "20",
                                                 "COTENANT_SHARE": "0.5"})
-    assert settings == {"max_in_flight": 3, "share_window_s": 0.02, "initial_share": 0.5, "segment_name": ""}
+    assert settings == {"max_in_flight": 3, "share_window_s": 0.02, "initial_share": 0.5, "segment_name": "",
+                        "group_gid": None}
+    assert gate_module.activation_settings({"COTENANT_CONF": "gate_group:0"})["group_gid"] == 0
+    assert gate_module.activation_settings({"COTENANT_GATE_GROUP": "root"})["group_gid"] == 0
+    with pytest.raises(ValueError, match="no group named 'nosuchgroup'"):
+        gate_module.activation_settings({"COTENANT_GATE_GROUP": "nosuchgroup"})
     with pytest.raises(ValueError, match="COTENANT_GATE_MAX_IN_FLIGHT"):
         gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "0"})
 
