@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cotenant/caching_allocator.h"
+#include "cotenant/memory_history.h"
 #include "cotenant/pool_table.h"
 
 namespace cotenant::cuda {
@@ -54,6 +55,10 @@ struct DeviceAllocators {
   // CUDA-graph and MemPool pools, their holders and the capture routes.
   // pools.routing() is read lock-free on the allocation fast path.
   std::unique_ptr<PoolTable> pools;
+  // torch.cuda.memory._record_memory_history() for this device: every
+  // allocator above reports to it while it is active (cuda_allocator_history.cpp).
+  std::unique_ptr<MemoryHistory> history;
+  bool history_feeds_trace_trackers = false;  // its listener for attachAllocatorTraceTracker is in
 };
 
 class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
@@ -164,6 +169,22 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // The allocators of one device (main first, then every pool), or of one
   // pool when `mempool_id` is not {0, 0}.
   std::vector<CachingAllocator*> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);
+
+  // ---- memory history (cuda_allocator_history.cpp) ----------------------------
+  // Adds the trace trackers' listener to the device's history (and, with
+  // `configure`, applies the recorded settings to it: a new device), then
+  // points each of the device's allocators at the history while it is
+  // active, at nothing otherwise, so recording off costs nothing. Runs on
+  // device creation and whenever a pool may have been created.
+  void attach_history(DeviceAllocators& d, bool configure = false);
+  // The snapshot's segments and traces of one device.
+  void add_history_to_snapshot(DeviceAllocators& d, c10_alloc::SnapshotInfo& out, bool include_traces);
+  // Segments of `allocator` as a snapshot reports them (one per run of
+  // mapped pages of one residency; host memory on kHostStream).
+  void add_segments_to_snapshot(DeviceAllocators& d, CachingAllocator& allocator, c10::MempoolId_t pool,
+                                c10_alloc::SnapshotInfo& out);
+  std::mutex history_mutex_;     // the settings below, and attaching
+  HistorySettings history_settings_;
 
   std::atomic<bool> installed_{false};
   std::atomic<bool> enabled_{true};

@@ -56,6 +56,7 @@
 #include <memory>
 #include <vector>
 
+#include "cotenant/allocator_events.h"
 #include "cotenant/backend.h"
 #include "cotenant/cap.h"
 #include "cotenant/stats.h"
@@ -96,6 +97,14 @@ struct SegmentInfo {
   std::size_t device_bytes = 0;  // mapped on the device
   std::size_t host_bytes = 0;    // mapped on the host
   std::vector<BlockInfo> blocks; // in address order, covering the segment
+  // Maximal runs of mapped pages of one residency, in address order (empty
+  // for a pinned fallback segment: all of it is host memory).
+  struct MappedRun {
+    DevicePtr address = 0;
+    std::size_t size = 0;
+    Residency where = Residency::kDevice;
+  };
+  std::vector<MappedRun> mapped_runs;
 };
 
 class CachingAllocator {
@@ -170,6 +179,10 @@ class CachingAllocator {
   std::vector<SegmentInfo> snapshot() const;
 
   Backend& backend() const { return backend_; }
+
+  // Where to report what the allocator does (allocator_events.h); nullptr
+  // stops it. The sink must outlive its use here: unset it before it dies.
+  void set_event_sink(AllocatorEventSink* sink);
 
  private:
   struct State;
