@@ -391,7 +391,7 @@ COTENANT_CORE_BINDINGS(core) {
          const py::object& host_capacity, bool host_pages_mappable, const py::object& cap, bool spill_to_host,
          bool spill_without_cap) {
         ReplayConfig config;
-        config.device = device_config(device_capacity, granularity, host_capacity, host_pages_mappable, true);
+        config.device = device_config(device_capacity, granularity, host_capacity, host_pages_mappable, true, false);
         config.allocator.spill_to_host = spill_to_host;
         config.allocator.spill_without_cap = spill_without_cap;
         config.initial_cap = cap_argument(cap, config.device.device_capacity);

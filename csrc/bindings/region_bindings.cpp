@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cotenant/caching_allocator.h"
+#include "cotenant/errors.h"
 #include "cotenant/region_table.h"
 #include "cotenant/simulated_backend.h"
 #include "registry.h"
