@@ -449,7 +449,7 @@ struct CachingAllocator::State {
   }
 
   // The end of a block's life as "active": free it, or for a pinned
-  // fallback allocation, hand the memory back at once.
+  // fallback allocation, keep it pinned in pinned_free for reuse.
   void retire(Block* block) {
     stats.active.decrease(block->size_class, 1);
     stats.active_bytes.decrease(block->size_class, static_cast<std::int64_t>(block->size));
@@ -494,7 +494,13 @@ struct CachingAllocator::State {
     }
     const PoolKind pool = PoolKind::kLarge;
     size = round_up(size, page_bytes);
-    const DevicePtr base = backend.allocate_pinned_host(size);
+    DevicePtr base = backend.allocate_pinned_host(size);
+    if (base == 0 && !pinned_free.empty()) {
+      // Host memory is short: the cached blocks (other streams', or too
+      // large to reuse) go back first, then one more try.
+      release_pinned_cache();
+      base = backend.allocate_pinned_host(size);
+    }
     if (base == 0) return nullptr;
     Block* block = add_segment(base, size, stream, pool, /*pinned_fallback=*/true);
     const auto bytes = static_cast<std::int64_t>(size);
@@ -866,21 +872,32 @@ void CachingAllocator::free(DevicePtr address) {
         address));
   }
   Block* block = it->second;
+  // The events first: a backend that cannot record one (the driver shutting
+  // down, a stream of another device) leaves the block allocated and the
+  // books as they were, so a caller that must not throw (a tensor's deleter)
+  // can report the error and go on.
+  std::vector<EventHandle> events;
+  events.reserve(block->used_on.size());
+  try {
+    for (StreamId stream : block->used_on) {
+      events.push_back(s.take_event());
+      s.backend.record_event(events.back(), stream);
+    }
+  } catch (...) {
+    s.spare_events.insert(s.spare_events.end(), events.begin(), events.end());
+    throw;
+  }
   s.allocated.erase(it);
   block->allocated = false;
   const PoolKind pool = block->size_class;
   s.stats.allocation.decrease(pool, 1);
   s.stats.allocated_bytes.decrease(pool, static_cast<std::int64_t>(block->size));
   s.stats.requested_bytes.decrease(pool, static_cast<std::int64_t>(block->requested));
-  if (block->used_on.empty()) {
+  if (events.empty()) {
     s.retire(block);
     return;
   }
-  for (StreamId stream : block->used_on) {
-    EventHandle event = s.take_event();
-    s.backend.record_event(event, stream);
-    block->events.push_back(event);
-  }
+  block->events = std::move(events);
   s.waiting.push_back(block);
 }
 

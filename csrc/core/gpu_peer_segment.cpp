@@ -41,7 +41,7 @@ std::string user_name(uid_t uid) {
 // is refused with the owner's name, not reinitialised.
 class ObjectLock {
  public:
-  explicit ObjectLock(const std::string& name) : name_(name) {
+  ObjectLock(const std::string& name, std::optional<gid_t> group) : name_(name), group_(group) {
     const mode_t old_umask = ::umask(0117);  // born 0660: never a moment with a wider mode
     fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0660);
     const int error = errno;
@@ -84,8 +84,16 @@ class ObjectLock {
     }
     const uid_t me = ::geteuid();
     std::string problem;
-    if (info.st_uid != me) {
-      problem = "belongs to " + user_name(info.st_uid) + ", not to " + user_name(me);
+    const bool group_shared = group_ && info.st_gid == *group_;
+    if (info.st_uid == me && group_ && !group_shared) {
+      // Ours, from before it was shared (or just created): give it to the group.
+      if (::fchown(fd_, static_cast<uid_t>(-1), *group_) != 0 || ::fchmod(fd_, 0660) != 0) {
+        problem = "cannot be given to group " + std::to_string(*group_) + " (" + std::strerror(errno) +
+                  "; is this user a member?)";
+      }
+    } else if (info.st_uid != me && !group_shared) {
+      problem = "belongs to " + user_name(info.st_uid) + ", not to " + user_name(me) +
+                (group_ ? " or to group " + std::to_string(*group_) : std::string());
     } else if (info.st_mode & 0002) {
       char mode[8];
       std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
@@ -99,8 +107,19 @@ class ObjectLock {
   }
 
   std::string name_;
+  std::optional<gid_t> group_;
   int fd_ = -1;
 };
+
+std::string stored_uuid(const GpuBlock& block) {
+  char uuid[kGpuBlockUuidBytes] = {};
+  for (std::size_t word = 0; word < kGpuBlockUuidBytes / 8; ++word) {
+    const std::uint64_t bits = block.gpu_uuid[word].load();
+    std::memcpy(uuid + word * 8, &bits, 8);
+  }
+  uuid[kGpuBlockUuidBytes - 1] = '\0';
+  return uuid;
+}
 
 void clear_guaranteed(GuaranteedSlot& slot) {
   slot.heartbeat_ns.store(0);
@@ -188,14 +207,20 @@ std::vector<FieldLayout> gpu_block_layout() {
   return fields;
 }
 
-std::string GpuPeerSegment::default_name(std::uint32_t device, uid_t uid) {
-  return "/cotenant-gpu" + std::to_string(device) + "-" + std::to_string(uid);
+std::string GpuPeerSegment::default_name(const std::string& gpu_uuid, std::uint32_t device, uid_t uid,
+                                         std::optional<gid_t> group) {
+  std::string key = gpu_uuid.empty() ? "index" + std::to_string(device) : gpu_uuid;
+  for (char& c : key) {
+    const bool allowed = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+    if (!allowed) c = '_';
+  }
+  return "/cotenant-gpu-" + key + (group ? "-g" + std::to_string(*group) : "-u" + std::to_string(uid));
 }
 
 GpuPeerSegment GpuPeerSegment::open(const std::string& name, std::uint32_t device, GpuPeerSegmentOptions options,
                                     Clock& clock) {
   ShmRegion::validate_name(name);
-  ObjectLock lock(name);
+  ObjectLock lock(name, options.group);
   const std::size_t found_bytes = lock.size();
   if (found_bytes < sizeof(GpuBlock)) lock.grow_to(sizeof(GpuBlock));
   ShmRegion region = ShmRegion::open(name, sizeof(GpuBlock));
@@ -207,7 +232,7 @@ GpuPeerSegment GpuPeerSegment::open(const std::string& name, std::uint32_t devic
     opening = SegmentOpening::kCreated;
   } else if (block.magic.load(std::memory_order_acquire) != kGpuBlockMagic ||
              block.version.load() != kGpuBlockVersion || block.block_bytes.load() != sizeof(GpuBlock) ||
-             block.device.load() != device) {
+             (options.gpu_uuid.empty() ? block.device.load() != device : stored_uuid(block) != options.gpu_uuid.substr(0, kGpuBlockUuidBytes - 1))) {
     // Left by another version, a creator that died before finishing (it
     // held the lock, so nobody saw it half-written), or foreign bytes.
     initialise(block, device, options.gpu_uuid);

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <optional>
 #include <sstream>
+#include <utility>
 
 #include "../cuda/cuda_backend.h"
 #include "cotenant/errors.h"
@@ -38,15 +39,12 @@ std::int64_t steady_now_ns() {
       .count();
 }
 
-// A tensor's deleter must not throw (it runs in destructors, at interpreter
-// exit too): a free that fails is reported and the block stays allocated.
-void delete_with_cotenant(void* ptr) noexcept {
-  try {
-    CotenantCudaAllocator::instance().raw_delete(ptr);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated: %s\n", ptr, e.what());
-  }
-}
+// A tensor's deleter. It runs in destructors (at interpreter exit too), so
+// it must not throw: raw_delete reports a failed free instead.
+void delete_with_cotenant(void* ptr) noexcept { CotenantCudaAllocator::instance().raw_delete(ptr); }
+static_assert(noexcept(delete_with_cotenant(nullptr)));
+static_assert(noexcept(std::declval<CotenantCudaAllocator&>().raw_delete(nullptr)),
+              "raw_delete runs from destructors (thrust's, cuDNN's workspaces): it must not throw");
 
 // Runs `fn`, turning cotenant's C++ errors into the c10 errors PyTorch maps
 // to Python exceptions (torch.OutOfMemoryError, RuntimeError).
@@ -356,23 +354,43 @@ CotenantCudaAllocator::Owner CotenantCudaAllocator::owner_of(void* ptr) const {
   return it == owners_.end() ? Owner{} : it->second;
 }
 
-void CotenantCudaAllocator::raw_delete(void* ptr) {
+void CotenantCudaAllocator::raw_delete(void* ptr) noexcept {
   if (ptr == nullptr) return;
+  try {
+    free_owned(ptr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated: %s\n", ptr,
+                 e.what());
+  } catch (...) {
+    std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated\n", ptr);
+  }
+}
+
+void CotenantCudaAllocator::free_owned(void* ptr) {
   Owner owner;
   {
     std::lock_guard<std::mutex> lock(owners_mutex_);
     auto it = owners_.find(ptr);
-    TORCH_CHECK(it != owners_.end(), "cotenant's CUDA allocator was asked to free ", ptr,
-                ", which it did not allocate. This happens when memory from PyTorch's own "
-                "allocator outlives the switch to cotenant; call cotenant.enable() before the "
-                "first CUDA allocation.");
+    if (it == owners_.end()) {
+      throw Error("cotenant's CUDA allocator was asked to free an address it did not allocate. This happens "
+                  "when memory from PyTorch's own allocator outlives the switch to cotenant; call "
+                  "cotenant.enable() before the first CUDA allocation.");
+    }
     owner = it->second;
     owners_.erase(it);
   }
-  DeviceAllocators* d = existing(owner.device);
-  std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
-  if (d != nullptr && d->pools->routing()) relaxed.emplace(cudaStreamCaptureModeRelaxed);
-  translate_errors([&] { owner.allocator->free(reinterpret_cast<DevicePtr>(ptr)); });
+  try {
+    DeviceAllocators* d = existing(owner.device);
+    std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+    if (d != nullptr && d->pools->routing()) relaxed.emplace(cudaStreamCaptureModeRelaxed);
+    owner.allocator->free(reinterpret_cast<DevicePtr>(ptr));
+  } catch (...) {
+    // The block is still allocated (CachingAllocator::free changes nothing
+    // when it throws), so no allocation can have reused the address.
+    std::lock_guard<std::mutex> lock(owners_mutex_);
+    owners_.emplace(ptr, owner);
+    throw;
+  }
 }
 
 void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {

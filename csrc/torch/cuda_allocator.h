@@ -111,7 +111,10 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // ---- CUDAAllocator ---------------------------------------------------------
   void* raw_alloc(size_t nbytes) override;
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override;
-  void raw_delete(void* ptr) override;
+  // Never throws (it runs from destructors): a free that fails, or a pointer
+  // this allocator did not make, is reported on stderr and the memory stays
+  // allocated.
+  void raw_delete(void* ptr) noexcept override;
   void init(int device_count) override;
   double getMemoryFraction(c10::DeviceIndex device) override;
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override;
@@ -163,6 +166,7 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
 
   void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
   Owner owner_of(void* ptr) const;  // allocator == nullptr when unknown
+  void free_owned(void* ptr);       // raw_delete's work; throws, changing nothing, on failure
   // The allocators of one device (main first, then every pool), or of one
   // pool when `mempool_id` is not {0, 0}.
   std::vector<CachingAllocator*> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);

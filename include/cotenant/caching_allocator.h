@@ -108,7 +108,9 @@ class CachingAllocator {
   // Returns 0 for a 0-byte request. Throws OutOfMemoryError with the numbers
   // when neither device memory under the cap nor host memory can hold it.
   DevicePtr allocate(std::size_t bytes, StreamId stream);
-  // Throws Error (and changes nothing) for an address that is not live.
+  // Throws Error (and changes nothing) for an address that is not live, and
+  // when the backend cannot record an event on a stream the block was used
+  // on (record_stream): the block then stays allocated, the books unchanged.
   void free(DevicePtr address);
   // The block at `address` is used on `stream` too: do not reuse it until
   // that stream's work submitted before free() is done.

@@ -402,3 +402,39 @@ def test_a_gpu_segment_another_user_created_first_is_refused_with_its_owner_name
         assert os.path.getsize("/dev/shm" + name) == 0  # nothing written into the squatter's object
     finally:
         _core.GpuPeerSegment.remove(name)
+
+
+GROUP_SEGMENT = r"""
+import json, os, sys, time
+from cotenant import _core
+name, gid, role = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+segment = _core.GpuPeerSegment.open(name, 0, gpu_uuid="GPU-0000aaaa-1111-2222-3333-444455556666", group=gid)
+if role == "guaranteed":
+    segment.claim_guaranteed()
+    print("claimed", flush=True)
+    time.sleep(30)
+else:
+    print(json.dumps({"opening": segment.opening, "guaranteed_pid": segment.view()["guaranteed"]["pid"]}))
+"""
+
+
+def test_jobs_of_two_users_in_one_group_meet_in_the_gpus_group_segment(users):
+    gid = users.group.gr_gid
+    name = _core.GpuPeerSegment.default_name(0, gpu_uuid="GPU-0000aaaa-1111-2222-3333-444455556666", group=gid)
+    assert name.endswith(f"-g{gid}")
+    _core.GpuPeerSegment.remove(name)
+    holder = subprocess.Popen(users.t2.prefix() + [users.python, "-c", GROUP_SEGMENT, name, str(gid), "guaranteed"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": users.code})
+    try:
+        assert holder.stdout.readline().strip() == "claimed", holder.stderr.read()
+        info = os.stat("/dev/shm" + name)
+        assert (info.st_uid, info.st_gid, oct(info.st_mode & 0o777)) == (users.t2.uid, gid, "0o660")
+        seen = users.run(users.t3, ["-c", GROUP_SEGMENT, name, str(gid), "opportunistic"])
+        assert seen.returncode == 0, seen.stderr
+        view = json.loads(seen.stdout)
+        assert view == {"opening": "attached", "guaranteed_pid": holder.pid}, view
+    finally:
+        holder.kill()
+        holder.wait()
+        _core.GpuPeerSegment.remove(name)
