@@ -55,6 +55,8 @@ std::vector<DeviceAllocators*> devices_holding(const std::string& name, const ch
 template <typename Fn>
 std::size_t at_safe_point(DeviceAllocators& d, const std::string& name, const char* what, Fn&& fn) {
   d.regions->set_graph_capture(d.pools->routing());
+  // During a capture nothing may synchronize: the table refuses, naming the fix.
+  if (d.pools->routing()) return fn();
   LaunchPause pause(kRegionDrainTimeout);
   if (!pause) {
     throw Error(std::string("cannot ") + what + " region '" + name + "': CUDA ops running on other threads "
