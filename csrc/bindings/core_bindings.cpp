@@ -107,8 +107,9 @@ py::object cap_value(std::uint64_t bytes) {
 
 SimulatedDeviceConfig device_config(const py::object& device_capacity, const py::object& granularity,
                                     const py::object& host_capacity, bool host_pages_mappable,
-                                    bool events_complete_immediately) {
+                                    bool events_complete_immediately, bool fresh_pages_hold_garbage) {
   SimulatedDeviceConfig config;
+  config.fresh_pages_hold_garbage = fresh_pages_hold_garbage;
   config.device_capacity = size_argument(device_capacity, "device_capacity");
   config.granularity = size_argument(granularity, "granularity");
   config.host_capacity = size_argument(host_capacity, "host_capacity");
@@ -125,7 +126,7 @@ py::dict call_counts(const SimulatedCallCounts& c) {
   py::dict d;
   d["reserve"] = c.reserve; d["release"] = c.release;
   d["create_page"] = c.create_page; d["release_page"] = c.release_page;
-  d["map"] = c.map; d["unmap"] = c.unmap; d["copy_page"] = c.copy_page;
+  d["map"] = c.map; d["unmap"] = c.unmap; d["copy_page"] = c.copy_page; d["zero"] = c.zero;
   d["failed_create_page"] = c.failed_create_page;
   d["allocate_pinned_host"] = c.allocate_pinned_host; d["free_pinned_host"] = c.free_pinned_host;
   d["record_event"] = c.record_event; d["synchronize_device"] = c.synchronize_device;
@@ -298,14 +299,16 @@ COTENANT_CORE_BINDINGS(core) {
                                "A simulated GPU: configurable capacity and page size, real bytes per page.")
       .def(py::init([](const py::object& device_capacity, const py::object& granularity,
                        const py::object& host_capacity, bool host_pages_mappable,
-                       bool events_complete_immediately) {
-             return std::make_unique<SimulatedBackend>(device_config(
-                 device_capacity, granularity, host_capacity, host_pages_mappable, events_complete_immediately));
+                       bool events_complete_immediately, bool fresh_pages_hold_garbage) {
+             return std::make_unique<SimulatedBackend>(device_config(device_capacity, granularity, host_capacity,
+                                                                     host_pages_mappable, events_complete_immediately,
+                                                                     fresh_pages_hold_garbage));
            }),
            py::kw_only(), py::arg("device_capacity") = py::int_(std::uint64_t{16} << 30),
            py::arg("granularity") = py::int_(std::uint64_t{2} << 20),
            py::arg("host_capacity") = py::int_(std::uint64_t{1} << 40),
-           py::arg("host_pages_mappable") = true, py::arg("events_complete_immediately") = true)
+           py::arg("host_pages_mappable") = true, py::arg("events_complete_immediately") = true,
+           py::arg("fresh_pages_hold_garbage") = false)
       .def_property_readonly("granularity", &SimulatedBackend::granularity)
       .def_property_readonly("device_total_bytes", &SimulatedBackend::device_total_bytes)
       .def_property_readonly("device_free_bytes", &SimulatedBackend::device_free_bytes)
@@ -388,7 +391,7 @@ COTENANT_CORE_BINDINGS(core) {
          const py::object& host_capacity, bool host_pages_mappable, const py::object& cap, bool spill_to_host,
          bool spill_without_cap) {
         ReplayConfig config;
-        config.device = device_config(device_capacity, granularity, host_capacity, host_pages_mappable, true);
+        config.device = device_config(device_capacity, granularity, host_capacity, host_pages_mappable, true, false);
         config.allocator.spill_to_host = spill_to_host;
         config.allocator.spill_without_cap = spill_without_cap;
         config.initial_cap = cap_argument(cap, config.device.device_capacity);

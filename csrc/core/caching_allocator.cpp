@@ -78,6 +78,10 @@ struct CachingAllocator::State {
     sink->on_event(event);
   }
 
+  // discard_pages() in force until back_discarded_pages(): live blocks may
+  // sit on unmapped pages, and allocation is refused.
+  bool discarded = false;
+
   // ---- accounting ---------------------------------------------------------
 
   std::uint64_t device_bytes() const { return static_cast<std::uint64_t>(stats.device_resident_bytes.current); }
@@ -756,7 +760,7 @@ struct CachingAllocator::State {
         if (p.live_blocks != live[i]) {
           fail(fmt::format("page {} of segment {:#x} counts {} live blocks, {} overlap it", i, base, p.live_blocks, live[i]));
         }
-        if (p.live_blocks > 0 && !p.handle) fail(fmt::format("page {} of segment {:#x} holds live blocks but is not mapped", i, base));
+        if (p.live_blocks > 0 && !p.handle && !discarded) fail(fmt::format("page {} of segment {:#x} holds live blocks but is not mapped", i, base));
         if (!p.handle) continue;
         (p.handle.where == Residency::kDevice ? device_mapped : host_mapped) += page;
         if (p.live_blocks == 0) cached[static_cast<int>(p.handle.where)] += page_bytes;
@@ -833,6 +837,11 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   if (bytes == 0) return 0;
   State& s = *state_;
   std::lock_guard lock(s.mutex);
+  if (s.discarded) {
+    throw Error(fmt::format("cannot allocate {}: this allocator's pages are discarded; back them "
+                            "(back_discarded_pages, a region's resume) before allocating",
+                            format_size(bytes)));
+  }
   s.process_events();
   const std::size_t size = round_up(bytes, s.options.round_bytes);
   const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
@@ -1125,6 +1134,75 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     out.push_back(std::move(info));
   }
   return out;
+}
+
+// ---- discarding pages ----------------------------------------------------------
+
+std::size_t CachingAllocator::discard_pages() {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  if (!s.backend.synchronize_for_unmap()) {
+    throw Error("cannot discard pages while a CUDA graph is being captured on the device: kernels "
+                "captured so far may use them. Discard after the capture ends.");
+  }
+  s.release_spill_targets();
+  std::size_t released = 0;
+  for (auto& [base, segment] : s.segments) {
+    for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+      if (!segment->pages[i].handle) continue;
+      s.unmap_page(*segment, i, /*synchronized=*/true);
+      released += s.page_bytes;
+    }
+  }
+  s.discarded = true;
+  s.mark_pending(pending_migrations_);
+  return released;
+}
+
+std::size_t CachingAllocator::back_discarded_pages() {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  if (!s.discarded) return 0;
+  // Pages are zeroed in runs of neighbours once mapped: one zero() per run.
+  std::vector<std::pair<DevicePtr, std::size_t>> runs;
+  auto zero_runs = [&] {
+    for (const auto& [address, bytes] : runs) s.backend.zero(address, bytes);
+    runs.clear();
+  };
+  std::size_t mapped = 0;
+  for (auto& [base, segment] : s.segments) {
+    if (segment->pinned_fallback) continue;
+    for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+      Page& page = segment->pages[i];
+      if (page.handle || page.live_blocks == 0) continue;
+      const PageHandle handle = s.backend.create_page(Residency::kDevice);
+      if (!handle) {
+        zero_runs();
+        ++s.stats.num_ooms;
+        throw OutOfMemoryError(fmt::format(
+            "cotenant: the device has no room to back discarded memory again: {} mapped, more needed, "
+            "the device reports {} free of {}. Free device memory (tensors, torch.cuda.empty_cache()) "
+            "and resume again; what is mapped so far stays.",
+            format_size(mapped), format_size(s.backend.device_free_bytes()),
+            format_size(s.backend.device_total_bytes())));
+      }
+      const DevicePtr address = segment->base + i * s.page_bytes;
+      s.map_page(*segment, i, handle);
+      page.last_use = s.tick;
+      if (!runs.empty() && runs.back().first + runs.back().second == address) runs.back().second += s.page_bytes;
+      else runs.emplace_back(address, s.page_bytes);
+      mapped += s.page_bytes;
+    }
+  }
+  zero_runs();
+  s.discarded = false;
+  s.mark_pending(pending_migrations_);
+  return mapped;
+}
+
+bool CachingAllocator::discarded() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->discarded;
 }
 
 }  // namespace cotenant

@@ -90,6 +90,10 @@ PageHandle SimulatedBackend::create_page(Residency where) {
   const std::uint64_t id = next_page_id_++;
   auto page = std::make_unique<Page>();
   page->where = where;
+  if (config_.fresh_pages_hold_garbage) {
+    page->bytes = std::make_unique<std::uint8_t[]>(g);
+    std::memset(page->bytes.get(), 0xA5, g);
+  }
   pages_.emplace(id, std::move(page));
   return PageHandle{id, where};
 }
@@ -268,6 +272,20 @@ void SimulatedBackend::write(DevicePtr address, const void* data, std::size_t by
     const std::size_t n = std::min(bytes, config_.granularity - offset);
     std::memcpy(page->bytes.get() + offset, source, n);
     source += n;
+    address += n;
+    bytes -= n;
+  }
+}
+
+void SimulatedBackend::zero(DevicePtr address, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  ++calls_.zero;
+  while (bytes > 0) {
+    std::size_t offset = 0;
+    Page* page = page_at_locked(address, &offset);
+    if (!page) throw Error(fmt::format("zero at 0x{:x}, which is not mapped", address));
+    const std::size_t n = std::min(bytes, config_.granularity - offset);
+    if (page->bytes) std::memset(page->bytes.get() + offset, 0, n);  // no bytes: reads as zero already
     address += n;
     bytes -= n;
   }

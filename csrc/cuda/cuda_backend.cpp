@@ -323,6 +323,17 @@ void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
   check_runtime(err, "copying a page between device and host");
 }
 
+void CudaBackend::zero(DevicePtr address, std::size_t bytes) {
+  // On the copy stream, which staging_mutex_ serialises; waited for here, so
+  // the bytes read as zero before any launch that follows.
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  CurrentDevice current(device_);
+  auto stream = static_cast<cudaStream_t>(copy_stream_);
+  cudaError_t err = cudaMemsetAsync(reinterpret_cast<void*>(address), 0, bytes, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  check_runtime(err, "zeroing a page");
+}
+
 void CudaBackend::finish_copies() {
   std::lock_guard<std::mutex> lock(staging_mutex_);
   CurrentDevice current(device_);

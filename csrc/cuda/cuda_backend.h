@@ -83,6 +83,8 @@ class CudaBackend final : public Backend {
   bool synchronize_for_unmap() override;
   void unmap_synchronized(DevicePtr address) override;
   void copy_page(PageHandle dst, PageHandle src) override;
+  // cudaMemsetAsync on the copy stream, waited for before it returns.
+  void zero(DevicePtr address, std::size_t bytes) override;
 
   DevicePtr allocate_pinned_host(std::size_t bytes) override;
   void free_pinned_host(DevicePtr address, std::size_t bytes) override;

@@ -110,7 +110,8 @@ DeviceAllocators::DeviceAllocators(c10::DeviceIndex device_index)
       backend(std::make_unique<cuda::CudaBackend>(device_index)),
       main(std::make_unique<CachingAllocator>(*backend, main_options())),
       pools(std::make_unique<PoolTable>(*backend)),
-      history(std::make_unique<MemoryHistory>()) {}
+      history(std::make_unique<MemoryHistory>()),
+      regions(std::make_unique<RegionTable>(*backend)) {}
 
 DeviceAllocators::~DeviceAllocators() = default;
 
@@ -272,7 +273,11 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
   MemoryHistory::ContextScope lend_context(context);
   DevicePtr address = 0;
   try {
-    address = target->allocate(nbytes, static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)));
+    if (!graph_pool && RegionScope::inside()) {
+      address = d.regions->allocate(nbytes, static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)), &target);
+    } else {
+      address = target->allocate(nbytes, static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)));
+    }
   } catch (const OutOfMemoryError& e) {
     std::vector<c10_alloc::OutOfMemoryObserver> observers;
     {
@@ -400,6 +405,7 @@ std::vector<CachingAllocator*> CotenantCudaAllocator::allocators_of(DeviceAlloca
   if (mempool_id == kDefaultPool) {
     out.push_back(d.main.get());
     for (auto& [id, pool] : d.pools->pools()) out.push_back(pool);
+    for (auto& [name, region] : d.regions->allocators()) out.push_back(region);
   } else if (CachingAllocator* pool = d.pools->find(pool_id(mempool_id))) {
     out.push_back(pool);
   }
@@ -418,6 +424,7 @@ void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
       if (mempool_id == kDefaultPool) {
         d->main->empty_cache();
         d->pools->empty_freeable();
+        for (auto& [name, region] : d->regions->allocators()) region->empty_cache();
       } else {
         const PoolId only = pool_id(mempool_id);
         d->pools->empty_freeable(&only);
@@ -516,7 +523,10 @@ c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool
     DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
     if (d == nullptr) continue;
     std::vector<std::pair<c10::MempoolId_t, CachingAllocator*>> sources;
-    if (mempool_id == kDefaultPool) sources.emplace_back(kDefaultPool, d->main.get());
+    if (mempool_id == kDefaultPool) {
+      sources.emplace_back(kDefaultPool, d->main.get());
+      for (auto& [name, region] : d->regions->allocators()) sources.emplace_back(kDefaultPool, region);
+    }
     for (auto& [id, pool] : d->pools->pools()) {
       const c10::MempoolId_t torch_id{id.first, id.second};
       if (mempool_id == kDefaultPool || mempool_id == torch_id) sources.emplace_back(torch_id, pool);

@@ -11,7 +11,9 @@
 // CachingAllocator per CUDA-graph memory pool, so memory that a captured
 // graph uses is never reused outside it (the graph replays against fixed
 // addresses). Allocations on a stream that a beginAllocateToPool filter
-// accepts go to that pool's allocator until endAllocateToPool.
+// accepts go to that pool's allocator until endAllocateToPool. Allocations
+// of a thread inside a region (region_table.h) go to that region's own
+// uncapped allocator.
 //
 // Page moves (spill/restore) happen only at safe points: see "The safe
 // point" in include/cotenant/caching_allocator.h.
@@ -35,6 +37,7 @@
 #include "cotenant/caching_allocator.h"
 #include "cotenant/memory_history.h"
 #include "cotenant/pool_table.h"
+#include "cotenant/region_table.h"
 
 namespace cotenant::cuda {
 class CudaBackend;
@@ -59,6 +62,10 @@ struct DeviceAllocators {
   // allocator above reports to it while it is active (cuda_allocator_history.cpp).
   std::unique_ptr<MemoryHistory> history;
   bool history_feeds_trace_trackers = false;  // its listener for attachAllocatorTraceTracker is in
+
+  // Named regions (cotenant.region): allocations of a thread inside one go
+  // to the region's own allocator, outside a graph capture (regions.cpp).
+  std::unique_ptr<RegionTable> regions;
 };
 
 class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {

@@ -98,6 +98,11 @@ class Backend {
   // when it returns.
   virtual void copy_page(PageHandle dst, PageHandle src) = 0;
 
+  // Sets `bytes` at `address` (mapped, accessible) to zero. Synchronous. A
+  // new page's bytes are unspecified (the driver does not promise zeros), so
+  // a page that must read as zero is zeroed through this.
+  virtual void zero(DevicePtr address, std::size_t bytes) = 0;
+
   // Fallback spill path (no host VMM): `bytes` of pinned host memory that
   // kernels reach through the returned device address. Returns 0 when host
   // memory is exhausted.

@@ -166,6 +166,23 @@ class CachingAllocator {
   // has_pending_migrations() stays true until a later call moves them.
   std::size_t apply_pending_migrations();
 
+  // Discarding pages (a region paused without keeping its contents,
+  // region_table.h). discard_pages() unmaps and releases every page, live
+  // blocks' included: their memory goes back to the device (or host), while
+  // the address ranges and the blocks stay. Call it at a safe point. Until
+  // back_discarded_pages(), allocate() throws Error; free() and
+  // record_stream() work as before (a block freed meanwhile had no bytes).
+  // Throws Error, changing nothing, when the device cannot synchronize now
+  // (a CUDA graph is being captured). Returns the bytes released.
+  std::size_t discard_pages();
+  // Maps a zeroed device page under every page a live block overlaps, at
+  // its old address, and ends the discarded state. Throws OutOfMemoryError
+  // when the device has no page for one: the pages mapped so far stay
+  // (zeroed), the allocator stays discarded, and a later call maps the rest.
+  // Returns the bytes mapped.
+  std::size_t back_discarded_pages();
+  bool discarded() const;
+
   SpillMode mode() const;
   AllocatorStats stats() const;
   // Recomputes the books from the blocks and pages (blocks tile their

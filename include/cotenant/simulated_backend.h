@@ -32,11 +32,14 @@ struct SimulatedDeviceConfig {
   std::size_t host_capacity = std::size_t{1} << 40;     // bytes of host pages + pinned memory
   bool host_pages_mappable = true;  // false simulates a driver without host VMM
   bool events_complete_immediately = true;
+  // true: a new page holds a garbage pattern (0xA5 bytes) instead of
+  // zeros, as a driver's page may, so a test sees whether zero() ran.
+  bool fresh_pages_hold_garbage = false;
 };
 
 struct SimulatedCallCounts {
   std::uint64_t reserve = 0, release = 0, create_page = 0, release_page = 0;
-  std::uint64_t map = 0, unmap = 0, copy_page = 0, failed_create_page = 0;
+  std::uint64_t map = 0, unmap = 0, copy_page = 0, zero = 0, failed_create_page = 0;
   std::uint64_t allocate_pinned_host = 0, free_pinned_host = 0;
   std::uint64_t record_event = 0, synchronize_device = 0, refused_synchronization = 0;
 };
@@ -58,6 +61,7 @@ class SimulatedBackend final : public Backend {
   void map(DevicePtr address, PageHandle page) override;
   void unmap(DevicePtr address) override;
   void copy_page(PageHandle dst, PageHandle src) override;
+  void zero(DevicePtr address, std::size_t bytes) override;
   DevicePtr allocate_pinned_host(std::size_t bytes) override;
   void free_pinned_host(DevicePtr address, std::size_t bytes) override;
 

@@ -11,13 +11,18 @@ __version__ = "0.1.0"
 # The allocator's API. Importing it does not import torch: enable() does.
 from cotenant.api import (  # noqa: E402
     NoGpuError,
+    Region,
     disable,
     enable,
     enable_from_environment,
     is_enabled,
     memory_cap,
     memory_stats,
+    pause_region,
+    region,
+    regions,
     restore_all,
+    resume_region,
     safe_point,
     set_memory_cap,
     spill_all,

@@ -33,6 +33,11 @@ __all__ = [
     "memory_stats",
     "spill_all",
     "restore_all",
+    "Region",
+    "region",
+    "pause_region",
+    "resume_region",
+    "regions",
     "parse_memory_cap",
     "NoGpuError",
 ]
@@ -379,9 +384,14 @@ def memory_stats(device: Any = None) -> Dict[str, Any]:
     """Device-resident, host-resident and cached bytes, the cap and the mode
     ("remap": pages move both ways keeping their addresses; "pinned_fallback":
     over-cap memory comes from mapped pinned host memory), plus every raw
-    counter under "raw" (torch.cuda.memory_stats() names and cotenant's)."""
+    counter under "raw" (torch.cuda.memory_stats() names and cotenant's).
+    The numbers are the capped allocator's; "regions" lists the named
+    regions on the device (see region()), whose memory is counted apart."""
     index = _resolve_device(device)
-    return summarize_stats(_extension().stats(index))
+    _C = _extension()
+    stats = summarize_stats(_C.stats(index))
+    stats["regions"] = [row for row in _C.regions() if row["device"] == index]
+    return stats
 
 
 def spill_all(device: Any = None) -> int:
@@ -398,6 +408,109 @@ def restore_all(device: Any = None) -> int:
     _C = _extension()
     _C.restore_all(index)
     return int(_C.safe_point())
+
+
+# ---- regions ---------------------------------------------------------------------------
+
+
+def _region_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a region's name is a non-empty string, e.g. cotenant.region(\"kv_cache\"); "
+                        f"got {name!r}")
+    return name
+
+
+class Region:
+    """A named region of CUDA memory that is paused and resumed as a whole.
+
+    ``with region:`` tags the CUDA allocations this thread makes inside the
+    block (tensors, caches, workspaces) as the region's. The region's memory
+    lives in segments of its own, never sharing a page with other tensors, so
+    pausing it moves or drops its bytes only. Tensors keep their addresses
+    (``data_ptr()``) across pause and resume.
+
+    - ``pause(keep=True)``: the region's pages move to host memory; device
+      memory is freed, contents are kept. Tensors stay readable (over PCIe).
+    - ``pause(keep=False)``: the pages are released; the addresses stay
+      reserved. The tensors must not be used until ``resume()``, which backs
+      them with zeroed device memory.
+    - While paused, allocating in the region raises RuntimeError (resume
+      first); dropping its tensors is fine. Pausing or resuming during a CUDA
+      graph capture raises RuntimeError.
+
+    Regions do not nest: entering another region inside one raises
+    RuntimeError; entering the same region again is allowed. A region's
+    memory is not under the memory cap.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = _region_name(name)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __enter__(self) -> "Region":
+        _require_enabled()
+        _extension().region_enter(self._name)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _extension().region_exit(self._name)
+
+    def pause(self, *, keep: bool = True) -> int:
+        """Pauses the region (see the class); returns the bytes moved or released."""
+        return pause_region(self._name, keep=keep)
+
+    def resume(self) -> int:
+        """Resumes the paused region; returns the bytes moved back or mapped."""
+        return resume_region(self._name)
+
+    @property
+    def state(self) -> Optional[str]:
+        """"active", "paused (kept)", "paused (discarded)", or None before its first allocation."""
+        for row in regions():
+            if row["name"] == self._name:
+                return row["state"]
+        return None
+
+    def __repr__(self) -> str:
+        return f"cotenant.Region({self._name!r})"
+
+
+def region(name: str) -> Region:
+    """The region called ``name``: ``with cotenant.region("kv_cache"): ...``
+    tags allocations; ``.pause(keep=...)`` and ``.resume()`` act on it."""
+    return Region(name)
+
+
+def pause_region(name: str, *, keep: bool = True) -> int:
+    """Pauses region ``name`` on every device that holds it: ``keep=True``
+    moves its pages to host memory (contents kept, same addresses),
+    ``keep=False`` releases them (addresses kept; zeroed on resume). Returns
+    the bytes moved or released. RuntimeError for an unknown or already
+    paused region, or during a CUDA graph capture."""
+    _require_enabled()
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep is True (move the region's pages to the host) or False (release them); "
+                        f"got {keep!r}")
+    return int(_extension().pause_region(_region_name(name), keep))
+
+
+def resume_region(name: str) -> int:
+    """Resumes a paused region: kept pages come back to the device, discarded
+    ones are backed again with zeroed device memory at the same addresses.
+    Returns the bytes moved or mapped."""
+    _require_enabled()
+    return int(_extension().resume_region(_region_name(name)))
+
+
+def regions() -> list:
+    """One dict per region and device: name, device, state, allocated_bytes,
+    device_bytes, host_bytes."""
+    if not _state.enabled:
+        return []
+    return list(_extension().regions())
 
 
 def safe_point() -> int:

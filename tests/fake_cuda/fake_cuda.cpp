@@ -21,17 +21,19 @@
 #include <set>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 namespace fake_cuda {
 namespace {
 
 using Address = std::uintptr_t;
 
-// A queued cudaMemcpyAsync.
+// A queued cudaMemcpyAsync, or a cudaMemsetAsync (src null: fill with `value`).
 struct Copy {
   void* dst = nullptr;
   const void* src = nullptr;
   std::size_t bytes = 0;
+  int value = 0;
 };
 
 // A stream: a worker thread that runs its queue in order. `completed`
@@ -198,7 +200,8 @@ void run_worker(Stream* stream) {
     const auto delay = s.delay;
     lock.unlock();
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
-    std::memcpy(copy.dst, copy.src, copy.bytes);
+    if (copy.src != nullptr) std::memcpy(copy.dst, copy.src, copy.bytes);
+    else std::memset(copy.dst, copy.value, copy.bytes);
     lock.lock();
     stream->queue.pop_front();
     ++stream->completed;
@@ -497,6 +500,15 @@ CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, con
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     close(fd);
     return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  if (s.config.garbage_in_new_pages) {
+    // The driver does not promise zeros in a new page: model a page that
+    // held someone's bytes before.
+    const std::vector<char> garbage(size, static_cast<char>(0xA5));
+    if (pwrite(fd, garbage.data(), size, 0) != static_cast<ssize_t>(size)) {
+      close(fd);
+      return CUDA_ERROR_OUT_OF_MEMORY;
+    }
   }
   const CUmemGenericAllocationHandle id = s.next_handle++;
   s.handles.emplace(id, Handle{fd, size, on_device, false, 0});
@@ -1002,6 +1014,24 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
     return fail(cudaErrorIllegalAddress);
   }
   target->queue.push_back(fake_cuda::Copy{dst, src, count});
+  ++target->submitted;
+  target->work.notify_all();
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t stream) {
+  FAKE_RUNTIME_ENTRY("cudaMemsetAsync");
+  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
+  if (target == nullptr) {
+    fake_cuda::violate(s, "cudaMemsetAsync on a stream that does not exist");
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  if (!fake_cuda::copy_range_ok(s, dst, count)) {
+    fake_cuda::violate(s, "cudaMemsetAsync of " + std::to_string(count) +
+                              " bytes touching reserved memory that is not mapped and accessible");
+    return fail(cudaErrorIllegalAddress);
+  }
+  target->queue.push_back(fake_cuda::Copy{dst, nullptr, count, value});
   ++target->submitted;
   target->work.notify_all();
   return cudaSuccess;

@@ -10,7 +10,7 @@
 //  - cuMemMap maps the memfd at the address, still PROT_NONE; cuMemSetAccess
 //    makes it readable and writable; cuMemUnmap puts PROT_NONE memory back.
 //  - every stream (and the default stream) is a worker thread; cudaMemcpyAsync
-//    runs memcpy there, events complete when the worker reaches them.
+//    (cudaMemsetAsync) runs memcpy (memset) there, events complete when the worker reaches them.
 //
 // A misuse the real driver refuses returns the driver's error code and is
 // counted as a violation (never a crash); tests assert the count is zero.
@@ -43,6 +43,9 @@ struct Config {
   bool host_vmm = true;       // CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
   bool host_numa_vmm = false; // CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
   int host_numa_id = 0;       // CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID
+  // true: cuMemCreate fills a new page with 0xA5 bytes, since the driver
+  // does not promise zeros; a test then sees whether the backend zeroed it.
+  bool garbage_in_new_pages = false;
 };
 
 // Waits for every stream, then forgets all state (counters, violations,

@@ -749,3 +749,29 @@ def test_raw_delete_never_throws_and_says_what_failed(capfd):
     err = capfd.readouterr().err
     assert "cotenant: freeing CUDA memory at 0xdead000 failed, so it stays allocated" in err
     assert "did not allocate" in err
+
+
+# ---- regions (no GPU: validation and the not-enabled errors) -----------------------------
+
+
+@pytest.mark.parametrize("name", ["", None, 3])
+def test_a_region_needs_a_non_empty_string_name(name):
+    with pytest.raises(TypeError, match="non-empty string"):
+        cotenant.region(name)
+
+
+def test_regions_before_enable_raise_saying_to_enable_first():
+    with pytest.raises(RuntimeError, match=r"cotenant.enable\(\) first"):
+        with cotenant.region("kv_cache"):
+            pass
+    with pytest.raises(RuntimeError, match=r"cotenant.enable\(\) first"):
+        cotenant.pause_region("kv_cache", keep=False)
+    with pytest.raises(RuntimeError, match=r"cotenant.enable\(\) first"):
+        cotenant.resume_region("kv_cache")
+    assert cotenant.regions() == []
+
+
+def test_the_extension_refuses_to_pause_a_region_when_cotenant_is_not_installed():
+    _C = _extension_or_skip()
+    with pytest.raises(RuntimeError, match=r"cannot pause region 'kv_cache'.*cotenant.enable\(\) first"):
+        _C.pause_region("kv_cache", True)

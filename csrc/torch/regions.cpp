@@ -1,0 +1,144 @@
+// cotenant._C functions for named regions (include/cotenant/region_table.h):
+// tagging a thread's allocations, and pausing or resuming a region on every
+// device that holds it, each at a safe point (caching_allocator.h, "The safe
+// point"): launches paused, the device synchronized, page copies finished
+// before launches resume.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "../cuda/cuda_backend.h"
+#include "cotenant/errors.h"
+#include "cotenant/region_table.h"
+#include "cuda_allocator.h"
+#include "op_interceptor.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace cotenant::torch_ext {
+namespace {
+
+// How long a pause or resume waits for other threads' running ops.
+constexpr std::chrono::seconds kRegionDrainTimeout{10};
+
+// The devices whose tables hold region `name`. Throws the table's unknown-
+// region error when none does.
+std::vector<DeviceAllocators*> devices_holding(const std::string& name, const char* what) {
+  auto& allocator = CotenantCudaAllocator::instance();
+  if (!allocator.installed()) {
+    throw Error(std::string("cannot ") + what + " region '" + name +
+                "': cotenant is not enabled in this process; call cotenant.enable() first.");
+  }
+  std::vector<DeviceAllocators*> out;
+  DeviceAllocators* first = nullptr;
+  for (int dev = 0; dev < C10_COMPILE_TIME_MAX_GPUS; ++dev) {
+    DeviceAllocators* d = allocator.existing(static_cast<c10::DeviceIndex>(dev));
+    if (d == nullptr) continue;
+    if (first == nullptr) first = d;
+    if (d->regions->contains(name)) out.push_back(d);
+  }
+  if (out.empty()) {
+    if (first != nullptr) first->regions->state(name);  // throws, listing the regions there are
+    throw Error(std::string("cannot ") + what + " region '" + name +
+                "': no CUDA memory was allocated in it yet. A region comes into being with its first "
+                "allocation inside `with cotenant.region(\"" + name + "\"):`.");
+  }
+  return out;
+}
+
+// Runs `fn` on one device at a safe point. A CUDA graph capture on the
+// device refuses (the table's message names the fix).
+template <typename Fn>
+std::size_t at_safe_point(DeviceAllocators& d, const std::string& name, const char* what, Fn&& fn) {
+  d.regions->set_graph_capture(d.pools->routing());
+  // During a capture nothing may synchronize: the table refuses, naming the fix.
+  if (d.pools->routing()) return fn();
+  LaunchPause pause(kRegionDrainTimeout);
+  if (!pause) {
+    throw Error(std::string("cannot ") + what + " region '" + name + "': CUDA ops running on other threads "
+                "did not finish within 10 s. Call it again when those threads are between ops.");
+  }
+  d.backend->synchronize_device();
+  d.backend->set_quiescent(true);
+  std::size_t bytes = 0;
+  try {
+    bytes = fn();
+    d.backend->finish_copies();
+  } catch (...) {
+    try {
+      d.backend->finish_copies();
+    } catch (...) {
+    }
+    d.backend->set_quiescent(false);
+    throw;
+  }
+  d.backend->set_quiescent(false);
+  return bytes;
+}
+
+std::size_t pause_region(const std::string& name, bool keep) {
+  std::size_t bytes = 0;
+  for (DeviceAllocators* d : devices_holding(name, "pause")) {
+    bytes += at_safe_point(*d, name, "pause", [&] { return d->regions->pause(name, keep); });
+  }
+  return bytes;
+}
+
+std::size_t resume_region(const std::string& name) {
+  std::size_t bytes = 0;
+  for (DeviceAllocators* d : devices_holding(name, "resume")) {
+    bytes += at_safe_point(*d, name, "resume", [&] {
+      try {
+        return d->regions->resume(name);
+      } catch (const OutOfMemoryError&) {
+        // The process's own cached pages may be what fills the device.
+        d->main->empty_cache();
+        d->pools->empty_freeable();
+        return d->regions->resume(name);
+      }
+    });
+  }
+  return bytes;
+}
+
+py::list region_list() {
+  py::list out;
+  auto& allocator = CotenantCudaAllocator::instance();
+  for (int dev = 0; dev < C10_COMPILE_TIME_MAX_GPUS; ++dev) {
+    DeviceAllocators* d = allocator.existing(static_cast<c10::DeviceIndex>(dev));
+    if (d == nullptr) continue;
+    for (const RegionInfo& info : d->regions->regions()) {
+      py::dict row;
+      row["name"] = info.name;
+      row["device"] = dev;
+      row["state"] = region_state_name(info.state);
+      row["allocated_bytes"] = info.allocated_bytes;
+      row["device_bytes"] = info.device_bytes;
+      row["host_bytes"] = info.host_bytes;
+      out.append(row);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+COTENANT_TORCH_BINDINGS(regions) {
+  m.def("region_enter", &RegionScope::enter, py::arg("name"),
+        "This thread's CUDA allocations go to region `name` until region_exit(name).");
+  m.def("region_exit", &RegionScope::exit, py::arg("name"));
+  m.def("current_region", []() { return RegionScope::current(); },
+        "The calling thread's region, or \"\" outside every region.");
+  m.def("pause_region", &pause_region, py::arg("name"), py::arg("keep"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Pauses a region on every device that holds it; returns the bytes moved or released.");
+  m.def("resume_region", &resume_region, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+        "Resumes a paused region; returns the bytes moved or mapped.");
+  m.def("regions", &region_list, "One dict per region and device: name, device, state and bytes.");
+}
+
+}  // namespace cotenant::torch_ext

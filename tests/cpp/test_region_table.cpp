@@ -1,0 +1,233 @@
+// Regions paused and resumed by name (region_table.h), on the simulated
+// device: what a paused region gives back, what it keeps, and that nothing
+// of another block moves.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <thread>
+
+#include "cotenant/errors.h"
+#include "cotenant/region_table.h"
+#include "test_helpers.h"
+
+using namespace cotenant;
+using namespace cotenant::testing;
+
+namespace {
+
+constexpr StreamId kStream = 0;
+
+// Opens a region for the calling thread for the scope's lifetime.
+struct InRegion {
+  explicit InRegion(std::string name) : name(std::move(name)) { RegionScope::enter(this->name); }
+  ~InRegion() { RegionScope::exit(name); }
+  std::string name;
+};
+
+SimulatedDeviceConfig garbage_device() {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.fresh_pages_hold_garbage = true;  // a resumed page must be zeroed on purpose
+  return config;
+}
+
+bool all_zero(SimulatedBackend& device, DevicePtr address, std::size_t bytes) {
+  std::vector<std::uint8_t> got(bytes);
+  device.read(address, got.data(), bytes);
+  return std::all_of(got.begin(), got.end(), [](std::uint8_t b) { return b == 0; });
+}
+
+DevicePtr allocate_in(RegionTable& table, const std::string& name, std::size_t bytes,
+                      CachingAllocator** allocator = nullptr) {
+  InRegion in(name);
+  CachingAllocator* owner = nullptr;
+  const DevicePtr address = table.allocate(bytes, kStream, &owner);
+  if (allocator) *allocator = owner;
+  return address;
+}
+
+}  // namespace
+
+TEST_CASE("pausing_a_region_with_keep_moves_its_pages_to_the_host_and_resume_brings_its_bytes_back") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator main(device);
+  RegionTable table(device);
+  const DevicePtr other = main.allocate(3 * kMiB, kStream);
+  fill(device, other, 1, 3 * kMiB);
+  CachingAllocator* kv = nullptr;
+  const DevicePtr cache = allocate_in(table, "kv_cache", 9 * kMiB, &kv);
+  fill(device, cache, 2, 9 * kMiB);
+  const std::size_t device_before = device.device_bytes_in_use();
+
+  CHECK(table.pause("kv_cache", /*keep=*/true) == 10 * kMiB);  // 5 pages of 2 MiB
+  CHECK(table.state("kv_cache") == RegionState::kPausedKept);
+  CHECK(device.device_bytes_in_use() == device_before - 10 * kMiB);
+  CHECK_FALSE(kv->is_device_resident(cache));
+  CHECK(holds(device, cache, 2, 9 * kMiB));  // same address, read over the host mapping
+  CHECK(main.is_device_resident(other));
+  CHECK(holds(device, other, 1, 3 * kMiB));
+
+  CHECK(table.resume("kv_cache") == 10 * kMiB);
+  CHECK(table.state("kv_cache") == RegionState::kActive);
+  CHECK(kv->is_device_resident(cache));
+  CHECK(device.device_bytes_in_use() == device_before);
+  CHECK(holds(device, cache, 2, 9 * kMiB));
+  kv->check_invariants();
+  main.check_invariants();
+}
+
+TEST_CASE("pausing_a_region_without_keep_releases_its_pages_and_resume_backs_the_same_addresses_with_zeros") {
+  SimulatedBackend device(garbage_device());
+  CachingAllocator main(device);
+  RegionTable table(device);
+  const DevicePtr other = main.allocate(1 * kMiB, kStream);
+  fill(device, other, 3, kMiB);
+  CachingAllocator* kv = nullptr;
+  const DevicePtr a = allocate_in(table, "kv_cache", 5 * kMiB, &kv);
+  const DevicePtr b = allocate_in(table, "kv_cache", 2 * kMiB);
+  fill(device, a, 4, 5 * kMiB);
+  fill(device, b, 5, 2 * kMiB);
+  const std::size_t device_before = device.device_bytes_in_use();
+  const auto reserves_before = device.calls().reserve;
+
+  CHECK(table.pause("kv_cache", /*keep=*/false) > 0);
+  CHECK(table.state("kv_cache") == RegionState::kPausedDiscarded);
+  CHECK(device.device_bytes_in_use() == device_before - 8 * kMiB);
+  CHECK(device.host_bytes_in_use() == 0);  // discarded, not moved
+  CHECK_THROWS_AS(device.residency_at(a), Error);  // unmapped: a kernel touching it would fault
+  CHECK(kv->allocation_size(a) == 5 * kMiB);  // the blocks and their addresses stay
+  kv->check_invariants();
+
+  table.resume("kv_cache");
+  CHECK(device.calls().reserve == reserves_before);  // backed again, not reserved anew
+  CHECK(all_zero(device, a, 5 * kMiB));
+  CHECK(all_zero(device, b, 2 * kMiB));
+  CHECK(holds(device, other, 3, kMiB));
+  kv->check_invariants();
+  kv->free(a);
+  kv->free(b);
+}
+
+TEST_CASE("a_region_never_shares_a_page_with_other_blocks") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator main(device);
+  RegionTable table(device);
+  const DevicePtr small_main = main.allocate(4096, kStream);
+  const DevicePtr small_region = allocate_in(table, "weights", 4096);
+  const std::size_t page = device.granularity();
+  CHECK(small_main / page != small_region / page);
+  const DevicePtr in_a = allocate_in(table, "a", 4096);
+  CHECK(in_a / page != small_region / page);  // two regions: two allocators, two segments
+}
+
+TEST_CASE("allocating_in_a_paused_region_is_an_error_that_names_the_fix_and_freeing_works") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  RegionTable table(device);
+  CachingAllocator* kv = nullptr;
+  const DevicePtr live = allocate_in(table, "kv_cache", 4 * kMiB, &kv);
+  table.pause("kv_cache", /*keep=*/false);
+  CHECK_THROWS_WITH(allocate_in(table, "kv_cache", kMiB),
+                    Catch::Contains("region 'kv_cache'") && Catch::Contains("paused (discarded)") &&
+                        Catch::Contains("cotenant.resume_region(\"kv_cache\")"));
+  kv->free(live);  // a tensor dropped while paused: its block goes, its bytes were gone already
+  CHECK(kv->stats().allocated_bytes.all.current == 0);
+  kv->check_invariants();
+  table.resume("kv_cache");
+  CHECK(device.device_bytes_in_use() == 0);  // nothing live: nothing to back again
+  const DevicePtr again = allocate_in(table, "kv_cache", kMiB);
+  CHECK(again != 0);
+}
+
+TEST_CASE("region_misuse_gets_errors_that_say_what_to_do") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  RegionTable table(device);
+  allocate_in(table, "kv_cache", kMiB);
+
+  CHECK_THROWS_WITH(table.pause("kv", true),
+                    Catch::Contains("region 'kv'") && Catch::Contains("'kv_cache'") &&
+                        Catch::Contains("with cotenant.region(\"kv\")"));
+  CHECK_THROWS_WITH(table.resume("kv_cache"), Catch::Contains("not paused"));
+  table.pause("kv_cache", true);
+  CHECK_THROWS_WITH(table.pause("kv_cache", false),
+                    Catch::Contains("paused (kept) already") && Catch::Contains("resume_region"));
+  table.resume("kv_cache");
+
+  table.set_graph_capture(true);
+  CHECK_THROWS_WITH(table.pause("kv_cache", true),
+                    Catch::Contains("CUDA graph is being captured") && Catch::Contains("after the capture"));
+  CHECK(table.state("kv_cache") == RegionState::kActive);
+  table.set_graph_capture(false);
+}
+
+TEST_CASE("regions_nest_only_in_themselves") {
+  RegionScope::enter("a");
+  RegionScope::enter("a");  // the same region: counted
+  CHECK_THROWS_WITH(RegionScope::enter("b"),
+                    Catch::Contains("inside region 'a'") && Catch::Contains("Leave 'a' first"));
+  CHECK_THROWS_WITH(RegionScope::exit("b"), Catch::Contains("in region 'a'"));
+  RegionScope::exit("a");
+  CHECK(RegionScope::current() == "a");
+  RegionScope::exit("a");
+  CHECK_FALSE(RegionScope::inside());
+  CHECK_THROWS_WITH(RegionScope::exit("a"), Catch::Contains("in no region"));
+  CHECK_THROWS_WITH(RegionScope::enter(""), Catch::Contains("needs a name"));
+}
+
+TEST_CASE("a_region_tags_only_the_thread_that_entered_it") {
+  InRegion in("kv_cache");
+  bool other_thread_inside = true;
+  std::thread([&] { other_thread_inside = RegionScope::inside(); }).join();
+  CHECK(RegionScope::inside());
+  CHECK_FALSE(other_thread_inside);
+}
+
+TEST_CASE("pausing_with_keep_when_the_host_runs_out_leaves_the_region_on_the_device") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 4 * kMiB;  // two host pages for a region of four
+  SimulatedBackend device(config);
+  RegionTable table(device);
+  CachingAllocator* kv = nullptr;
+  const DevicePtr cache = allocate_in(table, "kv_cache", 8 * kMiB, &kv);
+  fill(device, cache, 6, 8 * kMiB);
+  CHECK_THROWS_AS(table.pause("kv_cache", true), OutOfMemoryError);
+  CHECK(table.state("kv_cache") == RegionState::kActive);
+  CHECK(kv->stats().host_resident_bytes.current == 0);
+  CHECK(holds(device, cache, 6, 8 * kMiB));
+  kv->check_invariants();
+}
+
+TEST_CASE("resuming_a_discarded_region_on_a_full_device_stays_paused_and_can_be_retried") {
+  SimulatedBackend device(device_config(16 * kMiB));
+  CachingAllocator main(device);
+  RegionTable table(device);
+  allocate_in(table, "kv_cache", 8 * kMiB);
+  table.pause("kv_cache", false);
+  const DevicePtr filler = main.allocate(12 * kMiB, kStream);  // the device has 4 MiB left
+  CHECK_THROWS_WITH(table.resume("kv_cache"), Catch::Contains("no room") && Catch::Contains("resume again"));
+  CHECK(table.state("kv_cache") == RegionState::kPausedDiscarded);
+  main.free(filler);
+  main.empty_cache();
+  table.resume("kv_cache");
+  CHECK(table.state("kv_cache") == RegionState::kActive);
+  for (auto& [name, allocator] : table.allocators()) allocator->check_invariants();
+}
+
+TEST_CASE("pausing_with_keep_needs_host_pages") {
+  SimulatedBackend device(device_config(1 * kGiB, true, /*host_mappable=*/false));
+  RegionTable table(device);
+  allocate_in(table, "kv_cache", kMiB);
+  CHECK_THROWS_WITH(table.pause("kv_cache", true), Catch::Contains("keep=False"));
+  CHECK(table.pause("kv_cache", false) == 2 * kMiB);
+}
+
+TEST_CASE("discarding_refuses_while_the_device_cannot_synchronize") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(kMiB, kStream);
+  device.refuse_synchronization(true);
+  CHECK_THROWS_WITH(allocator.discard_pages(), Catch::Contains("CUDA graph"));
+  CHECK_FALSE(allocator.discarded());
+  CHECK(allocator.is_device_resident(a));
+  device.refuse_synchronization(false);
+  CHECK(allocator.allocate(1, kStream) != 0);  // nothing was discarded
+}

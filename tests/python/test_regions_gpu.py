@@ -1,0 +1,115 @@
+"""Named regions on a real GPU: `with cotenant.region(...)` tags allocations,
+pause/resume frees device memory and gives it back at the same addresses.
+
+Each test runs in a fresh process (cotenant must be enabled before the first
+CUDA allocation). Marked `gpu`: skipped, with the reason shown, without one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+MIB = 1 << 20
+
+
+def run_script(body, timeout=300):
+    """Runs `body` after cotenant.enable() in a fresh process; returns the JSON it prints last."""
+    code = "import json, torch, cotenant\ncotenant.enable()\n" + textwrap.dedent(body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_pause_with_keep_frees_device_memory_and_resume_brings_the_values_back():
+    out = run_script("""
+        other = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        with cotenant.region("kv_cache"):
+            kv = torch.randn(64 << 20, device="cuda")  # 256 MiB
+        expected = kv.sum().item()
+        ptr = kv.data_ptr()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        moved = cotenant.pause_region("kv_cache", keep=True)
+        free_paused = torch.cuda.mem_get_info()[0]
+        region = cotenant.memory_stats()["regions"][0]
+        state_paused = cotenant.region("kv_cache").state
+        other_ok = bool((other == torch.arange(1 << 20, dtype=torch.float32, device="cuda")).all())
+        cotenant.resume_region("kv_cache")
+        print(json.dumps({"moved": moved, "freed": free_paused - free_before, "region": region,
+                          "state_paused": state_paused, "other_ok": other_ok,
+                          "same_ptr": kv.data_ptr() == ptr, "sum_ok": kv.sum().item() == expected,
+                          "state": cotenant.region("kv_cache").state}))
+    """)
+    assert out["moved"] >= 256 * MIB
+    assert out["freed"] >= 256 * MIB
+    assert out["region"]["name"] == "kv_cache" and out["region"]["device_bytes"] == 0
+    assert out["region"]["host_bytes"] >= 256 * MIB
+    assert out["state_paused"] == "paused (kept)"
+    assert out["other_ok"] and out["same_ptr"] and out["sum_ok"]
+    assert out["state"] == "active"
+
+
+def test_pause_without_keep_frees_device_memory_and_resume_gives_zeros_at_the_same_address():
+    out = run_script("""
+        region = cotenant.region("weights")
+        with region:
+            w = torch.full((64 << 20,), 3.0, device="cuda")  # 256 MiB
+        ptr = w.data_ptr()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        region.pause(keep=False)
+        free_paused = torch.cuda.mem_get_info()[0]
+        host = cotenant.memory_stats()["regions"][0]["host_bytes"]
+        region.resume()
+        print(json.dumps({"freed": free_paused - free_before, "host": host, "same_ptr": w.data_ptr() == ptr,
+                          "zeros": bool((w == 0).all()), "nonzero": int(w.count_nonzero())}))
+    """)
+    assert out["freed"] >= 256 * MIB
+    assert out["host"] == 0
+    assert out["same_ptr"]
+    assert out["zeros"], out
+
+
+def test_allocating_in_a_paused_region_and_pausing_during_capture_raise_with_the_fix():
+    out = run_script("""
+        with cotenant.region("kv_cache"):
+            kv = torch.ones(1 << 20, device="cuda")
+        cotenant.pause_region("kv_cache", keep=False)
+        errors = {}
+        try:
+            with cotenant.region("kv_cache"):
+                torch.empty(1 << 20, device="cuda")
+        except RuntimeError as e:
+            errors["allocate"] = str(e)
+        del kv  # freeing a paused region's tensor is fine
+        cotenant.resume_region("kv_cache")
+        try:
+            cotenant.pause_region("nope", keep=True)
+        except RuntimeError as e:
+            errors["unknown"] = str(e)
+        with cotenant.region("kv_cache"):
+            x = torch.ones(1 << 20, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            y = x * 2
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, stream=s):
+                try:
+                    cotenant.pause_region("kv_cache", keep=True)
+                except RuntimeError as e:
+                    errors["capture"] = str(e)
+                y = x * 2
+        print(json.dumps(errors))
+    """)
+    assert "resume_region" in out["allocate"]
+    assert "'nope'" in out["unknown"] and "'kv_cache'" in out["unknown"]
+    assert "CUDA graph" in out["capture"] and "after the capture" in out["capture"]
