@@ -99,6 +99,7 @@ TORCH_REQUIREMENT = "torch>=2.11,<2.12"
 EXTRAS = {
     "metrics": ["prometheus-client"],   # cotenant coordinator --metrics-port
     "timeline": ["matplotlib"],         # cotenant timeline
+    "cluster": ["ray>=2.60", "scipy"],  # cotenant cluster; AlloX's matching in cotenant simulate --cluster
 }
 EXTRAS["all"] = sorted({requirement for requirements in EXTRAS.values() for requirement in requirements})
 EXTRAS["test"] = ["pytest", "hypothesis", "packaging"]

@@ -12,7 +12,10 @@ solves it with the Hungarian method; here scipy's linear_sum_assignment does.
 A type here is a pool of GPUs, one AlloX machine that works through GPU-seconds
 `pool size` times as fast as one GPU: p(j, t) = remaining seconds alone on the
 trace's GPUs / relative speed on t * GPUs of j / GPUs of type t. That fluid
-view of a pool is the one approximation beyond AlloX's model.
+view of a pool is the one approximation beyond AlloX's model. As AlloX does
+online, every decision matches the waiting jobs to the GPUs free now: a pool
+is a type's GPUs that no job holds, and a job wider than every pool is left
+unbound (it waits as the policy would have it wait).
 
 `TypeMatching` wraps any scheduling policy: it binds each waiting job to the
 type the matching gives (JobView.gpu_type) and lets the policy decide the
@@ -73,12 +76,15 @@ class TypeMatching:
         return f"{self.inner.name}+allox"
 
     def plan(self, state: NodeState) -> Plan:
+        types = {state.gpu(index).gpu_type for index in range(state.gpu_count)}
+        if len(types) < 2:
+            return self.inner.plan(state)
+        held = {g for j in state.jobs if j.status in (RUNNING, STOPPING) for g in j.gpus}
         pools: Dict[str, int] = {}
         for index in range(state.gpu_count):
-            gpu_type = state.gpu(index).gpu_type
-            pools[gpu_type] = pools.get(gpu_type, 0) + 1
-        if len(pools) < 2:
-            return self.inner.plan(state)
+            if index not in held:
+                gpu_type = state.gpu(index).gpu_type
+                pools[gpu_type] = pools.get(gpu_type, 0) + 1
         waiting = [j for j in state.jobs if j.status not in (RUNNING, STOPPING) and j.gpu_type is None]
         types = match(waiting, pools)
         jobs = tuple(replace(j, gpu_type=types[j.job_id]) if j.job_id in types else j for j in state.jobs)
