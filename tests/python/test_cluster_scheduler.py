@@ -151,3 +151,22 @@ def test_a_slow_gpu_stretches_a_jobs_run_time_by_its_speed():
     config = SimulationConfig(gpu_count=1, gpus=shape.gpus(), speed=relative_speed)
     result = simulate([job], Fifo(), config)
     assert result.jobs[0].jct_s == pytest.approx(100.0 / 0.30)
+
+
+def test_opportunistic_jobs_go_to_the_gpus_with_the_most_spare_compute_then_memory_as_measured():
+    s = cluster(policy=Packing(), nodes=())
+    s.node_reported("a", [Gpu("a", 0, "a0", "fast", GiB, free_bytes=GiB // 8), Gpu("a", 1, "a1", "fast", GiB,
+                                                                                   free_bytes=GiB // 2)])
+    s.submit(JobSpec("roomy", CMD, role=OPPORTUNISTIC), 0.0)
+    assert s.decide(0.0)[0].gpus == (("a", 1),)  # both idle: the one with more free memory
+    s.ended(s.find("roomy"), 1.0)
+    for i in (0, 1):
+        s.submit(JobSpec(f"g{i}", CMD), 1.0)
+    s.decide(1.0)
+    on = {s.find(f"g{i}").gpus[0]: f"g{i}" for i in (0, 1)}
+    s.node_reported("a", [Gpu("a", 0, "a0", "fast", GiB, free_bytes=GiB // 2, utilization=0.9),
+                          Gpu("a", 1, "a1", "fast", GiB, free_bytes=GiB // 2, utilization=0.3)])
+    s.submit(JobSpec("packed", CMD, role=OPPORTUNISTIC), 2.0)
+    action = s.decide(2.0)[0]
+    assert action.gpus == (("a", 1),) and action.job.share == pytest.approx(0.7)  # the idler guaranteed job
+    assert on[("a", 1)] in ("g0", "g1")

@@ -106,17 +106,10 @@ class GpuBook:
         view = self.views[gpu]
         return (job.gpu_type is None or view.gpu_type == job.gpu_type) and (job.node is None or view.node == job.node)
 
-    def spare_bytes(self, gpu: int) -> int:
-        """Memory left on `gpu`: as measured by its node when known, else by the residents' declarations."""
-        view = self.views[gpu]
-        if view.free_bytes is not None:
-            return view.free_bytes
-        total = self.memory_of(gpu)
-        if total is None:
-            return 0
-        residents = self.residents[gpu]
-        used = sum(j.persistent_bytes for j in residents) + max((j.ephemeral_bytes for j in residents), default=0)
-        return max(0, total - used)
+    def measured_spare_bytes(self, gpu: int) -> int:
+        """Free memory on `gpu` as its node's agent measured it; 0 where nothing was measured."""
+        free = self.views[gpu].free_bytes
+        return 0 if free is None else free
 
     def guaranteed_on(self, gpu: int) -> Optional[JobView]:
         for j in self.residents[gpu]:

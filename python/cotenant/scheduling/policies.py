@@ -352,8 +352,8 @@ class Packing:
                 continue
             share = self._gpu_share(book, job, gpu)
             if share >= self.min_share:
-                usable.append((-share, -book.spare_bytes(gpu), gpu))
-        usable.sort()  # the most spare compute first, then the most spare memory
+                usable.append((-share, -book.measured_spare_bytes(gpu), gpu))
+        usable.sort()  # the most spare compute first, then the most spare memory measured
         gpus = book.pick(job, [g for _, _, g in usable])
         return None if gpus is None else book.place(job, gpus, OPPORTUNISTIC)
 
