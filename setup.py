@@ -99,6 +99,7 @@ TORCH_REQUIREMENT = "torch>=2.11,<2.12"
 EXTRAS = {
     "metrics": ["prometheus-client"],   # cotenant coordinator --metrics-port
     "timeline": ["matplotlib"],         # cotenant timeline
+    "nvml": ["nvidia-ml-py"],           # the coordinator lists the node's GPUs (UUIDs) through NVML
     "cluster": ["ray>=2.60", "scipy"],  # cotenant cluster; AlloX's matching in cotenant simulate --cluster
 }
 EXTRAS["all"] = sorted({requirement for requirements in EXTRAS.values() for requirement in requirements})
@@ -125,7 +126,7 @@ setup(
     ext_modules=[CMakeExtension("cotenant._core")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",  # as torch 2.11
-    install_requires=[TORCH_REQUIREMENT],
+    install_requires=[TORCH_REQUIREMENT, "tomli>=1.1; python_version < \"3.11\""],  # the coordinator's --config
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": [

@@ -51,7 +51,9 @@ TARGETS = {
 TRACE_FIGURES = ("num_ops", "peak_allocated_bytes", "peak_reserved_bytes", "fragmentation", "spilled_bytes",
                  "restored_bytes", "num_migrations", "ns_per_alloc", "ns_per_free", "num_ooms", "num_page_maps",
                  "num_page_unmaps", "maps_per_peak_page", "num_iterations", "steady_maps_per_iteration",
-                 "steady_host_touched_bytes_per_iteration")
+                 "steady_host_touched_bytes_per_iteration", "fragmentation_floor", "at_peak_live_bytes",
+                 "at_peak_partial_page_free_bytes", "at_peak_free_page_bytes", "at_peak_request_bytes",
+                 "at_peak_largest_hole_bytes")
 
 from cotenant import _core  # noqa: E402
 from cotenant.replay import load_trace, replay_trace  # noqa: E402

@@ -236,6 +236,12 @@ py::dict result_dict(const ReplayResult& r) {
   auto or_none = [](double value) { return value < 0 ? py::object(py::none()) : py::object(py::float_(value)); };
   d["steady_maps_per_iteration"] = or_none(r.steady_maps_per_iteration);
   d["steady_host_touched_bytes_per_iteration"] = or_none(r.steady_host_touched_bytes_per_iteration);
+  d["at_peak_live_bytes"] = r.at_peak_live_bytes;
+  d["at_peak_partial_page_free_bytes"] = r.at_peak_partial_page_free_bytes;
+  d["at_peak_free_page_bytes"] = r.at_peak_free_page_bytes;
+  d["at_peak_request_bytes"] = r.at_peak_request_bytes;
+  d["at_peak_largest_hole_bytes"] = r.at_peak_largest_hole_bytes;
+  d["fragmentation_floor"] = r.fragmentation_floor;
   d["final_stats"] = r.final_stats.as_map();
   return d;
 }

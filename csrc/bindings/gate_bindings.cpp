@@ -189,18 +189,24 @@ COTENANT_CORE_BINDINGS(launch_gate) {
   py::class_<GpuPeerSegment>(m, "GpuPeerSegment",
                              "The per-GPU shared-memory segment where the jobs of one GPU meet.")
       .def_static("open",
-                  [](const std::string& name, std::uint32_t device, double stale_after_s, const std::string& gpu_uuid) {
+                  [](const std::string& name, std::uint32_t device, double stale_after_s, const std::string& gpu_uuid,
+                     std::optional<gid_t> group) {
                     GpuPeerSegmentOptions options;
                     options.stale_after_ns = static_cast<Nanoseconds>(stale_after_s * 1e9);
                     options.gpu_uuid = gpu_uuid;
+                    options.group = group;
                     return GpuPeerSegment::open(name, device, options);
                   },
-                  py::arg("name"), py::arg("device"), py::arg("stale_after_s") = 3.0, py::arg("gpu_uuid") = "")
+                  py::arg("name"), py::arg("device"), py::arg("stale_after_s") = 3.0, py::arg("gpu_uuid") = "",
+                  py::arg("group") = py::none(),
+                  "Creates or attaches to a segment; group: the gid whose members share it (else only this uid).")
       .def_static("default_name",
-                  [](std::uint32_t device, std::optional<std::uint32_t> uid) {
-                    return GpuPeerSegment::default_name(device, uid ? *uid : ::getuid());
+                  [](std::uint32_t device, std::optional<std::uint32_t> uid, const std::string& gpu_uuid,
+                     std::optional<gid_t> group) {
+                    return GpuPeerSegment::default_name(gpu_uuid, device, uid ? *uid : ::getuid(), group);
                   },
-                  py::arg("device"), py::arg("uid") = py::none())
+                  py::arg("device"), py::arg("uid") = py::none(), py::arg("gpu_uuid") = "", py::arg("group") = py::none(),
+                  "The segment's name for a GPU (by UUID when given) and a uid, or a group's shared one.")
       .def_static("remove", &GpuPeerSegment::remove, py::arg("name"))
       .def_property_readonly("name", &GpuPeerSegment::name)
       .def_property_readonly("opening", [](const GpuPeerSegment& s) { return shm::to_string(s.opening()); })

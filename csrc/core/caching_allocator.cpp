@@ -63,6 +63,20 @@ struct CachingAllocator::State {
   static constexpr double kGrowthSlack = 0.05;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
+  AllocatorEventSink* sink = nullptr;  // set_event_sink(); null: no events
+
+  // Tells the sink, if any (allocator_events.h): one pointer test when none.
+  void emit(AllocatorEvent::Kind kind, DevicePtr address, std::size_t bytes, StreamId stream,
+            Residency where = Residency::kDevice) {
+    if (sink == nullptr) return;
+    AllocatorEvent event;
+    event.kind = kind;
+    event.address = address;
+    event.bytes = bytes;
+    event.stream = stream;
+    event.where = where;
+    sink->on_event(event);
+  }
 
   // ---- accounting ---------------------------------------------------------
 
@@ -141,6 +155,7 @@ struct CachingAllocator::State {
     segment.pages[index].handle = handle;
     count_mapped(segment, handle.where, true);
     ++stats.num_device_alloc;
+    emit(AllocatorEvent::Kind::kPageMapped, segment.base + index * page_bytes, page_bytes, segment.stream, handle.where);
   }
 
   // `synchronized`: the caller ran backend.synchronize_for_unmap() for this batch.
@@ -151,6 +166,8 @@ struct CachingAllocator::State {
     backend.release_page(page.handle);
     count_mapped(segment, page.handle.where, false);
     if (page.live_blocks == 0) cached_of(page.handle.where) -= page_bytes;
+    emit(AllocatorEvent::Kind::kPageUnmapped, segment.base + index * page_bytes, page_bytes, segment.stream,
+         page.handle.where);
     page.handle = {};
     ++stats.num_device_free;
   }
@@ -446,8 +463,9 @@ struct CachingAllocator::State {
   }
 
   // The end of a block's life as "active": free it, or for a pinned
-  // fallback allocation, hand the memory back at once.
+  // fallback allocation, keep it pinned in pinned_free for reuse.
   void retire(Block* block) {
+    emit(AllocatorEvent::Kind::kFreeCompleted, block->address, block->requested, block->segment->stream);
     stats.active.decrease(block->size_class, 1);
     stats.active_bytes.decrease(block->size_class, static_cast<std::int64_t>(block->size));
     if (block->segment->pinned_fallback) {
@@ -471,6 +489,7 @@ struct CachingAllocator::State {
       if (!segment.pinned_fallback || !segment.first->in_pool) continue;
       pinned_free.erase(segment.first);
       backend.free_pinned_host(segment.base, segment.size);
+      emit(AllocatorEvent::Kind::kSegmentFreed, segment.base, segment.size, segment.stream, Residency::kHost);
       const auto bytes = static_cast<std::int64_t>(segment.size);
       stats.host_resident_bytes.decrease(bytes);
       stats.pinned_fallback_bytes.decrease(bytes);
@@ -491,9 +510,16 @@ struct CachingAllocator::State {
     }
     const PoolKind pool = PoolKind::kLarge;
     size = round_up(size, page_bytes);
-    const DevicePtr base = backend.allocate_pinned_host(size);
+    DevicePtr base = backend.allocate_pinned_host(size);
+    if (base == 0 && !pinned_free.empty()) {
+      // Host memory is short: the cached blocks (other streams', or too
+      // large to reuse) go back first, then one more try.
+      release_pinned_cache();
+      base = backend.allocate_pinned_host(size);
+    }
     if (base == 0) return nullptr;
     Block* block = add_segment(base, size, stream, pool, /*pinned_fallback=*/true);
+    emit(AllocatorEvent::Kind::kSegmentAllocated, base, size, stream, Residency::kHost);
     const auto bytes = static_cast<std::int64_t>(size);
     stats.host_resident_bytes.increase(bytes);
     stats.pinned_fallback_bytes.increase(bytes);
@@ -533,6 +559,14 @@ struct CachingAllocator::State {
 
   [[noreturn]] void out_of_memory(std::size_t requested, StreamId stream) {
     ++stats.num_ooms;
+    if (sink != nullptr) {
+      AllocatorEvent event;
+      event.kind = AllocatorEvent::Kind::kOutOfMemory;
+      event.bytes = requested;
+      event.stream = stream;
+      event.device_free_bytes = backend.device_free_bytes();
+      sink->on_event(event);
+    }
     const std::uint64_t limit = effective_cap();
     if (limit == kNoCap && !options.spill_without_cap) {
       // No cap: the device itself is full, as PyTorch's allocator reports it.
@@ -624,6 +658,7 @@ struct CachingAllocator::State {
     count_mapped(segment, page.handle.where, false);
     count_mapped(segment, where, true);
     page.handle = target;
+    emit(AllocatorEvent::Kind::kPageMoved, address, page_bytes, segment.stream, where);
     const auto bytes = static_cast<std::int64_t>(page_bytes);
     (where == Residency::kHost ? stats.spilled_bytes : stats.restored_bytes) += bytes;
     ++stats.num_migrations;
@@ -785,6 +820,7 @@ CachingAllocator::CachingAllocator(Backend& backend, AllocatorOptions options)
 
 CachingAllocator::~CachingAllocator() {
   std::lock_guard lock(state_->mutex);
+  state_->sink = nullptr;  // what tearing down releases is no event of the allocator's life
   try {
     state_->release_everything();
   } catch (...) {
@@ -839,6 +875,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   s.stats.active.increase(pool, 1);
   s.stats.active_bytes.increase(pool, block_bytes);
   if (spilled) ++s.stats.num_spilled_allocations;
+  s.emit(AllocatorEvent::Kind::kAlloc, block->address, bytes, block->segment->stream);
   if (s.device_bytes() > s.effective_cap()) {
     // Placed over the cap in colder pages' stead: they move at the next safe point.
     s.stats.pending_spill_bytes = static_cast<std::int64_t>(s.device_bytes() - s.effective_cap());
@@ -858,21 +895,33 @@ void CachingAllocator::free(DevicePtr address) {
         address));
   }
   Block* block = it->second;
+  // The events first: a backend that cannot record one (the driver shutting
+  // down, a stream of another device) leaves the block allocated and the
+  // books as they were, so a caller that must not throw (a tensor's deleter)
+  // can report the error and go on.
+  std::vector<EventHandle> events;
+  events.reserve(block->used_on.size());
+  try {
+    for (StreamId stream : block->used_on) {
+      events.push_back(s.take_event());
+      s.backend.record_event(events.back(), stream);
+    }
+  } catch (...) {
+    s.spare_events.insert(s.spare_events.end(), events.begin(), events.end());
+    throw;
+  }
+  s.emit(AllocatorEvent::Kind::kFreeRequested, address, block->requested, block->segment->stream);
   s.allocated.erase(it);
   block->allocated = false;
   const PoolKind pool = block->size_class;
   s.stats.allocation.decrease(pool, 1);
   s.stats.allocated_bytes.decrease(pool, static_cast<std::int64_t>(block->size));
   s.stats.requested_bytes.decrease(pool, static_cast<std::int64_t>(block->requested));
-  if (block->used_on.empty()) {
+  if (events.empty()) {
     s.retire(block);
     return;
   }
-  for (StreamId stream : block->used_on) {
-    EventHandle event = s.take_event();
-    s.backend.record_event(event, stream);
-    block->events.push_back(event);
-  }
+  block->events = std::move(events);
   s.waiting.push_back(block);
 }
 
@@ -1039,6 +1088,11 @@ void CachingAllocator::reset_accumulated_stats() {
   state_->stats.reset_accumulated();
 }
 
+void CachingAllocator::set_event_sink(AllocatorEventSink* sink) {
+  std::lock_guard lock(state_->mutex);
+  state_->sink = sink;
+}
+
 std::vector<SegmentInfo> CachingAllocator::snapshot() const {
   const State& s = *state_;
   std::lock_guard lock(s.mutex);
@@ -1052,9 +1106,17 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     info.pool = segment->pool;
     info.pinned_fallback = segment->pinned_fallback;
     if (segment->pinned_fallback) info.host_bytes = segment->size;
-    for (const Page& page : segment->pages) {
+    for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+      const Page& page = segment->pages[i];
       if (!page.handle) continue;
       (page.handle.where == Residency::kDevice ? info.device_bytes : info.host_bytes) += s.page_bytes;
+      const DevicePtr address = segment->base + i * s.page_bytes;
+      auto& runs = info.mapped_runs;
+      if (!runs.empty() && runs.back().where == page.handle.where && runs.back().address + runs.back().size == address) {
+        runs.back().size += s.page_bytes;
+      } else {
+        runs.push_back({address, s.page_bytes, page.handle.where});
+      }
     }
     for (const Block* block = segment->first; block; block = block->next) {
       info.blocks.push_back({block->address, block->size, block->requested, block->allocated,

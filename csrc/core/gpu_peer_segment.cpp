@@ -5,13 +5,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <pwd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cerrno>
 #include <cstring>
 #include <string>
 
 #include "cotenant/errors.h"
 #include "cotenant/shm/gpu_block.h"
+#include "cotenant/shm/shm_region.h"
 
 namespace cotenant::shm {
 namespace {
@@ -22,24 +26,38 @@ bool pid_exists(std::uint64_t pid) {
   return errno == EPERM;  // exists, owned by another user
 }
 
+std::string user_name(uid_t uid) {
+  if (const passwd* entry = ::getpwuid(uid)) return entry->pw_name;
+  return "uid " + std::to_string(uid);
+}
+
 // Exclusive flock() on the shared-memory object for the duration of open():
 // serialises creators and re-initialisation; released when the fd closes,
 // including when its holder dies.
+//
+// The object is trusted only if it belongs to the caller and not every user may
+// write it: a segment another user created first (under the caller's name)
+// could be written by them, and would set the caller's share. Such a segment
+// is refused with the owner's name, not reinitialised.
 class ObjectLock {
  public:
-  explicit ObjectLock(const std::string& name) : name_(name) {
-    fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT, 0660);
+  ObjectLock(const std::string& name, std::optional<gid_t> group) : name_(name), group_(group) {
+    const mode_t old_umask = ::umask(0117);  // born 0660: never a moment with a wider mode
+    fd_ = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0660);
+    const int error = errno;
+    ::umask(old_umask);
     if (fd_ < 0) {
-      int error = errno;
       throw Error("could not open the GPU peer segment '" + name + "': " + std::strerror(error) +
-                  (error == EACCES ? " (it belongs to another user; each user has their own segment)" : ""));
+                  (error == EACCES ? " (another user created it and may not share it with you; remove /dev/shm" +
+                                         name + " as root or its owner, or set COTENANT_GPU_SEGMENT to another name)"
+                                   : ""));
     }
-    (void)::fchmod(fd_, 0660);
+    check_owner();
     while (::flock(fd_, LOCK_EX) != 0) {
       if (errno != EINTR) {
-        int error = errno;
+        int lock_error = errno;
         ::close(fd_);
-        throw Error("could not lock the GPU peer segment '" + name + "': " + std::strerror(error));
+        throw Error("could not lock the GPU peer segment '" + name + "': " + std::strerror(lock_error));
       }
     }
   }
@@ -52,18 +70,56 @@ class ObjectLock {
     if (::fstat(fd_, &info) != 0) throw Error("could not inspect the GPU peer segment '" + name_ + "'");
     return static_cast<std::size_t>(info.st_size);
   }
-  void grow_to(std::size_t bytes) const {
-    if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
-      int error = errno;
-      throw Error("could not size the GPU peer segment '" + name_ + "' to " + std::to_string(bytes) +
-                  " bytes: " + std::strerror(error) + " (is /dev/shm full?)");
-    }
-  }
+  // Takes the pages now (shm::reserve_pages): a full /dev/shm is an error
+  // here, not a SIGBUS at the first touch.
+  void grow_to(std::size_t bytes) const { reserve_pages(fd_, bytes, name_); }
 
  private:
+  void check_owner() {
+    struct stat info {};
+    if (::fstat(fd_, &info) != 0) {
+      int error = errno;
+      ::close(fd_);
+      throw Error("could not inspect the GPU peer segment '" + name_ + "': " + std::strerror(error));
+    }
+    const uid_t me = ::geteuid();
+    std::string problem;
+    const bool group_shared = group_ && info.st_gid == *group_;
+    if (info.st_uid == me && group_ && !group_shared) {
+      // Ours, from before it was shared (or just created): give it to the group.
+      if (::fchown(fd_, static_cast<uid_t>(-1), *group_) != 0 || ::fchmod(fd_, 0660) != 0) {
+        problem = "cannot be given to group " + std::to_string(*group_) + " (" + std::strerror(errno) +
+                  "; is this user a member?)";
+      }
+    } else if (info.st_uid != me && !group_shared) {
+      problem = "belongs to " + user_name(info.st_uid) + ", not to " + user_name(me) +
+                (group_ ? " or to group " + std::to_string(*group_) : std::string());
+    } else if (info.st_mode & 0002) {
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+      problem = std::string("may be written by every user (mode ") + mode + ")";
+    }
+    if (problem.empty()) return;
+    ::close(fd_);
+    throw Error("the GPU peer segment '" + name_ + "' " + problem +
+                ": whoever can write it sets this job's share, so cotenant does not use it. Remove /dev/shm" + name_ +
+                " (as root or its owner) and start the job again, or set COTENANT_GPU_SEGMENT to another name");
+  }
+
   std::string name_;
+  std::optional<gid_t> group_;
   int fd_ = -1;
 };
+
+std::string stored_uuid(const GpuBlock& block) {
+  char uuid[kGpuBlockUuidBytes] = {};
+  for (std::size_t word = 0; word < kGpuBlockUuidBytes / 8; ++word) {
+    const std::uint64_t bits = block.gpu_uuid[word].load();
+    std::memcpy(uuid + word * 8, &bits, 8);
+  }
+  uuid[kGpuBlockUuidBytes - 1] = '\0';
+  return uuid;
+}
 
 void clear_guaranteed(GuaranteedSlot& slot) {
   slot.heartbeat_ns.store(0);
@@ -151,14 +207,20 @@ std::vector<FieldLayout> gpu_block_layout() {
   return fields;
 }
 
-std::string GpuPeerSegment::default_name(std::uint32_t device, uid_t uid) {
-  return "/cotenant-gpu" + std::to_string(device) + "-" + std::to_string(uid);
+std::string GpuPeerSegment::default_name(const std::string& gpu_uuid, std::uint32_t device, uid_t uid,
+                                         std::optional<gid_t> group) {
+  std::string key = gpu_uuid.empty() ? "index" + std::to_string(device) : gpu_uuid;
+  for (char& c : key) {
+    const bool allowed = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+    if (!allowed) c = '_';
+  }
+  return "/cotenant-gpu-" + key + (group ? "-g" + std::to_string(*group) : "-u" + std::to_string(uid));
 }
 
 GpuPeerSegment GpuPeerSegment::open(const std::string& name, std::uint32_t device, GpuPeerSegmentOptions options,
                                     Clock& clock) {
   ShmRegion::validate_name(name);
-  ObjectLock lock(name);
+  ObjectLock lock(name, options.group);
   const std::size_t found_bytes = lock.size();
   if (found_bytes < sizeof(GpuBlock)) lock.grow_to(sizeof(GpuBlock));
   ShmRegion region = ShmRegion::open(name, sizeof(GpuBlock));
@@ -170,7 +232,7 @@ GpuPeerSegment GpuPeerSegment::open(const std::string& name, std::uint32_t devic
     opening = SegmentOpening::kCreated;
   } else if (block.magic.load(std::memory_order_acquire) != kGpuBlockMagic ||
              block.version.load() != kGpuBlockVersion || block.block_bytes.load() != sizeof(GpuBlock) ||
-             block.device.load() != device) {
+             (options.gpu_uuid.empty() ? block.device.load() != device : stored_uuid(block) != options.gpu_uuid.substr(0, kGpuBlockUuidBytes - 1))) {
     // Left by another version, a creator that died before finishing (it
     // held the lock, so nobody saw it half-written), or foreign bytes.
     initialise(block, device, options.gpu_uuid);

@@ -1,5 +1,6 @@
 #include "cotenant/job_channel.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -44,6 +45,11 @@ JobChannel::~JobChannel() {
   report_.state = JobState::kExited;
   report_.heartbeat_ns = shm::monotonic_ns();
   shm::write_report(*block_, report_);
+  // The job is done for good: its block's name goes too, where this uid may
+  // remove it (the job owns its block under a root coordinator). Without
+  // this, a block would stay in /dev/shm until a coordinator next runs on the
+  // same socket; a coordinator still mapping it reads "exited" all the same.
+  (void)::shm_unlink(region_.name().c_str());
 }
 
 void JobChannel::start() {

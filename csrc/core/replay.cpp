@@ -40,6 +40,42 @@ struct TraceState {
   std::unordered_set<std::uint64_t> failed;
 };
 
+// Fills the result's at_peak_* figures from the allocator's blocks now:
+// called when an allocation of `request` bytes has just raised reserved
+// bytes to `reserved`.
+void record_reserved_peak(const CachingAllocator& allocator, std::int64_t reserved, std::uint64_t request,
+                          ReplayResult& result) {
+  const std::size_t page = allocator.backend().granularity();
+  std::int64_t live = 0, live_pages = 0, largest_hole = 0;
+  for (const SegmentInfo& segment : allocator.snapshot()) {
+    std::size_t counted_up_to = 0;  // pages [0, counted_up_to) of the segment are counted
+    std::int64_t hole = 0;          // the free bytes since the last live block
+    for (const BlockInfo& block : segment.blocks) {
+      const bool is_live = block.allocated || block.waiting_on_events;
+      if (!is_live) {
+        hole = static_cast<std::int64_t>(block.size);
+        continue;
+      }
+      largest_hole = std::max(largest_hole, hole);
+      hole = 0;
+      live += static_cast<std::int64_t>(block.size);
+      if (segment.pinned_fallback) {
+        live_pages += static_cast<std::int64_t>(segment.size);  // one block, whole pages
+        continue;
+      }
+      const std::size_t first = std::max<std::size_t>((block.address - segment.address) / page, counted_up_to);
+      const std::size_t end = (block.address + block.size - segment.address + page - 1) / page;
+      if (end > first) live_pages += static_cast<std::int64_t>((end - first) * page);
+      counted_up_to = std::max(counted_up_to, end);
+    }
+  }
+  result.at_peak_live_bytes = live;
+  result.at_peak_partial_page_free_bytes = live_pages - live;
+  result.at_peak_free_page_bytes = reserved - live_pages;
+  result.at_peak_request_bytes = static_cast<std::int64_t>(request);
+  result.at_peak_largest_hole_bytes = largest_hole;
+}
+
 }  // namespace
 
 // The mean of the last half of `values` (at least one), or -1 for fewer than 2.
@@ -58,6 +94,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   // Per-iteration counters: maps at the last mark, host bytes touched since it.
   std::int64_t maps_at_mark = allocator.stats().num_device_alloc;
   std::int64_t host_touched = 0;
+  std::int64_t reserved_peak = allocator.stats().reserved_bytes.all.current;
 
   for (std::size_t index = 0; index < ops.size(); ++index) {
     const ReplayOp& op = ops[index];
@@ -79,6 +116,11 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
           result.alloc_ns_total += elapsed_ns(start, end);
           ++result.num_allocs;
           trace.live.emplace(op.id, address);
+          const std::int64_t reserved = allocator.stats().reserved_bytes.all.current;
+          if (reserved > reserved_peak) {
+            reserved_peak = reserved;
+            record_reserved_peak(allocator, reserved, op.bytes, result);
+          }
           if (address != 0) host_touched += static_cast<std::int64_t>(allocator.host_bytes_of(address));
         } catch (const OutOfMemoryError&) {
           ++result.num_ooms;
@@ -166,6 +208,12 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   result.maps_per_peak_page = result.peak_reserved_bytes > 0
       ? static_cast<double>(result.num_page_maps) / (static_cast<double>(result.peak_reserved_bytes) / page_bytes)
       : 0.0;
+  if (result.peak_allocated_bytes > 0) {
+    const auto page = static_cast<std::int64_t>(allocator.backend().granularity());
+    const std::int64_t floor_bytes = (result.peak_allocated_bytes + page - 1) / page * page;
+    result.fragmentation_floor =
+        static_cast<double>(floor_bytes) / static_cast<double>(result.peak_allocated_bytes);
+  }
   result.steady_maps_per_iteration = warm_mean(result.maps_per_iteration);
   result.steady_host_touched_bytes_per_iteration = warm_mean(result.host_touched_bytes_per_iteration);
   result.final_stats = stats;

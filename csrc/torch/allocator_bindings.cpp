@@ -57,6 +57,9 @@ CachingAllocator& main_allocator(int device) {
 // Counts op entries, for tests of the interception point.
 std::atomic<std::int64_t> counted_op_entries{0};
 int counting_hook_id = -1;
+
+// This thread is between Triton's launch enter and exit hooks.
+thread_local bool triton_launch_open = false;
 void count_op_entry(const OpEntry&, void*) { counted_op_entries.fetch_add(1, std::memory_order_relaxed); }
 
 std::mutex channel_mutex;
@@ -149,6 +152,25 @@ COTENANT_TORCH_BINDINGS(allocator) {
     begin_explicit_op("cotenant::explicit_op");
   }, "Work launched outside ATen (a CUDA graph replay) begins: it counts as one op until end_explicit_op().");
   m.def("end_explicit_op", [] { end_explicit_op(); });
+  // Triton's launch hooks (triton.knobs.runtime.launch_enter_hook and
+  // launch_exit_hook): each launch through Triton's launcher is one explicit
+  // op. Triton skips the exit hook when a launch fails, so an enter hook
+  // that finds this thread's previous launch still open ends it first, and
+  // triton_launch_exit may be called again to end it (it does nothing then).
+  m.def("triton_launch_enter", [](const py::handle& /*metadata*/) {
+    if (triton_launch_open) end_explicit_op();
+    triton_launch_open = false;
+    {
+      py::gil_scoped_release release;  // it may wait for a safe point another thread runs
+      begin_explicit_op("triton::launch");
+    }
+    triton_launch_open = true;
+  }, py::arg("metadata") = py::none(), "Triton's launch enter hook: the launch begins as one op.");
+  m.def("triton_launch_exit", [](const py::handle& /*metadata*/) {
+    if (!triton_launch_open) return;
+    triton_launch_open = false;
+    end_explicit_op();
+  }, py::arg("metadata") = py::none(), "Triton's launch exit hook: the launch is enqueued.");
   m.def("_count_op_entries", [](bool on) {
     if (on && counting_hook_id < 0) {
       counted_op_entries.store(0);
@@ -164,6 +186,9 @@ COTENANT_TORCH_BINDINGS(allocator) {
     return pause_launches(std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6)));
   }, py::arg("timeout_s"));
   m.def("_resume_launches", [] { resume_launches(); });
+  m.def("_raw_delete", [](std::uintptr_t address) {
+    CotenantCudaAllocator::instance().raw_delete(reinterpret_cast<void*>(address));
+  }, py::arg("address"), "The allocator's raw_delete, as torch calls it (for tests: it never throws).");
 
   // ---- the coordinator's job channel ----
   // What each command does is the core's job_channel_hooks() over a

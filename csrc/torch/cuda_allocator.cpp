@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <optional>
 #include <sstream>
+#include <utility>
 
 #include "../cuda/cuda_backend.h"
 #include "cotenant/errors.h"
@@ -38,15 +39,12 @@ std::int64_t steady_now_ns() {
       .count();
 }
 
-// A tensor's deleter must not throw (it runs in destructors, at interpreter
-// exit too): a free that fails is reported and the block stays allocated.
-void delete_with_cotenant(void* ptr) noexcept {
-  try {
-    CotenantCudaAllocator::instance().raw_delete(ptr);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated: %s\n", ptr, e.what());
-  }
-}
+// A tensor's deleter. It runs in destructors (at interpreter exit too), so
+// it must not throw: raw_delete reports a failed free instead.
+void delete_with_cotenant(void* ptr) noexcept { CotenantCudaAllocator::instance().raw_delete(ptr); }
+static_assert(noexcept(delete_with_cotenant(nullptr)));
+static_assert(noexcept(std::declval<CotenantCudaAllocator&>().raw_delete(nullptr)),
+              "raw_delete runs from destructors (thrust's, cuDNN's workspaces): it must not throw");
 
 // Runs `fn`, turning cotenant's C++ errors into the c10 errors PyTorch maps
 // to Python exceptions (torch.OutOfMemoryError, RuntimeError).
@@ -91,33 +89,6 @@ void add_stats(c10::CachingDeviceAllocator::DeviceStats& to, const AllocatorStat
   to.num_device_free += from.num_device_free;
 }
 
-c10::CachingDeviceAllocator::SegmentInfo to_torch_segment(const SegmentInfo& s,
-                                                          c10::DeviceIndex device,
-                                                          c10::MempoolId_t pool) {
-  c10::CachingDeviceAllocator::SegmentInfo out;
-  out.device = device;
-  out.address = s.address;
-  out.total_size = s.size;
-  out.stream = reinterpret_cast<void*>(static_cast<std::uintptr_t>(s.stream));
-  out.is_large = s.pool == PoolKind::kLarge;
-  out.is_expandable = false;
-  out.owner_private_pool_id = pool;
-  for (const BlockInfo& b : s.blocks) {
-    c10::CachingDeviceAllocator::BlockInfo block;
-    block.size = b.size;
-    block.requested_size = b.requested_size;
-    block.allocated = b.allocated;
-    block.active = b.allocated || b.waiting_on_events;
-    if (b.allocated) {
-      out.allocated_size += b.size;
-      out.requested_size += b.requested_size;
-    }
-    if (block.active) out.active_size += b.size;
-    out.blocks.push_back(std::move(block));
-  }
-  return out;
-}
-
 PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
 
 // The capped allocator's options: COTENANT_SPILL_WITHOUT_CAP=1 spills to the
@@ -138,7 +109,8 @@ DeviceAllocators::DeviceAllocators(c10::DeviceIndex device_index)
     : device(device_index),
       backend(std::make_unique<cuda::CudaBackend>(device_index)),
       main(std::make_unique<CachingAllocator>(*backend, main_options())),
-      pools(std::make_unique<PoolTable>(*backend)) {}
+      pools(std::make_unique<PoolTable>(*backend)),
+      history(std::make_unique<MemoryHistory>()) {}
 
 DeviceAllocators::~DeviceAllocators() = default;
 
@@ -202,6 +174,7 @@ DeviceAllocators& CotenantCudaAllocator::on(c10::DeviceIndex device) {
   DeviceAllocators* raw = created.get();
   owned_devices_.push_back(std::move(created));
   devices_[device].store(raw, std::memory_order_release);
+  attach_history(*raw, /*configure=*/true);  // after the store: recordHistory() meanwhile sees the device
   return *raw;
 }
 
@@ -294,6 +267,9 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
       graph_pool = true;
     }
   }
+  // Gathered here, outside the allocator's lock (it takes Python's).
+  const HistoryContext context = d.history->gather(ContextLevel::kState);
+  MemoryHistory::ContextScope lend_context(context);
   DevicePtr address = 0;
   try {
     address = target->allocate(nbytes, static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)));
@@ -351,23 +327,45 @@ CotenantCudaAllocator::Owner CotenantCudaAllocator::owner_of(void* ptr) const {
   return it == owners_.end() ? Owner{} : it->second;
 }
 
-void CotenantCudaAllocator::raw_delete(void* ptr) {
+void CotenantCudaAllocator::raw_delete(void* ptr) noexcept {
   if (ptr == nullptr) return;
+  try {
+    free_owned(ptr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated: %s\n", ptr,
+                 e.what());
+  } catch (...) {
+    std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated\n", ptr);
+  }
+}
+
+void CotenantCudaAllocator::free_owned(void* ptr) {
   Owner owner;
   {
     std::lock_guard<std::mutex> lock(owners_mutex_);
     auto it = owners_.find(ptr);
-    TORCH_CHECK(it != owners_.end(), "cotenant's CUDA allocator was asked to free ", ptr,
-                ", which it did not allocate. This happens when memory from PyTorch's own "
-                "allocator outlives the switch to cotenant; call cotenant.enable() before the "
-                "first CUDA allocation.");
+    if (it == owners_.end()) {
+      throw Error("cotenant's CUDA allocator was asked to free an address it did not allocate. This happens "
+                  "when memory from PyTorch's own allocator outlives the switch to cotenant; call "
+                  "cotenant.enable() before the first CUDA allocation.");
+    }
     owner = it->second;
     owners_.erase(it);
   }
-  DeviceAllocators* d = existing(owner.device);
-  std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
-  if (d != nullptr && d->pools->routing()) relaxed.emplace(cudaStreamCaptureModeRelaxed);
-  translate_errors([&] { owner.allocator->free(reinterpret_cast<DevicePtr>(ptr)); });
+  try {
+    DeviceAllocators* d = existing(owner.device);
+    std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+    if (d != nullptr && d->pools->routing()) relaxed.emplace(cudaStreamCaptureModeRelaxed);
+    const HistoryContext context = d != nullptr ? d->history->gather(ContextLevel::kAll) : HistoryContext{};
+    MemoryHistory::ContextScope lend_context(context);
+    owner.allocator->free(reinterpret_cast<DevicePtr>(ptr));
+  } catch (...) {
+    // The block is still allocated (CachingAllocator::free changes nothing
+    // when it throws), so no allocation can have reused the address.
+    std::lock_guard<std::mutex> lock(owners_mutex_);
+    owners_.emplace(ptr, owner);
+    throw;
+  }
 }
 
 void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {
@@ -510,10 +508,10 @@ void* CotenantCudaAllocator::getBaseAllocation(void* ptr, size_t* size) {
   TORCH_CHECK(false, "getBaseAllocation: no segment holds ", ptr, ".");
 }
 
-c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool_id, bool /*include_traces*/) {
+c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool_id, bool include_traces) {
   c10_alloc::SnapshotInfo out;
   const int count = device_count_.load();
-  out.device_traces.resize(static_cast<size_t>(std::max(count, 0)));  // history is not recorded
+  out.device_traces.resize(static_cast<size_t>(std::max(count, 0)));
   for (int dev = 0; dev < count; ++dev) {
     DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
     if (d == nullptr) continue;
@@ -523,11 +521,8 @@ c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool
       const c10::MempoolId_t torch_id{id.first, id.second};
       if (mempool_id == kDefaultPool || mempool_id == torch_id) sources.emplace_back(torch_id, pool);
     }
-    for (auto& [id, allocator] : sources) {
-      for (const SegmentInfo& s : allocator->snapshot()) {
-        out.segments.push_back(to_torch_segment(s, static_cast<c10::DeviceIndex>(dev), id));
-      }
-    }
+    for (auto& [id, allocator] : sources) add_segments_to_snapshot(*d, *allocator, id, out);
+    add_history_to_snapshot(*d, out, include_traces);
   }
   out.config_metadata.garbage_collection_threshold = 0.0;
   out.config_metadata.max_split_size = std::numeric_limits<size_t>::max();
@@ -549,6 +544,7 @@ void CotenantCudaAllocator::createOrIncrefPool(c10::DeviceIndex device, c10::Mem
               "CUDA memory; create the MemPool without an allocator argument.");
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
   d.pools->create_or_incref(pool_id(mempool_id));
+  attach_history(d);  // a new pool's allocator reports to the history too
 }
 
 void CotenantCudaAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
@@ -560,6 +556,7 @@ void CotenantCudaAllocator::beginAllocateToPool(c10::DeviceIndex device, c10::Me
     });
   });
   d.backend->set_graph_capture(true);
+  attach_history(d);
 }
 
 void CotenantCudaAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
@@ -630,7 +627,7 @@ c10_alloc::CheckpointDelta CotenantCudaAllocator::setCheckpointPoolState(
               "mode or mode=\"max-autotune-no-cudagraphs\".");
 }
 
-// ---- IPC, history, observers, peers ------------------------------------------------------
+// ---- IPC, observers, peers (memory history: cuda_allocator_history.cpp) ------------------------------------------------------
 
 c10_alloc::ShareableHandle CotenantCudaAllocator::shareIpcHandle(void* /*ptr*/) {
   TORCH_CHECK(false,
@@ -647,26 +644,9 @@ std::shared_ptr<void> CotenantCudaAllocator::getIpcDevPtr(std::string /*handle*/
               "tensors instead, or run this process without cotenant (COTENANT_DISABLE=1).");
 }
 
-bool CotenantCudaAllocator::isHistoryEnabled() { return false; }
-
-void CotenantCudaAllocator::recordHistory(bool enabled, c10_alloc::CreateContextFn, size_t,
-                                          c10_alloc::RecordContext, bool,
-                                          const std::vector<std::string>&) {
-  TORCH_CHECK(!enabled,
-              "torch.cuda.memory._record_memory_history() is not supported while cotenant manages "
-              "CUDA memory; use torch.cuda.memory_snapshot() (segments and blocks, without stack "
-              "traces) or cotenant.memory_stats() instead.");
-}
-
 void CotenantCudaAllocator::attachOutOfMemoryObserver(c10_alloc::OutOfMemoryObserver observer) {
   std::lock_guard<std::mutex> lock(observers_mutex_);
   oom_observers_.push_back(std::move(observer));
-}
-
-void CotenantCudaAllocator::attachAllocatorTraceTracker(c10_alloc::AllocatorTraceTracker tracker) {
-  // Kept so callers that attach one work; cotenant records no trace entries.
-  std::lock_guard<std::mutex> lock(observers_mutex_);
-  trace_trackers_.push_back(std::move(tracker));
 }
 
 void CotenantCudaAllocator::enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cotenant/caching_allocator.h"
+#include "cotenant/memory_history.h"
 #include "cotenant/pool_table.h"
 
 namespace cotenant::cuda {
@@ -54,6 +55,10 @@ struct DeviceAllocators {
   // CUDA-graph and MemPool pools, their holders and the capture routes.
   // pools.routing() is read lock-free on the allocation fast path.
   std::unique_ptr<PoolTable> pools;
+  // torch.cuda.memory._record_memory_history() for this device: every
+  // allocator above reports to it while it is active (cuda_allocator_history.cpp).
+  std::unique_ptr<MemoryHistory> history;
+  bool history_feeds_trace_trackers = false;  // its listener for attachAllocatorTraceTracker is in
 };
 
 class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
@@ -105,7 +110,10 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // ---- CUDAAllocator ---------------------------------------------------------
   void* raw_alloc(size_t nbytes) override;
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override;
-  void raw_delete(void* ptr) override;
+  // Never throws (it runs from destructors): a free that fails, or a pointer
+  // this allocator did not make, is reported on stderr and the memory stays
+  // allocated.
+  void raw_delete(void* ptr) noexcept override;
   void init(int device_count) override;
   double getMemoryFraction(c10::DeviceIndex device) override;
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override;
@@ -157,9 +165,26 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
 
   void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
   Owner owner_of(void* ptr) const;  // allocator == nullptr when unknown
+  void free_owned(void* ptr);       // raw_delete's work; throws, changing nothing, on failure
   // The allocators of one device (main first, then every pool), or of one
   // pool when `mempool_id` is not {0, 0}.
   std::vector<CachingAllocator*> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);
+
+  // ---- memory history (cuda_allocator_history.cpp) ----------------------------
+  // Adds the trace trackers' listener to the device's history (and, with
+  // `configure`, applies the recorded settings to it: a new device), then
+  // points each of the device's allocators at the history while it is
+  // active, at nothing otherwise, so recording off costs nothing. Runs on
+  // device creation and whenever a pool may have been created.
+  void attach_history(DeviceAllocators& d, bool configure = false);
+  // The snapshot's segments and traces of one device.
+  void add_history_to_snapshot(DeviceAllocators& d, c10_alloc::SnapshotInfo& out, bool include_traces);
+  // Segments of `allocator` as a snapshot reports them (one per run of
+  // mapped pages of one residency; host memory on kHostStream).
+  void add_segments_to_snapshot(DeviceAllocators& d, CachingAllocator& allocator, c10::MempoolId_t pool,
+                                c10_alloc::SnapshotInfo& out);
+  std::mutex history_mutex_;     // the settings below, and attaching
+  HistorySettings history_settings_;
 
   std::atomic<bool> installed_{false};
   std::atomic<bool> enabled_{true};

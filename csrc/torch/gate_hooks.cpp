@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <pthread.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -262,12 +263,14 @@ void activate_gate(const GateActivation& activation) {
 
   auto state = std::make_unique<ProcessGate>();
   state->activation = activation;
-  const std::string name = activation.segment_name.empty()
-                               ? shm::GpuPeerSegment::default_name(static_cast<std::uint32_t>(activation.device),
-                                                                   ::getuid())
-                               : activation.segment_name;
+  const std::string name =
+      activation.segment_name.empty()
+          ? shm::GpuPeerSegment::default_name(activation.gpu_uuid, static_cast<std::uint32_t>(activation.device),
+                                              ::getuid(), activation.group)
+          : activation.segment_name;
   shm::GpuPeerSegmentOptions options;
   options.gpu_uuid = activation.gpu_uuid;
+  options.group = activation.group;
   state->segment.emplace(shm::GpuPeerSegment::open(name, static_cast<std::uint32_t>(activation.device), options));
   state->work = std::make_unique<CudaEventWork>(activation.device);
   const auto pid = static_cast<std::uint64_t>(::getpid());
@@ -420,7 +423,7 @@ py::dict gate_stats_dict() {
 COTENANT_TORCH_BINDINGS(launch_gate) {
   m.def("gate_activate",
         [](const std::string& role, int device, const std::string& segment_name, std::size_t max_in_flight,
-           double share_window_s, const std::string& gpu_uuid) {
+           double share_window_s, const std::string& gpu_uuid, std::optional<gid_t> group) {
           GateActivation activation;
           activation.role = parse_gate_role(role);
           activation.device = device;
@@ -428,10 +431,11 @@ COTENANT_TORCH_BINDINGS(launch_gate) {
           activation.max_in_flight = max_in_flight;
           activation.share_window_ns = static_cast<Nanoseconds>(share_window_s * 1e9);
           activation.gpu_uuid = gpu_uuid;
+          activation.group = group;
           activate_gate(activation);
         },
         py::arg("role"), py::arg("device"), py::arg("segment_name") = "", py::arg("max_in_flight") = 2,
-        py::arg("share_window_s") = 0.05, py::arg("gpu_uuid") = "",
+        py::arg("share_window_s") = 0.05, py::arg("gpu_uuid") = "", py::arg("group_gid") = py::none(),
         "Activates the launch gate for this process in the given role on the given GPU.");
   m.def("gate_deactivate", [] {
     py::gil_scoped_release release;

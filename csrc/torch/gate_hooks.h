@@ -19,6 +19,8 @@
 // (opportunistic), and reclaims slots of crashed peers.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -33,12 +35,16 @@ GateRole parse_gate_role(const std::string& role);  // "", "guaranteed", "opport
 struct GateActivation {
   GateRole role = GateRole::kNone;
   int device = 0;
-  // Segment name; empty: GpuPeerSegment::default_name(device, getuid()).
+  // Segment name; empty: GpuPeerSegment::default_name(gpu_uuid, device, getuid(), group).
+  // The GPU's UUID names the segment and tells it from another GPU's.
   std::string segment_name;
   std::size_t max_in_flight = 2;
   Nanoseconds share_window_ns = 50'000'000;
   // The GPU's UUID, recorded in a segment this process creates.
   std::string gpu_uuid;
+  // The group whose members' jobs share the GPU's segment (COTENANT_GATE_GROUP);
+  // none: this uid's own segment.
+  std::optional<gid_t> group;
 };
 
 // Activates the gate for this process (once; a second call with the same

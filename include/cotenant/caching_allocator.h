@@ -56,6 +56,7 @@
 #include <memory>
 #include <vector>
 
+#include "cotenant/allocator_events.h"
 #include "cotenant/backend.h"
 #include "cotenant/cap.h"
 #include "cotenant/stats.h"
@@ -96,6 +97,14 @@ struct SegmentInfo {
   std::size_t device_bytes = 0;  // mapped on the device
   std::size_t host_bytes = 0;    // mapped on the host
   std::vector<BlockInfo> blocks; // in address order, covering the segment
+  // Maximal runs of mapped pages of one residency, in address order (empty
+  // for a pinned fallback segment: all of it is host memory).
+  struct MappedRun {
+    DevicePtr address = 0;
+    std::size_t size = 0;
+    Residency where = Residency::kDevice;
+  };
+  std::vector<MappedRun> mapped_runs;
 };
 
 class CachingAllocator {
@@ -108,7 +117,9 @@ class CachingAllocator {
   // Returns 0 for a 0-byte request. Throws OutOfMemoryError with the numbers
   // when neither device memory under the cap nor host memory can hold it.
   DevicePtr allocate(std::size_t bytes, StreamId stream);
-  // Throws Error (and changes nothing) for an address that is not live.
+  // Throws Error (and changes nothing) for an address that is not live, and
+  // when the backend cannot record an event on a stream the block was used
+  // on (record_stream): the block then stays allocated, the books unchanged.
   void free(DevicePtr address);
   // The block at `address` is used on `stream` too: do not reuse it until
   // that stream's work submitted before free() is done.
@@ -168,6 +179,10 @@ class CachingAllocator {
   std::vector<SegmentInfo> snapshot() const;
 
   Backend& backend() const { return backend_; }
+
+  // Where to report what the allocator does (allocator_events.h); nullptr
+  // stops it. The sink must outlive its use here: unset it before it dies.
+  void set_event_sink(AllocatorEventSink* sink);
 
  private:
   struct State;

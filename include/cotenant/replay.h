@@ -93,6 +93,22 @@ struct ReplayResult {
   // -1 when the trace has fewer than 2 iteration marks.
   double steady_maps_per_iteration = -1.0;
   double steady_host_touched_bytes_per_iteration = -1.0;
+  // Where the reserved memory is at the op that first reaches peak
+  // reserved (the allocation that maps its last page), in bytes that sum to
+  // peak reserved: live blocks, free bytes inside pages that hold a live
+  // block (the slack of partly used pages), and mapped pages no live block
+  // touches (free pages stranded in holes, or held for a spill). With the
+  // allocation that reached the peak and the largest hole (a free block
+  // below the segment's last live block) at that moment: a request a little
+  // larger than every hole is what maps fresh pages while holes stay mapped.
+  std::int64_t at_peak_live_bytes = 0;
+  std::int64_t at_peak_partial_page_free_bytes = 0;
+  std::int64_t at_peak_free_page_bytes = 0;
+  std::int64_t at_peak_request_bytes = 0;
+  std::int64_t at_peak_largest_hole_bytes = 0;
+  // The least fragmentation whole pages allow: peak allocated rounded up to
+  // pages, over peak allocated. No placement goes below it.
+  double fragmentation_floor = 0.0;
   AllocatorStats final_stats;           // the allocator's statistics after the last op
 };
 

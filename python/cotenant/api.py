@@ -16,6 +16,7 @@ the cap, bring spilled memory back and leave the coordinator.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -37,7 +38,10 @@ __all__ = [
 ]
 
 ROLES = (None, "guaranteed", "opportunistic")
-_TRUE_WORDS = ("1", "true", "yes", "on")
+CAP_ONLY_WORDS = ("cap_only", "none")  # spellings of role=None where a string is needed (COTENANT_CONF)
+JOB_PID_VARIABLE = "COTENANT_JOB_PID"  # set by `cotenant run`: the one process that is the job
+
+log = logging.getLogger("cotenant")
 
 SizeLike = Union[int, float, str, None]
 
@@ -63,13 +67,19 @@ _state = _State()
 # ---- parsing and validation (no torch, no GPU) ------------------------------------------
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE_WORDS
-
-
 def disabled_by_environment() -> bool:
-    """True when COTENANT_DISABLE asks for cotenant to stay off."""
-    return _env_true("COTENANT_DISABLE")
+    """True when COTENANT_DISABLE (or COTENANT_CONF's disable:1) asks for cotenant to stay off."""
+    from cotenant import settings
+
+    return settings.flag("disable")
+
+
+def is_child_of_a_job(environ=None) -> bool:
+    """True in a process that inherited a job's environment from `cotenant run`
+    but is not the process it started: DataLoader workers, torch.compile's
+    compile workers, any subprocess. Only the job itself registers."""
+    marked = (os.environ if environ is None else environ).get(JOB_PID_VARIABLE, "").strip()
+    return bool(marked) and marked != str(os.getpid())
 
 
 def is_multiprocessing_helper(argv) -> bool:
@@ -157,9 +167,11 @@ def parse_role(role: Optional[str]) -> Optional[str]:
         raise TypeError(f"role must be None, \"guaranteed\" or \"opportunistic\", got {role!r}")
     if role is not None:
         role = role.strip().lower() or None
+        if role in CAP_ONLY_WORDS:
+            role = None
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; use \"guaranteed\" (keeps its speed), "
-                         f"\"opportunistic\" (uses what is left) or None (no launch gate)")
+                         f"\"opportunistic\" (uses what is left) or None / \"cap_only\" (no launch gate)")
     return role
 
 
@@ -227,9 +239,11 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         problem = job_name_problem(name)
         if problem:
             raise ValueError(f"cotenant.enable(name=...): {problem}")
+    from cotenant import settings
+
     index = parse_device(device)
     if index is None:
-        index = parse_device(os.environ.get("COTENANT_DEVICE") or 0)
+        index = parse_device(settings.get("device") or 0)
     if disabled_by_environment():
         return False
     with _state.lock:
@@ -240,9 +254,18 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
                     f"it cannot switch to role={role!r} on cuda:{index} in the same process")
             return True
         _refuse_if_torch_already_allocated()
+        settings.warn_ignored_pytorch_options()
+        settings.export_for_extension()  # the allocator reads its two options with getenv
         _C = _extension()
         available, reason = _C.gpu_available()
         if not available:
+            from cotenant.launch import driver_problem
+
+            problem = driver_problem(index)  # the runtime calls a missing driver "insufficient"
+            if problem is not None:
+                reason = (f"cotenant found no usable NVIDIA GPU: {problem}. cotenant manages CUDA memory and needs "
+                          "a CUDA device with a working driver; run on a GPU machine, or leave cotenant disabled "
+                          "(COTENANT_DISABLE=1) on this one.")
             raise NoGpuError(reason)
         _C.install()  # raises _C.Error (a RuntimeError) if CUDA memory already exists
         _state.enabled, _state.device, _state.role = True, index, role
@@ -259,29 +282,24 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
 
 
 def enable_from_environment() -> bool:
-    """Enables cotenant as `cotenant run` asks, through the environment:
-
-    COTENANT_ENABLE=1, COTENANT_ROLE, COTENANT_MEMORY_CAP, COTENANT_DEVICE,
-    COTENANT_SOCKET, COTENANT_JOB_NAME, COTENANT_PERSISTENT_MEMORY.
-    COTENANT_DISABLE=1 wins over all.
-    Returns True when cotenant was enabled.
+    """Enables cotenant as `cotenant run` asks, through the environment: the
+    keys of COTENANT_CONF or their variables (cotenant.settings): enable
+    (COTENANT_ENABLE=1), role, cap, device, socket, name, persistent.
+    disable (COTENANT_DISABLE=1) wins over all. In a child of the job (its
+    pid is not COTENANT_JOB_PID) it does nothing. Returns True when cotenant
+    was enabled; raises SettingsError (a ValueError) for a setting that
+    cannot be read, naming it.
     """
-    if disabled_by_environment() or not _env_true("COTENANT_ENABLE"):
+    from cotenant import settings
+
+    settings.check_all()
+    if disabled_by_environment() or not settings.flag("enable"):
         return False
-    if is_multiprocessing_helper(getattr(sys, "orig_argv", sys.argv)):
+    if is_child_of_a_job() or is_multiprocessing_helper(getattr(sys, "orig_argv", sys.argv)):
         return False  # a worker or helper the job started: the job itself is enabled
-    role = os.environ.get("COTENANT_ROLE") or None
-    cap_text = os.environ.get("COTENANT_MEMORY_CAP") or None
-    cap = None
-    if cap_text is not None:
-        try:
-            cap = to_cap(cap_text)  # the one parser: "6GiB", "0.5" (half the device), "none"
-        except ValueError as error:
-            raise ValueError(f"COTENANT_MEMORY_CAP={cap_text!r}: {error}") from None
-    return enable(role=role, device=os.environ.get("COTENANT_DEVICE") or None,
-                  name=os.environ.get("COTENANT_JOB_NAME") or None,
-                  socket=os.environ.get("COTENANT_SOCKET") or None, memory_cap=cap,
-                  persistent_memory=os.environ.get("COTENANT_PERSISTENT_MEMORY") or None)
+    return enable(role=settings.get("role"), device=settings.get("device"), name=settings.get("name"),
+                  socket=settings.get("socket"), memory_cap=settings.value("cap"),
+                  persistent_memory=settings.get("persistent"))
 
 
 def is_enabled() -> bool:
@@ -459,12 +477,33 @@ _TRITON_LAUNCHER = "torch._inductor.runtime.triton_heuristics"
 
 
 def _count_triton_launches_as_ops() -> None:
-    """The Triton kernels of torch.compile launch outside ATen: each launch
-    counts as one op, as a graph replay does, so a safe point on another thread
-    waits for it and it waits while pages move. The launcher module is patched
-    when torch.compile first imports it (importing it here would cost every
-    job most of a second)."""
+    """Triton kernels launch outside ATen: each launch counts as one op, as a
+    graph replay does, so a safe point on another thread waits for it and it
+    waits while pages move. Two places see them, each patched when it is
+    first imported (importing them here would cost every job most of a
+    second):
+      - Triton's launch hooks (triton.knobs.runtime.launch_enter_hook and
+        launch_exit_hook) see every launch through Triton's own launcher:
+        hand-written @triton.jit kernels, and torch.compile's kernels that
+        Inductor launches through Triton;
+      - Inductor's CachingAutotuner.run sees every torch.compile launch,
+        also those of Inductor's static launcher, which calls no hook."""
+    _after_import(_TRITON_KNOBS, _add_triton_launch_hooks)
     _after_import(_TRITON_LAUNCHER, _patch_triton_launcher)
+
+
+_TRITON_KNOBS = "triton.knobs"
+
+
+def _add_triton_launch_hooks(knobs) -> None:
+    runtime = getattr(knobs, "runtime", None)
+    enter = getattr(runtime, "launch_enter_hook", None)
+    leave = getattr(runtime, "launch_exit_hook", None)
+    if not (hasattr(enter, "add") and hasattr(leave, "add")):
+        return  # a Triton without hook chains: Inductor's launches are still counted
+    _C = _extension()
+    enter.add(_C.triton_launch_enter)  # a chain adds a hook once, however often enable() wires it
+    leave.add(_C.triton_launch_exit)
 
 
 def _patch_triton_launcher(module) -> None:
@@ -479,6 +518,7 @@ def _patch_triton_launcher(module) -> None:
         try:
             return original(self, *args, **kwargs)
         finally:
+            _C.triton_launch_exit()  # a failed launch skipped Triton's exit hook: end it here
             _C.end_explicit_op()
 
     run._cotenant_counted = True
@@ -536,7 +576,8 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     try:
         registration = client.register(role or "cap_only", device, name=name, socket=socket,
                                        memory_cap=cap_bytes, persistent_bytes=persistent_bytes,
-                                       device_total_bytes=_C.device_total_bytes(device))
+                                       device_total_bytes=_C.device_total_bytes(device),
+                                       gpu_uuid=gpu_uuid(device) or None)
     except client.AdmissionRefused:
         raise  # the coordinator says this job can never fit: the user must know
     except Exception as error:
@@ -554,11 +595,24 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     _state.job_channel = True
 
 
+def gpu_uuid(device: int) -> str:
+    """The UUID ("GPU-...") of CUDA device `device` as this process numbers it,
+    or "" when torch cannot say. The coordinator and the launch gate's segment
+    know GPUs by it: CUDA indices differ between CUDA_VISIBLE_DEVICES."""
+    import torch
+
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:
+        return ""
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
 def _warn_unmanaged(error: BaseException) -> None:
     message = (f"cotenant: this job runs WITHOUT the coordinator: {error}. No cap or share the coordinator "
                "sets will reach it, and the coordinator does not count its memory")
     warnings.warn(message, RuntimeWarning, stacklevel=4)
-    print(message, file=sys.stderr, flush=True)  # also where warnings are filtered out
+    log.warning(message)  # also where warnings are filtered out
 
 
 def _activate_gate(role, device) -> None:

@@ -49,19 +49,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"give a number greater than 0, not {text!r}")
-        return value
-
-    return parse
-
-
 def _gpu_list(text: str) -> List[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -72,6 +59,39 @@ def _gpu_list(text: str) -> List[int]:
 # --- status ------------------------------------------------------------------
 
 COLUMNS = ("GPU", "JOB", "PID", "ROLE", "STATE", "CAP", "DEVICE", "HOST", "SHARE", "ITER/BASE")
+
+
+def short_gpu(key: str) -> str:
+    """A GPU's key as the job table shows it: a UUID's first group ("GPU-5f1c0d3e"), or "index:N"."""
+    return key[:12] if key.startswith("GPU-") else key
+
+
+def job_state(job: Dict[str, Any]) -> str:
+    """What a job is doing: queued (waiting for admission), suspended (its memory on
+    the host), throttled (an opportunistic job held below its full share), running;
+    else the job's own state (starting, exited)."""
+    state = job["state"]
+    if state in ("queued", "suspended"):
+        return state
+    if state == "running" and job["role"] == "opportunistic" and job["share"] < 1.0:
+        return "throttled"
+    return state
+
+
+def gpu_lines(view: Dict[str, Any]) -> List[str]:
+    """One line per GPU: its UUID, index, memory, and what its jobs hold and have moved."""
+    lines = []
+    for gpu in view.get("gpus", []):
+        where = f" (index {gpu['index']})" if gpu.get("index") is not None else ""
+        jobs = gpu.get("jobs", 0)
+        lines.append(
+            f"{gpu['gpu']}{where}: {_format_size(gpu.get('total_bytes'))} total, "
+            f"{_format_size(gpu.get('device_bytes', 0))} on the device and {_format_size(gpu.get('host_bytes', 0))} "
+            f"on the host for {jobs} job{'s' if jobs != 1 else ''}; spilled {_format_size(gpu.get('spilled_bytes', 0))},"
+            f" restored {_format_size(gpu.get('restored_bytes', 0))}, {gpu.get('page_moves', 0)} page moves")
+        if gpu.get("note"):
+            lines.append(f"  note: {gpu['note']}")
+    return lines
 
 
 def status_rows(view: Dict[str, Any]) -> List[List[str]]:
@@ -85,8 +105,9 @@ def status_rows(view: Dict[str, Any]) -> List[List[str]]:
         else:
             ratio = "-"
         share = f"{job['share']:.2f}" + ("*" if job.get("share_pinned") else "")
+        gpu = short_gpu(job["gpu_key"]) if job.get("gpu_key") else str(job["gpu"])
         rows.append([
-            str(job["gpu"]), f"{job['name']} ({job['job_id']})", str(job["pid"]), job["role"], job["state"],
+            gpu, f"{job['name']} ({job['job_id']})", str(job["pid"]), job["role"], job_state(job),
             _format_size(job["cap"]), _format_size(job["device_bytes"]), _format_size(job["host_bytes"]), share, ratio,
         ])
     return rows
@@ -95,7 +116,10 @@ def status_rows(view: Dict[str, Any]) -> List[List[str]]:
 def format_status(view: Dict[str, Any]) -> str:
     rows = [list(COLUMNS)] + status_rows(view)
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+    lines = gpu_lines(view)
+    if lines:
+        lines.append("")
+    lines += ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     if not view["jobs"]:
         lines.append("(no jobs registered)")
     for job in view["jobs"]:
@@ -172,8 +196,13 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     """The environment that enables cotenant in an unmodified child program."""
     import cotenant
 
+    from cotenant import settings
+
     env = dict(os.environ if base is None else base)
+    settings.check_all(env)  # a malformed COTENANT_CONF fails here, before the program starts
     env["COTENANT_ENABLE"] = "1"
+    if args.allow_uncapped:
+        env["COTENANT_ALLOW_UNCAPPED"] = "1"
     if args.cap_only:
         env.pop("COTENANT_ROLE", None)  # no role: a memory cap and nothing else
     else:
@@ -217,7 +246,28 @@ def command_after_dashes(args: argparse.Namespace, verb: str) -> Optional[List[s
     return command
 
 
+def cannot_enable(args: argparse.Namespace, command: List[str], env: Dict[str, str], verb: str) -> bool:
+    """Says so, and returns True, when cotenant could not be enabled in `command`
+    and the user did not allow it to run uncapped (cotenant.launch: fail closed)."""
+    from cotenant import launch, settings
+
+    if settings.flag("disable", env):
+        return False  # COTENANT_DISABLE=1: the user asked for no cotenant
+    problem = launch.preflight(command, args.device)
+    if problem is None:
+        return False
+    if args.allow_uncapped:
+        print(f"cotenant {verb}: WARNING: the program runs without cotenant (no cap, no gate): {problem}",
+              file=sys.stderr)
+        return False
+    print(f"cotenant {verb}: cannot enable cotenant: {problem}. Nothing was started; {launch.ALLOW_HINT}.",
+          file=sys.stderr)
+    return True
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from cotenant import launch
+
     command = command_after_dashes(args, "run")
     if command is None:
         return EXIT_USAGE
@@ -226,6 +276,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"cotenant run: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if cannot_enable(args, command, env, "run"):
+        return launch.EXIT_NOT_ENABLED
     if args.queue:
         from cotenant.queue_commands import wait_for_admission
 
@@ -233,7 +285,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if code is not None:
             return code
     try:
-        os.execvpe(command[0], command, env)  # same pid: the coordinator sees the real job
+        launch.exec_job(command, env)  # same pid: the coordinator sees the real job
     except FileNotFoundError:
         print(f"cotenant run: no program named {command[0]!r} on PATH", file=sys.stderr)
         return 127
@@ -246,15 +298,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import grp
 
-    from cotenant.coordinator import daemon, policy
-    from cotenant.coordinator.paths import default_socket_path
+    from cotenant.coordinator import daemon
+    from cotenant.coordinator import settings as coordinator_settings
+    from cotenant.coordinator.paths import default_serving_path
     from cotenant.queue_commands import scheduler_options
 
-    from cotenant.coordinator import daemon, policy
-    from cotenant.coordinator.paths import default_serving_path
-
     socket_path = args.socket or default_serving_path()
-    if socket_path is None:
+    if socket_path is None and not args.print_config:
         print("cotenant coordinator: no place for the socket: $XDG_RUNTIME_DIR is not set and /run/cotenant is not "
               "yours; give --socket PATH in a directory only you can write, e.g. --socket "
               "~/.cotenant/coordinator.sock (jobs then need COTENANT_SOCKET set to it)", file=sys.stderr)
@@ -265,14 +315,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         except KeyError:
             print(f"cotenant coordinator: --group {args.group!r} is no group on this machine", file=sys.stderr)
             return EXIT_USAGE
-    memory = policy.MemoryPolicyConfig(headroom_bytes=_parse_size(args.headroom))
     config = daemon.CoordinatorConfig(
-        socket_path=socket_path, gpus=args.gpus, group=args.group,
-        metrics_port=args.metrics_port, metrics_address=args.metrics_address, memory=memory,
+        socket_path=socket_path or "", gpus=args.gpus, group=args.group,
+        metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         gpu_memory_bytes=_parse_size(args.gpu_memory) if args.gpu_memory else None,
         scheduler=args.scheduler, scheduler_options=scheduler_options(args),
-        idle_timeout_s=args.idle_timeout, max_connections_per_uid=args.max_connections_per_uid,
     )
+    config = coordinator_settings.apply(config, args)  # the --config file, then the flags
+    if args.print_config:
+        print(coordinator_settings.format_toml(config), end="")
+        return 0
     return daemon.run(config, args.log_level)
 
 
@@ -319,16 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-address", default="127.0.0.1",
                    help="address the metrics listen on (default 127.0.0.1; they name every job)")
-    p.add_argument("--headroom", default="512MiB", help="device memory kept free on every GPU (default 512MiB)")
     p.add_argument("--group", help="a group whose members may use the coordinator (register jobs, read the "
                                    "status, change their own jobs)")
-    p.add_argument("--idle-timeout", type=_positive(float), default=30.0,
-                   help="seconds a silent connection (socket or metrics) stays open (default 30)")
-    p.add_argument("--max-connections-per-uid", type=_positive(int), default=64,
-                   help="open connections one user may hold; more are refused as busy (default 64)")
     p.add_argument("--gpu-memory", help="device memory per GPU, when nvidia-smi cannot tell (e.g. 80GiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_scheduler_arguments(p)
+    from cotenant.coordinator import settings as coordinator_settings
+
+    coordinator_settings.add_arguments(p)
     p.set_defaults(func=cmd_coordinator)
 
     p = with_socket(sub.add_parser("status", help="show the jobs, their memory and shares"))
@@ -366,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
                                             "admits an opportunistic job only when it fits")
         p.add_argument("--name", help="job name shown by `cotenant status`")
         p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+        p.add_argument("--allow-uncapped", action="store_true",
+                       help="start the program even when cotenant cannot be enabled in it (no driver or GPU, "
+                            "python -E/-I/-S, not a Python program), with a warning; by default that is an "
+                            "error (exit status 2)")
         add_queue_arguments(p)
         p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
 
@@ -385,7 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     from cotenant.cluster.command import add_cluster_command
 
     add_cluster_command(sub)
+    describe_subcommands(sub)
     return parser
+
+
+def describe_subcommands(sub: "argparse._SubParsersAction") -> None:
+    """Each subcommand's --help opens with what it does: its line in `cotenant --help`."""
+    for choice in sub._choices_actions:
+        command = sub.choices[choice.dest]
+        if not command.description and choice.help:
+            command.description = choice.help[0].upper() + choice.help[1:] + "."
 
 
 def main(argv: Optional[List[str]] = None) -> int:

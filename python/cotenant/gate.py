@@ -29,10 +29,13 @@ its share through the job's own block; the gate admits at the minimum of the
 job's own share (set_share) and the coordinator's. This module is itself
 callable: `cotenant.gate()` is the explicit gate.
 
-Environment (read at activation): COTENANT_GATE_MAX_IN_FLIGHT (k, default 2),
-COTENANT_GATE_WINDOW_MS (the share's window, default 50), COTENANT_SHARE (the
-job's own share at start, default 1), COTENANT_GPU_SEGMENT (the segment's
-name, default /cotenant-gpu<index>-<uid>).
+Environment (read at activation, as COTENANT_CONF keys or variables; see
+cotenant.settings): gate_max_in_flight / COTENANT_GATE_MAX_IN_FLIGHT (k,
+default 2), gate_window_ms / COTENANT_GATE_WINDOW_MS (the share's window,
+default 50), share / COTENANT_SHARE (the job's own share at start, default 1),
+gpu_segment / COTENANT_GPU_SEGMENT (the segment's name, default from the
+GPU's UUID), gate_group / COTENANT_GATE_GROUP (a group whose members' jobs
+share the segment, for jobs of several users on one GPU).
 """
 
 from __future__ import annotations
@@ -84,48 +87,18 @@ def parse_share(value: Any) -> float:
     return share
 
 
-def _env_int(name: str, default: int, minimum: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
-    return value
-
-
-def _env_float(name: str, default: float, minimum: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not value >= minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
-    return value
-
-
 def activation_settings(environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """The gate's settings from the environment (see the module docstring)."""
-    saved = None
-    if environ is not None:
-        saved, os.environ = os.environ, environ  # type: ignore[assignment]
-    try:
-        initial_share = os.environ.get("COTENANT_SHARE", "").strip()
-        return {
-            "max_in_flight": _env_int("COTENANT_GATE_MAX_IN_FLIGHT", DEFAULT_MAX_IN_FLIGHT, 1),
-            "share_window_s": _env_float("COTENANT_GATE_WINDOW_MS", DEFAULT_WINDOW_MS, 1.0) / 1000.0,
-            "initial_share": parse_share(initial_share) if initial_share else None,
-            "segment_name": os.environ.get("COTENANT_GPU_SEGMENT", "").strip(),
-        }
-    finally:
-        if saved is not None:
-            os.environ = saved  # type: ignore[assignment]
+    """The gate's settings from the environment: COTENANT_CONF or the
+    variables (see the module docstring and cotenant.settings)."""
+    from cotenant import settings
+
+    return {
+        "max_in_flight": settings.value("gate_max_in_flight", environ, DEFAULT_MAX_IN_FLIGHT),
+        "share_window_s": settings.value("gate_window_ms", environ, DEFAULT_WINDOW_MS) / 1000.0,
+        "initial_share": settings.value("share", environ),
+        "segment_name": settings.get("gpu_segment", environ) or "",
+        "group_gid": settings.value("gate_group", environ),
+    }
 
 
 def _extension():
@@ -158,7 +131,7 @@ def _activate(role: Optional[str], device: int) -> None:
             _state.share = settings["initial_share"]
         _C.gate_set_share(_state.share)
         _C.gate_activate(role, device, settings["segment_name"], settings["max_in_flight"],
-                         settings["share_window_s"], _gpu_uuid(torch, device))
+                         settings["share_window_s"], _gpu_uuid(device), settings["group_gid"])
         _state.role, _state.device = role, device
         # Leave the segment while the interpreter (and CUDA) still run: a
         # guaranteed job that exits must not leave its busy flag behind.
@@ -170,13 +143,10 @@ def _activate(role: Optional[str], device: int) -> None:
         # step hook, for every role (the one measurement).
 
 
-def _gpu_uuid(torch, device: int) -> str:
-    """The GPU's UUID ("GPU-..."), or "" when torch cannot say."""
-    try:
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-    except Exception:
-        return ""
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+def _gpu_uuid(device: int) -> str:
+    from cotenant.api import gpu_uuid
+
+    return gpu_uuid(device)
 
 
 def _deactivate() -> None:

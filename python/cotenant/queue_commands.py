@@ -76,12 +76,15 @@ def wait_for_admission(args: argparse.Namespace, env: Dict[str, str], on_queued=
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Queues the command and returns at once; a waiter process starts it once admitted."""
-    from cotenant.cli import child_environment, command_after_dashes
+    from cotenant import launch
+    from cotenant.cli import cannot_enable, child_environment, command_after_dashes
 
     command = command_after_dashes(args, "submit")
     if command is None:
         return EXIT_USAGE
     env = child_environment(args)
+    if cannot_enable(args, command, env, "submit"):
+        return launch.EXIT_NOT_ENABLED
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the waiter: its pid is the job's, from the queue to the program's end
@@ -98,7 +101,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             os._exit(code)
         os.close(write_end)
         try:
-            os.execvpe(command[0], command, env)
+            launch.exec_job(command, env)
         except OSError as error:
             sys.stderr.write(f"cotenant submit: cannot start {command[0]!r}: {error}\n")
             os._exit(127)

@@ -693,7 +693,7 @@ def _figure_rows(result: Dict[str, Any], pytorch: Optional[Dict[str, Any]]) -> L
                        + (f', {len(result["cap_schedule"])} scheduled cap changes' if result["cap_schedule"] else ""),
              spans=True),
     ]
-    rows += _peak_rows(result, pytorch) + _spill_rows(result) + _driver_rows(result, pytorch)
+    rows += _peak_rows(result, pytorch) + _at_peak_rows(result) + _spill_rows(result) + _driver_rows(result, pytorch)
     rows += _iteration_rows(result) + [
         _Row("ns/alloc", f'{result["ns_per_alloc"]:.0f}', note=f'({result["num_allocs"]} allocs)'),
         _Row("ns/free", f'{result["ns_per_free"]:.0f}', note=f'({result["num_frees"]} frees)'),
@@ -717,6 +717,22 @@ def _peak_rows(result: Dict[str, Any], pytorch: Optional[Dict[str, Any]]) -> Lis
         _Row("reserved / live", f'{pytorch["cotenant_fragmentation"]:.3f}', f'{pytorch["fragmentation"]:.3f}',
              "(peak reserved / peak live: fragmentation on equal terms; lower is better)"),
         fragmentation,
+    ]
+
+
+def _at_peak_rows(result: Dict[str, Any]) -> List[_Row]:
+    """Where peak reserved memory went, and the least fragmentation whole pages allow."""
+    if result["peak_reserved_bytes"] == 0:
+        return []
+    size = _core().format_size
+    return [
+        _Row("fragmentation floor", f'{result["fragmentation_floor"]:.3f}',
+             note="(peak allocated rounded up to whole pages: no placement goes below it)"),
+        _Row("at peak reserved",
+             f'{size(result["at_peak_live_bytes"])} live + {size(result["at_peak_partial_page_free_bytes"])} free in '
+             f'used pages + {size(result["at_peak_free_page_bytes"])} in free pages',
+             note=f'(reached by a {size(result["at_peak_request_bytes"])} allocation; '
+                  f'largest hole then {size(result["at_peak_largest_hole_bytes"])})'),
     ]
 
 

@@ -21,25 +21,43 @@ def load_history(path: str) -> List[Dict[str, Any]]:
     return records
 
 
+def _gpu(record: Dict[str, Any]) -> str:
+    """The GPU a record is about: its key (UUID), else the index older histories recorded."""
+    return str(record.get("gpu_key", record.get("gpu")))
+
+
 def plot(records: Iterable[Dict[str, Any]], output: str) -> int:
     """Writes a PNG with, per GPU, device/host bytes and caps (top) and shares (bottom).
     Returns the number of samples plotted."""
+    records = list(records)
+    fig = figure(records)  # first: it says which extra to install when matplotlib is missing
+    import matplotlib.pyplot as plt
+
+    fig.savefig(output, dpi=100, bbox_inches="tight")  # the legends sit outside the plots: keep them in the file
+    plt.close(fig)
+    return sum(1 for r in records if "device_bytes" in r)
+
+
+def figure(records: Iterable[Dict[str, Any]]):
+    """The timeline as a matplotlib figure. Each plot's legend sits to its right,
+    outside the axes, so it never covers a line however many jobs there are."""
     from cotenant._extras import require
 
     matplotlib = require("matplotlib", "timeline", "cotenant timeline")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = list(records)
     samples = [r for r in records if "device_bytes" in r]
     events = [r for r in records if r.get("event")]
-    gpus = sorted({r["gpu"] for r in samples}) or [0]
+    gpus = sorted({_gpu(r) for r in samples}) or ["0"]
     t0 = min((r["t"] for r in samples), default=0.0)
-    fig, axes = plt.subplots(2, len(gpus), figsize=(10 * len(gpus), 7), sharex="col", squeeze=False)
+    fig, axes = plt.subplots(2, len(gpus), figsize=(13 * len(gpus), 7), sharex="col", squeeze=False)
     gib = float(1 << 30)
     for column, gpu in enumerate(gpus):
         by_job: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
         for r in samples:
-            if r["gpu"] == gpu:
+            if _gpu(r) == gpu:
                 by_job[f"{r['job']} ({r['role']})"].append(r)
         memory, share = axes[0][column], axes[1][column]
         for index, (label, rows) in enumerate(sorted(by_job.items())):
@@ -53,16 +71,14 @@ def plot(records: Iterable[Dict[str, Any]], output: str) -> int:
                             linestyle="--", alpha=0.6, label=f"{label} cap")
             share.step(t, [r["share"] for r in rows], where="post", color=color, label=label)
         for e in events:
-            if e.get("gpu") == gpu:
+            if e.get("gpu") is not None and _gpu(e) == gpu:
                 memory.axvline(e["t"] - t0, color="grey", linewidth=0.8, alpha=0.5)
         memory.set_title(f"GPU {gpu}")
         memory.set_ylabel("memory (GiB)")
-        memory.legend(fontsize="small", loc="upper left")
+        memory.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         share.set_ylabel("compute share")
         share.set_ylim(-0.05, 1.05)
         share.set_xlabel("time (s)")
-        share.legend(fontsize="small", loc="upper left")
+        share.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
-    return len(samples)
+    return fig

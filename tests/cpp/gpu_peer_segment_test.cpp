@@ -5,6 +5,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <fcntl.h>
@@ -70,9 +71,48 @@ TEST_CASE("first_open_creates_the_segment_and_later_opens_attach", "[segment]") 
   CHECK(second.view().guaranteed.live);
 }
 
-TEST_CASE("default_name_is_per_gpu_and_per_user", "[segment]") {
-  CHECK(GpuPeerSegment::default_name(0, 1000) == "/cotenant-gpu0-1000");
-  CHECK(GpuPeerSegment::default_name(7, 0) == "/cotenant-gpu7-0");
+TEST_CASE("default_name_is_per_gpu_uuid_and_per_user_or_group", "[segment]") {
+  const std::string uuid = "GPU-8f3c2a10-1b2c-3d4e-5f60-718293a4b5c6";
+  // The UUID, not the CUDA index: two indices of one GPU meet in one segment.
+  CHECK(GpuPeerSegment::default_name(uuid, 0, 1000) == "/cotenant-gpu-" + uuid + "-u1000");
+  CHECK(GpuPeerSegment::default_name(uuid, 3, 1000) == GpuPeerSegment::default_name(uuid, 0, 1000));
+  CHECK(GpuPeerSegment::default_name(uuid, 0, 1000, gid_t{42}) == "/cotenant-gpu-" + uuid + "-g42");
+  CHECK(GpuPeerSegment::default_name("", 7, 0) == "/cotenant-gpu-index7-u0");
+  CHECK(GpuPeerSegment::default_name("MIG-1/2.3", 0, 5) == "/cotenant-gpu-MIG-1_2_3-u5");  // one name component
+}
+
+TEST_CASE("jobs_that_see_one_gpu_under_two_indices_share_its_segment", "[segment]") {
+  ScopedName n;
+  GpuPeerSegmentOptions options;
+  options.gpu_uuid = "GPU-11111111-2222-3333-4444-555555555555";
+  auto as_index_0 = GpuPeerSegment::open(n.name, 0, options);
+  as_index_0.claim_guaranteed(::getpid());
+  auto as_index_1 = GpuPeerSegment::open(n.name, 1, options);  // CUDA_VISIBLE_DEVICES differs
+  CHECK(as_index_1.opening() == SegmentOpening::kAttached);    // not wiped as another GPU's
+  CHECK(as_index_1.view().guaranteed.live);
+  options.gpu_uuid = "GPU-99999999-2222-3333-4444-555555555555";
+  auto other_gpu = GpuPeerSegment::open(n.name, 0, options);
+  CHECK(other_gpu.opening() == SegmentOpening::kReinitialised);
+}
+
+TEST_CASE("a_group_segment_is_given_to_the_group_and_accepted_from_its_members", "[segment][security]") {
+  ScopedName n;
+  GpuPeerSegmentOptions options;
+  options.group = ::getegid();
+  auto segment = GpuPeerSegment::open(n.name, 0, options);
+  int fd = ::shm_open(n.name.c_str(), O_RDONLY, 0);
+  REQUIRE(fd >= 0);
+  struct stat info {};
+  REQUIRE(::fstat(fd, &info) == 0);
+  CHECK(info.st_gid == ::getegid());
+  CHECK((info.st_mode & 0777) == 0660);
+  if (::geteuid() == 0) {  // a member of the group made it: accepted; anyone else's: refused
+    REQUIRE(::fchown(fd, 65534, static_cast<gid_t>(-1)) == 0);
+    CHECK_NOTHROW(GpuPeerSegment::open(n.name, 0, options));
+    REQUIRE(::fchown(fd, 65534, 65534) == 0);
+    CHECK_THROWS_WITH(GpuPeerSegment::open(n.name, 0, options), Catch::Contains("or to group"));
+  }
+  ::close(fd);
 }
 
 TEST_CASE("a_second_live_guaranteed_job_is_refused_with_the_holder_named", "[segment]") {
@@ -189,6 +229,33 @@ TEST_CASE("a_segment_with_foreign_bytes_or_another_version_is_reinitialised", "[
   CHECK(segment.block().block_bytes.load() == sizeof(GpuBlock));
   segment.claim_guaranteed(::getpid());
   CHECK(segment.view().guaranteed.live);
+}
+
+// Whoever can write the segment sets the job's share: one that another user
+// created first, or that every user may write, is refused with the fix, and
+// nothing in it is touched.
+TEST_CASE("a_segment_another_user_could_write_is_refused_with_the_fix", "[segment][security]") {
+  ScopedName n;
+  int fd = ::shm_open(n.name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::fchmod(fd, 0666) == 0);  // as a careless or hostile creator leaves it
+  try {
+    (void)GpuPeerSegment::open(n.name, 0);
+    FAIL("a segment every user may write was used");
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    CHECK(message.find("written by every user (mode 0666)") != std::string::npos);
+    CHECK(message.find("COTENANT_GPU_SEGMENT") != std::string::npos);
+  }
+  struct stat info {};
+  REQUIRE(::fstat(fd, &info) == 0);
+  CHECK(info.st_size == 0);  // nothing written into it
+  if (::geteuid() == 0) {    // another owner needs root to arrange
+    REQUIRE(::fchmod(fd, 0660) == 0);
+    REQUIRE(::fchown(fd, 65534, 65534) == 0);
+    CHECK_THROWS_WITH(GpuPeerSegment::open(n.name, 0), Catch::Contains("belongs to") && Catch::Contains("not to"));
+  }
+  ::close(fd);
 }
 
 TEST_CASE("claiming_an_opportunistic_slot_twice_returns_the_same_slot", "[segment]") {

@@ -43,6 +43,23 @@ TEST_CASE("replay_reports_peaks_and_counts_of_a_simple_trace", "[replay]") {
   CHECK(result.ns_per_free > 0.0);
 }
 
+TEST_CASE("replay_splits_peak_reserved_into_live_bytes_slack_and_free_pages", "[replay]") {
+  // 3 MiB + 1 MiB fill pages 0-1; the 3 MiB block goes, and 3.5 MiB fits no
+  // hole: pages 2-3 are mapped while page 0 stays mapped and free.
+  const std::vector<ReplayOp> ops = {
+      ReplayOp::alloc(1, 3 * kMiB), ReplayOp::alloc(2, kMiB), ReplayOp::free(1),
+      ReplayOp::alloc(3, 7 * kMiB / 2), ReplayOp::free(2), ReplayOp::free(3),
+  };
+  const auto result = cotenant::replay(ops, small_device());
+  CHECK(result.peak_reserved_bytes == std::int64_t(8 * kMiB));
+  CHECK(result.at_peak_live_bytes == std::int64_t(9 * kMiB / 2));
+  CHECK(result.at_peak_partial_page_free_bytes == std::int64_t(3 * kMiB / 2));
+  CHECK(result.at_peak_free_page_bytes == std::int64_t(2 * kMiB));
+  CHECK(result.at_peak_request_bytes == std::int64_t(7 * kMiB / 2));
+  CHECK(result.at_peak_largest_hole_bytes == std::int64_t(3 * kMiB));
+  CHECK(result.fragmentation_floor == Approx(6.0 / 4.5));
+}
+
 TEST_CASE("replay_of_an_empty_trace_reports_zero_fragmentation", "[replay]") {
   const auto result = cotenant::replay({}, small_device());
   CHECK(result.num_ops == 0);

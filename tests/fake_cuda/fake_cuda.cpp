@@ -853,6 +853,7 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorNotReady: return "device not ready";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorCudartUnloading: return "driver shutting down";
     default: return "unrecognized error code";
   }
 }
@@ -867,6 +868,7 @@ const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorCudartUnloading: return "cudaErrorCudartUnloading";
     default: return "cudaErrorUnknown";
   }
 }

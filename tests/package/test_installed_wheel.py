@@ -74,15 +74,18 @@ def test_only_torch_is_required_and_the_rest_are_extras():
     assert unconditional == ["torch"]
     names = {r.name for r in requirements()}
     assert "numpy" not in names
+    by_python = {r.name: str(r.marker) for r in requirements() if r.marker and "extra" not in str(r.marker)}
+    assert by_python == {"tomli": 'python_version < "3.11"'}  # tomllib's stand-in for the coordinator's --config
     extras = {}
     for r in requirements():
-        if r.marker is not None:
+        if r.marker is not None and "extra" in str(r.marker):
             for extra in metadata.metadata("cotenant").get_all("Provides-Extra"):
                 if r.marker.evaluate({"extra": extra}):
                     extras.setdefault(extra, set()).add(r.name)
     assert extras["metrics"] == {"prometheus-client"}
     assert extras["timeline"] == {"matplotlib"}
-    assert extras["all"] == {"prometheus-client", "matplotlib"}
+    assert extras["nvml"] == {"nvidia-ml-py"}
+    assert extras["all"] == {"prometheus-client", "matplotlib", "nvidia-ml-py"}
 
 
 def test_python_requirement_matches_torch():

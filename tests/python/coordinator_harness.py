@@ -26,6 +26,12 @@ def child_env():
     return env
 
 
+# Runs `python -c CODE` as the process `cotenant run` marks as the job (its pid
+# in COTENANT_JOB_PID, then exec: same pid), for tests of the start-up hook.
+AS_JOB = [sys.executable, "-c", "import os, sys; os.environ['COTENANT_JOB_PID'] = str(os.getpid()); "
+          "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"]
+
+
 def wait_until(predicate, timeout=5.0, interval=0.02):
     deadline = time.monotonic() + timeout
     while True:

@@ -75,6 +75,8 @@ def main():
     parser.add_argument("--iteration-us", type=float, default=10000)
     parser.add_argument("--device-capacity-mib", type=int, default=1024)
     parser.add_argument("--control", default="")
+    parser.add_argument("--gpu-uuid", default=os.environ.get("SIMULATED_GPU_UUID"),
+                        help="the GPU UUID to report (default: $SIMULATED_GPU_UUID, else none)")
     args = parser.parse_args()
     if not args.role:
         parser.error("--role is needed (or COTENANT_ROLE)")
@@ -83,7 +85,7 @@ def main():
     try:
         registration = client.register(
             args.role, args.device, name=args.name, socket=args.socket,
-            persistent_bytes=args.persistent_mib * MiB or None,
+            persistent_bytes=args.persistent_mib * MiB or None, gpu_uuid=args.gpu_uuid,
         )
     except client.AdmissionRefused:
         raise

@@ -80,7 +80,7 @@ def train(kind, steps, on_step=None):
 '''
 
 
-def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=600):
+def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=600, as_job=False):
     """Runs `body` in a fresh process and returns the JSON object it prints last."""
     prelude = "import cotenant\ncotenant.enable()\n" if use_cotenant else ""
     code = prelude + MODELS + textwrap.dedent(body)
@@ -89,7 +89,10 @@ def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, 
     if pythonpath_prefix:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath_prefix, env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    from coordinator_harness import AS_JOB
+
+    launcher = AS_JOB if as_job else [sys.executable]  # as_job: the process `cotenant run` marks as the job
+    result = subprocess.run([*launcher, "-c", code], env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -122,8 +125,8 @@ def test_torch_memory_statistics_agree_with_the_core():
     """)
     assert out["allocated"][0] == out["allocated"][1] > 28 * MIB
     assert out["reserved"][0] == out["reserved"][1] == out["device_plus_host"]
-    # Segments are address ranges; only the pages blocks touch are mapped (reserved).
-    assert out["snapshot_total"] >= out["reserved"][0]
+    # A snapshot's segments are the mapped pages (reserved), one per run of one residency.
+    assert out["snapshot_total"] == out["reserved"][0]
     assert out["count"] == 4
     assert out["after_free"] == 0 and out["peak_kept"] and out["peak_reset"] == 0
     assert out["reserved_after_empty"] == 0
@@ -142,6 +145,26 @@ def test_enable_after_a_cuda_allocation_says_how_to_fix_it():
     """, use_cotenant=False)
     assert "must run before the first CUDA allocation" in out["error"]
     assert "cotenant run" in out["error"]
+
+
+def test_the_extension_refuses_to_install_after_a_cuda_allocation_too():
+    # enable() refuses in Python first; _C.install() has its own check, which
+    # reads PyTorch's allocator statistics. The result is flushed before the
+    # process ends and faulthandler names the frame of a crash, so a failure
+    # here says whether the check or the interpreter's exit went wrong.
+    out = run_script("""
+        import faulthandler, sys
+        faulthandler.enable()
+        from cotenant import _C
+        x = torch.ones(1024, device="cuda")
+        try:
+            _C.install()
+            print(json.dumps({"error": None}), flush=True)
+        except RuntimeError as error:
+            print(json.dumps({"error": str(error)}), flush=True)
+    """, use_cotenant=False)
+    assert "must run before the first CUDA allocation" in out["error"]
+    assert "4.00 KiB" in out["error"] and "cuda:0" in out["error"]
 
 
 # ---- training loops -----------------------------------------------------------------------
@@ -215,8 +238,17 @@ def test_spill_all_and_restore_all_keep_addresses_and_values():
 
 
 def test_record_stream_holds_a_block_until_the_other_stream_is_done():
+    # Both kernels run once first: CUDA loads a kernel's module at its first
+    # launch (lazy loading), and loading waits for the work already on the
+    # device, so a first x.add_(1) behind the sleep would wait it out and
+    # leave the side stream idle by the time x is freed.
     out = run_script("""
         side = torch.cuda.Stream()
+        warm = torch.zeros(16, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1000)
+            warm.add_(1)
+        torch.cuda.synchronize()
         x = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
         ptr = x.data_ptr()
         with torch.cuda.stream(side):
@@ -226,13 +258,15 @@ def test_record_stream_holds_a_block_until_the_other_stream_is_done():
         del x
         y = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
         reused_while_busy = y.data_ptr() == ptr
+        busy_at_reuse = not side.query()
         side.synchronize()
         del y
         z = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
         z2 = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
-        print(json.dumps({"reused_while_busy": reused_while_busy,
+        print(json.dumps({"reused_while_busy": reused_while_busy, "busy_at_reuse": busy_at_reuse,
                           "reused_after": ptr in (z.data_ptr(), z2.data_ptr())}))
     """)
+    assert out["busy_at_reuse"] is True, "the side stream was already idle: the test shows nothing"
     assert out["reused_while_busy"] is False
     assert out["reused_after"] is True
 
@@ -264,6 +298,57 @@ def test_cuda_graph_capture_and_replay_match_eager():
         print(json.dumps({"equal": results, "pools": len(pools)}))
     """)
     assert out["equal"] == [True, True, True]
+
+
+def test_triton_launches_wait_for_a_pause_and_count_as_ops():
+    # Triton kernels launch outside ATen. A hand-written @triton.jit kernel is
+    # seen only through Triton's launch hooks; torch.compile's kernels through
+    # those or Inductor's launcher. Either launch must wait while launches are
+    # paused (a safe point moves pages then).
+    out = run_script("""
+        import threading
+        import triton
+        import triton.language as tl
+        from cotenant import _C
+
+        @triton.jit
+        def add_one(x_ptr, n, BLOCK: tl.constexpr):
+            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+        x = torch.zeros(1024, device="cuda")
+        compiled = torch.compile(lambda t: t.add_(1))
+        launches = {"hand-written": lambda: add_one[(4,)](x, 1024, BLOCK=256), "torch.compile": lambda: compiled(x)}
+        for launch in launches.values():
+            launch()  # compiled and loaded
+        torch.cuda.synchronize()
+        result = {}
+        for name, launch in launches.items():
+            _C._count_op_entries(True)
+            before = _C._counted_op_entries()
+            launch()
+            counted = _C._counted_op_entries() - before
+            _C._count_op_entries(False)
+            assert _C._pause_launches(10.0)
+            done = threading.Event()
+            thread = threading.Thread(target=lambda: (launch(), done.set()))
+            thread.start()
+            held = not done.wait(0.5)
+            _C._resume_launches()
+            thread.join(60)
+            result[name] = {"counted": counted, "held": held, "done": done.is_set()}
+        torch.cuda.synchronize()
+        result["value"] = x[0].item()
+        result["in_flight"] = _C.ops_in_flight()
+        result["hooked"] = _C.triton_launch_enter in triton.knobs.runtime.launch_enter_hook.calls
+        print(json.dumps(result))
+    """)
+    assert out["hooked"] is True
+    for name in ("hand-written", "torch.compile"):
+        assert out[name]["counted"] >= 1, name
+        assert out[name]["held"] is True and out[name]["done"] is True, name
+    assert out["value"] == 6.0  # two warm-ups, two counted launches, two held ones
+    assert out["in_flight"] == 0
 
 
 def test_torch_compile_smoke():
@@ -323,7 +408,7 @@ def test_autoenable_enables_cotenant_from_the_environment():
         x = torch.ones(1, device="cuda")
         print(json.dumps({"enabled": cotenant.is_enabled(), "cap": cotenant.memory_cap(),
                           "allocated": torch.cuda.memory_allocated() == cotenant.memory_stats()["allocated_bytes"]}))
-    """, use_cotenant=False, pythonpath_prefix=[AUTOENABLE_DIR],
+    """, use_cotenant=False, pythonpath_prefix=[AUTOENABLE_DIR], as_job=True,
         env_extra={"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "1GiB"})
     assert out == {"enabled": True, "cap": 1 << 30, "allocated": True}
 

@@ -42,7 +42,7 @@ def _gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-def _run_python(code, env_extra=None, pythonpath_prefix=None, timeout=120):
+def _run_python(code, env_extra=None, pythonpath_prefix=None, timeout=120, as_job=False):
     env = dict(os.environ)
     for key in list(env):
         if key.startswith("COTENANT_") and key != "COTENANT_REQUIRE_TORCH_EXTENSION":
@@ -50,7 +50,10 @@ def _run_python(code, env_extra=None, pythonpath_prefix=None, timeout=120):
     if pythonpath_prefix:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath_prefix, env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+    from coordinator_harness import AS_JOB
+
+    launcher = AS_JOB if as_job else [sys.executable]
+    return subprocess.run([*launcher, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -106,6 +109,11 @@ def test_enable_without_a_gpu_raises_no_gpu_error_that_says_what_to_do():
     assert result.returncode == 0, result.stderr
     assert "NoGpuError: cotenant found no usable NVIDIA GPU" in result.stdout
     assert "enabled: False" in result.stdout
+    from cotenant import launch
+
+    if "no NVIDIA driver found" in (launch.driver_problem(0) or ""):
+        # Not the CUDA runtime's "driver version is insufficient", which blames a driver that is not there.
+        assert "no NVIDIA driver found" in result.stdout and "insufficient" not in result.stdout
 
 
 def test_enable_does_nothing_when_cotenant_disable_is_set():
@@ -236,7 +244,7 @@ def test_environment_enabling_is_off_unless_cotenant_enable_is_set():
 
 @pytest.mark.parametrize("variable, value, message", [
     ("COTENANT_MEMORY_CAP", "6 apples", 'COTENANT_MEMORY_CAP=\'6 apples\': cannot use "6 apples" as a memory cap'),
-    ("COTENANT_PERSISTENT_MEMORY", "lots", "cannot use 'lots' as persistent memory"),
+    ("COTENANT_PERSISTENT_MEMORY", "lots", "COTENANT_PERSISTENT_MEMORY='lots': cannot use 'lots' as persistent memory"),
 ])
 def test_environment_enabling_rejects_a_bad_size_before_touching_cuda(variable, value, message):
     result = _run_python("""
@@ -260,7 +268,7 @@ def test_environment_enabling_rejects_a_bad_role():
         except ValueError as error:
             print("ValueError:", error)
     """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_ROLE": "vip"})
-    assert "ValueError: unknown role 'vip'" in result.stdout, result.stderr
+    assert "ValueError: COTENANT_ROLE='vip': unknown role 'vip'" in result.stdout, result.stderr
 
 
 def test_autoenable_reports_why_it_did_not_enable_and_runs_the_sites_own_sitecustomize(tmp_path):
@@ -270,16 +278,22 @@ def test_autoenable_reports_why_it_did_not_enable_and_runs_the_sites_own_sitecus
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     (site_dir / "sitecustomize.py").write_text("import os\nos.environ['SITE_HOOK_RAN'] = 'yes'\n")
-    result = _run_python("""
+    program = """
         import os
         print("site hook:", os.environ.get("SITE_HOOK_RAN"))
         print("program ran")
-    """, env_extra={"COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic"},
-        pythonpath_prefix=[AUTOENABLE_DIR, str(site_dir)])
+    """
+    job = {"COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic"}
+    refused = _run_python(program, env_extra=job, pythonpath_prefix=[AUTOENABLE_DIR, str(site_dir)], as_job=True)
+    assert refused.returncode == 2 and "program ran" not in refused.stdout  # fails closed
+    assert "cannot enable cotenant in this program: cotenant found no usable NVIDIA GPU" in refused.stderr
+    result = _run_python(program, env_extra={**job, "COTENANT_ALLOW_UNCAPPED": "1"},
+                         pythonpath_prefix=[AUTOENABLE_DIR, str(site_dir)], as_job=True)
     assert result.returncode == 0, result.stderr
     assert "program ran" in result.stdout
     assert "site hook: yes" in result.stdout
-    assert "cotenant: not enabled in this process: cotenant found no usable NVIDIA GPU" in result.stderr
+    assert "cotenant: not enabled, the program runs WITHOUT a cap or gate" in result.stderr
+    assert "cotenant found no usable NVIDIA GPU" in result.stderr
 
 
 # ---- the op-entry interception point (CPU ops are ATen ops too) ------------------------------
@@ -599,6 +613,9 @@ def test_each_triton_launch_of_torch_compile_counts_as_one_op(monkeypatch):
         def end_explicit_op(self):
             calls.append("end")
 
+        def triton_launch_exit(self):
+            calls.append("end-triton")
+
     class CachingAutotuner:
         def run(self, *args, stream, **kwargs):
             calls.append(("run", args, stream))
@@ -611,16 +628,124 @@ def test_each_triton_launch_of_torch_compile_counts_as_one_op(monkeypatch):
     api._patch_triton_launcher(module)
     api._patch_triton_launcher(module)  # a second enable() does not wrap twice
     assert CachingAutotuner().run(1, 2, stream=7) == "launched"
-    assert calls == ["begin", ("run", (1, 2), 7), "end"]
+    assert calls == ["begin", ("run", (1, 2), 7), "end-triton", "end"]
     calls.clear()
     with pytest.raises(RuntimeError):
         CachingAutotuner().run(stream=0, fail=True)
-    assert calls == ["begin", ("run", (), 0), "end"]  # the op ends even when the launch fails
+    assert calls == ["begin", ("run", (), 0), "end-triton", "end"]  # the op ends even when the launch fails
+
+
+@pytest.fixture
+def triton_launch_hooks():
+    """Triton's launch hook chains with cotenant's hooks added as enable() adds
+    them, and taken out again after the test (they are process-wide)."""
+    _C = _extension_or_skip()
+    knobs = pytest.importorskip("triton.knobs", reason="Triton is not installed")
+    _C._count_op_entries(True)  # installs the interception point (explicit ops need none)
+    _C._count_op_entries(False)
+    api._add_triton_launch_hooks(knobs)
+    api._add_triton_launch_hooks(knobs)  # a second enable() adds nothing
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    try:
+        assert enter.calls.count(_C.triton_launch_enter) == 1
+        assert leave.calls.count(_C.triton_launch_exit) == 1
+        yield _C, enter, leave
+    finally:
+        enter.remove(_C.triton_launch_enter)
+        leave.remove(_C.triton_launch_exit)
+    assert _C.ops_in_flight() == 0
+
+
+def _launch_metadata():
+    # What Triton's launcher hands its hooks (CompiledKernel.launch_metadata).
+    from triton.compiler.compiler import LazyDict
+
+    return LazyDict({"name": "add_kernel", "function": 0, "stream": 0})
+
+
+def test_a_triton_launch_waits_while_launches_are_paused(triton_launch_hooks):
+    # Triton's generated launcher calls launch_enter_hook(metadata), launches
+    # the kernel, then calls launch_exit_hook(metadata): the same calls here,
+    # without a GPU.
+    _C, enter, leave = triton_launch_hooks
+    metadata = _launch_metadata()
+    launched = threading.Event()
+
+    def launch():
+        enter(metadata)
+        launched.set()
+        leave(metadata)
+
+    assert _C._pause_launches(1.0)
+    try:
+        thread = threading.Thread(target=launch)
+        thread.start()
+        assert not launched.wait(0.3), "a Triton kernel was launched while launches were paused"
+    finally:
+        _C._resume_launches()
+    thread.join(10)
+    assert launched.is_set()
+    assert _C.ops_in_flight() == 0
+
+
+def test_a_triton_launch_being_enqueued_holds_off_a_pause(triton_launch_hooks):
+    _C, enter, leave = triton_launch_hooks
+    metadata = _launch_metadata()
+    enter(metadata)
+    assert _C.ops_in_flight() == 1
+    paused = []
+    other = threading.Thread(target=lambda: paused.append(_C._pause_launches(0.2)))
+    other.start()
+    other.join()
+    assert paused == [False], "a pause went ahead while a Triton kernel was being launched"
+    leave(metadata)
+    assert _C.ops_in_flight() == 0
+    assert _C._pause_launches(1.0)
+    _C._resume_launches()
+
+
+def test_a_failed_triton_launch_does_not_hold_launches_forever(triton_launch_hooks):
+    # Triton's launcher skips the exit hook when the launch fails: the
+    # thread's next launch, or Inductor's wrapper around the launch, ends it.
+    _C, enter, leave = triton_launch_hooks
+    metadata = _launch_metadata()
+    enter(metadata)  # the launch fails: no exit hook
+    enter(metadata)
+    assert _C.ops_in_flight() == 1
+    leave(metadata)
+    leave(metadata)  # a second exit ends nothing
+    assert _C.ops_in_flight() == 0
+
+    class CachingAutotuner:
+        def run(self, *args, stream, **kwargs):
+            enter(metadata)
+            raise RuntimeError("the launch failed after Triton's enter hook")
+
+    import types
+
+    api._patch_triton_launcher(types.SimpleNamespace(CachingAutotuner=CachingAutotuner))
+    with pytest.raises(RuntimeError):
+        CachingAutotuner().run(stream=0)
+    assert _C.ops_in_flight() == 0
+    assert _C._pause_launches(1.0)
+    _C._resume_launches()
 
 
 def test_the_real_triton_launcher_is_the_one_patched():
-    # Names the real module and class, so a rename in torch fails here, not silently.
+    # Names the real modules, so a rename in torch or Triton fails here, not silently.
     import importlib
 
     module = importlib.import_module(api._TRITON_LAUNCHER)
     assert callable(getattr(module.CachingAutotuner, "run", None))
+    knobs = importlib.import_module(api._TRITON_KNOBS)
+    assert callable(knobs.runtime.launch_enter_hook.add) and callable(knobs.runtime.launch_exit_hook.add)
+
+
+def test_raw_delete_never_throws_and_says_what_failed(capfd):
+    # torch calls raw_delete from destructors (thrust's and workspaces' frees):
+    # an exception there would call std::terminate.
+    _C = _extension_or_skip()
+    _C._raw_delete(0xDEAD000)
+    err = capfd.readouterr().err
+    assert "cotenant: freeing CUDA memory at 0xdead000 failed, so it stays allocated" in err
+    assert "did not allocate" in err

@@ -245,9 +245,18 @@ def test_metrics_endpoint_serves_job_gauges(node):
         except OSError:
             return ""
 
-    text = wait_until(lambda: (t := scrape()) and 'cotenant_job_device_bytes{gpu="0",job="g",role="guaranteed"} 6.7108864e+07' in t and t)
+    text = wait_until(lambda: (t := scrape()) and 'cotenant_job_device_bytes{gpu="index:0",job="g",role="guaranteed"} 6.7108864e+07' in t and t)
     assert text, scrape()
     assert "cotenant_job_memory_cap_bytes" in text
+    # Spill and restore bytes and page moves, per job and per GPU.
+    client.set_cap("g", "32MiB", socket=node.socket)
+    wanted = ['cotenant_job_spilled_bytes{gpu="index:0",job="g",role="guaranteed"} 3.3554432e+07',
+              'cotenant_job_page_moves{gpu="index:0",job="g",role="guaranteed"} 16.0',
+              'cotenant_gpu_spilled_bytes{gpu="index:0"} 3.3554432e+07',
+              'cotenant_gpu_host_bytes{gpu="index:0"} 3.3554432e+07',
+              'cotenant_gpu_page_moves{gpu="index:0"} 16.0']
+    assert wait_until(lambda: all(w in scrape() for w in wanted)), scrape()
+    assert "cotenant_job_restored_bytes" in scrape() and "cotenant_gpu_restored_bytes" in scrape()
 
 
 def test_coordinator_logs_are_json_lines(node):
@@ -273,10 +282,14 @@ def test_cli_status_set_cap_set_share_and_timeline(node, tmp_path):
     assert wait_until(lambda: node.job("o")["applied_cap"] == 100 * MiB)
     table = cli("status")
     assert table.returncode == 0
-    header, *rows = table.stdout.splitlines()
+    lines = table.stdout.splitlines()
+    gpu_line, note = lines[:2]  # the simulated jobs report no GPU UUID
+    assert gpu_line.startswith("index:0 (index 0): 1.00 GiB total") and "for 2 jobs" in gpu_line
+    assert note.startswith("  note: index:0: the job reported no GPU UUID")
+    header, *rows = lines[lines.index("") + 1:]
     assert header.split()[:5] == ["GPU", "JOB", "PID", "ROLE", "STATE"]
-    o_row = next(r for r in rows if r.startswith("0") and "o (" in r)
-    assert "100.00 MiB" in o_row and "0.25*" in o_row
+    o_row = next(r for r in rows if r.startswith("index:0") and "o (" in r)
+    assert "100.00 MiB" in o_row and "0.25*" in o_row and " throttled " in o_row
     as_json = json.loads(cli("status", "--json").stdout)
     assert {j["name"] for j in as_json["jobs"]} == {"g", "o"}
     bad = cli("set-share", "o", "1.5")
@@ -295,14 +308,17 @@ def test_cotenant_run_enables_the_child_through_environment_variables(node):
               "print(os.environ['PYTHONPATH'])")
     out = subprocess.run(
         [sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--cap", "2GiB", "--name", "sidecar",
-         "--device", "1", "--socket", node.socket, "--", sys.executable, "-c", script],
-        env=child_env(), capture_output=True, text=True, timeout=30,
+         "--device", "1", "--socket", node.socket, "--allow-uncapped", "--", sys.executable, "-c", script],
+        env=child_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    variables, pythonpath = out.stdout.splitlines()
-    assert json.loads(variables) == {
+    variables, pythonpath = out.stdout.splitlines()[-2:]
+    variables = json.loads(variables)
+    assert variables.pop("COTENANT_JOB_PID").isdigit()  # the job's pid: its children are not jobs
+    assert variables == {
         "COTENANT_ENABLE": "1", "COTENANT_ROLE": "opportunistic", "COTENANT_MEMORY_CAP": str(2 << 30),
         "COTENANT_DEVICE": "1", "COTENANT_SOCKET": node.socket, "COTENANT_JOB_NAME": "sidecar",
+        "COTENANT_ALLOW_UNCAPPED": "1",
     }
     assert pythonpath.split(os.pathsep)[0].endswith(os.path.join("cotenant", "_autoenable"))
 
@@ -317,7 +333,8 @@ def test_cotenant_run_refuses_a_bad_cap_before_starting_the_child():
 def test_cotenant_run_cap_only_gives_the_child_a_cap_and_no_role():
     script = "import os; print(os.environ.get('COTENANT_ROLE', '-'), os.environ['COTENANT_MEMORY_CAP'])"
     out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--cap-only", "--cap", "6GiB", "--",
-                          sys.executable, "-c", script], env={**child_env(), "COTENANT_ROLE": "guaranteed"},
+                          sys.executable, "-c", script],
+                         env={**child_env(), "COTENANT_ROLE": "guaranteed", "COTENANT_DISABLE": "1"},
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["-", str(6 << 30)]
@@ -381,8 +398,8 @@ def test_sigterm_stops_the_coordinator_but_leaves_jobs_and_their_blocks(node):
 def test_cotenant_run_passes_persistent_memory_for_admission_and_refuses_a_bad_one():
     script = "import os; print(os.environ.get('COTENANT_PERSISTENT_MEMORY'))"
     out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "10GiB",
-                          "--", sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
-                         timeout=30)
+                          "--", sys.executable, "-c", script], env={**child_env(), "COTENANT_DISABLE": "1"},
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "10GiB"
     bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "heaps",

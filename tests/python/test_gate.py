@@ -305,7 +305,12 @@ def test_activation_settings_come_from_the_environment():
     settings = gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "3",
                                                 "COTENANT_GATE_WINDOW_MS": "20",
                                                 "COTENANT_SHARE": "0.5"})
-    assert settings == {"max_in_flight": 3, "share_window_s": 0.02, "initial_share": 0.5, "segment_name": ""}
+    assert settings == {"max_in_flight": 3, "share_window_s": 0.02, "initial_share": 0.5, "segment_name": "",
+                        "group_gid": None}
+    assert gate_module.activation_settings({"COTENANT_CONF": "gate_group:0"})["group_gid"] == 0
+    assert gate_module.activation_settings({"COTENANT_GATE_GROUP": "root"})["group_gid"] == 0
+    with pytest.raises(ValueError, match="no group named 'nosuchgroup'"):
+        gate_module.activation_settings({"COTENANT_GATE_GROUP": "nosuchgroup"})
     with pytest.raises(ValueError, match="COTENANT_GATE_MAX_IN_FLIGHT"):
         gate_module.activation_settings({"COTENANT_GATE_MAX_IN_FLIGHT": "0"})
 
@@ -406,6 +411,60 @@ def test_op_hooks_gate_real_torch_ops_on_the_cpu(role, segment_name):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == ("ok" if role == "opportunistic" else "2")
+
+
+GUARANTEED_BUSY_FROM_OP_EXIT = textwrap.dedent("""
+    import sys, threading, torch
+    from cotenant import _C, _core
+    segment_name = sys.argv[1]
+    _C.gate_activate("guaranteed", 0, segment_name)
+    segment = _core.GpuPeerSegment.open(segment_name, 0)
+
+    def published_after(t):
+        # Two heartbeats after t: the pulse thread published its busy state
+        # (it refreshes before each heartbeat) at least once after t.
+        first = None
+        while True:
+            beat = segment.view()["guaranteed"]["heartbeat_ns"]
+            if first is None and beat > t:
+                first = beat
+            if first is not None and beat > first:
+                return segment.view()["guaranteed"]["last_activity_ns"]
+
+    started, release = threading.Event(), threading.Event()
+    lib = torch.library.Library("cotenant_test", "DEF")
+    lib.define("slow_op(Tensor x) -> Tensor")
+
+    def slow_op(x):  # an op whose CPU work takes as long as the test says
+        started.set()
+        release.wait()
+        return x.clone()
+
+    lib.impl("slow_op", slow_op, "CPU")
+    x = torch.ones(4)
+    entered = _core.monotonic_ns()
+    worker = threading.Thread(target=lambda: torch.ops.cotenant_test.slow_op(x))
+    worker.start()
+    started.wait()
+    during = published_after(_core.monotonic_ns())
+    released = _core.monotonic_ns()
+    release.set()
+    worker.join()
+    after = published_after(_core.monotonic_ns())
+    print(int(during < entered), int(after >= released))
+""")
+
+
+def test_the_guaranteed_job_is_busy_from_when_an_ops_work_is_enqueued_not_from_op_entry(segment_name):
+    # At op entry only the op's CPU work has begun: a guaranteed job busy
+    # from there would keep opportunistic jobs off a GPU that is idle.
+    pytest.importorskip("cotenant._C", reason="the torch extension cotenant._C is not built")
+    out = subprocess.run([sys.executable, "-c", GUARANTEED_BUSY_FROM_OP_EXIT, segment_name], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    idle_while_the_op_ran, busy_once_it_returned = out.stdout.split()
+    assert idle_while_the_op_ran == "1", "the guaranteed job counted as busy from op entry"
+    assert busy_once_it_returned == "1", "the op's launch at its exit was not published"
 
 
 def test_the_gates_logic_costs_well_under_a_microsecond_per_op_when_nothing_waits():

@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-from cotenant.coordinator import client
+from cotenant import _core
+from cotenant.coordinator import client, paths
 from coordinator_harness import MiB, Node, readable_code_copy, wait_until
 
 NOBODY_UID = 65534
@@ -339,3 +340,101 @@ def test_another_users_idle_connections_do_not_lock_anyone_else_out(users, node)
     finally:
         hog.send_signal(signal.SIGKILL)
         hog.wait()
+
+
+# --- what another user plants is neither adopted nor used --------------------------------------
+
+
+PLANT_BLOCK = r"""
+import sys
+from cotenant import _core
+prefix, pid = sys.argv[1], int(sys.argv[2])
+for i in range(1, 41):  # a forged guaranteed job of uid 0 for each job id a restart could look for
+    _core.JobBlock.create(prefix + str(i), job_id=i, job_name="forged", role="guaranteed", device=0, pid=pid,
+                          uid=0).close()
+print("planted")
+"""
+
+
+def test_blocks_another_user_plants_are_neither_adopted_nor_removed_on_restart(users, node):
+    node.args += ["--group", GROUP]
+    node.start_coordinator()
+    real = node.start_job("guaranteed", "real", hold_mib=16)
+    prefix = "/" + paths.job_block_prefix(node.socket)
+    planted = users.run(users.t2, ["-c", PLANT_BLOCK, prefix, str(real.pid)])
+    assert planted.stdout.strip() == "planted", planted.stderr
+    try:
+        node.kill_coordinator()
+        node.start_coordinator()
+        jobs = node.status()["jobs"]
+        assert [(j["name"], j["job_id"], j["uid"]) for j in jobs] == [("real", real.registration["job_id"], 0)]
+        assert '"blocks of other users ignored"' in node.read_log()
+        assert all(os.stat("/dev/shm" + prefix + str(i)).st_uid == users.t2.uid for i in range(1, 41))
+    finally:
+        for i in range(1, 41):
+            _core.shm_unlink(prefix + str(i))
+
+
+OPEN_SEGMENT = r"""
+import sys
+from cotenant import _core
+try:
+    _core.GpuPeerSegment.open(sys.argv[1], 0)
+    print("opened")
+except _core.Error as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o666])
+def test_a_gpu_segment_another_user_created_first_is_refused_with_its_owner_named(users, mode):
+    name = _core.GpuPeerSegment.default_name(0, users.t3.uid)
+    _core.GpuPeerSegment.remove(name)
+    squat = users.run(users.t2, ["-c", f"import os; fd = os.open('/dev/shm{name}', os.O_CREAT | os.O_RDWR, {mode:#o}); "
+                                       f"os.fchmod(fd, {mode:#o})"])
+    assert squat.returncode == 0, squat.stderr
+    try:
+        victim = users.run(users.t3, ["-c", OPEN_SEGMENT, name])
+        assert victim.stdout.startswith("refused:"), victim.stdout + victim.stderr
+        assert f"belongs to {users.t2.name}, not to {users.t3.name}" in victim.stdout or (
+            mode == 0o644 and "Permission denied" in victim.stdout)
+        assert "COTENANT_GPU_SEGMENT" in victim.stdout
+        assert os.path.getsize("/dev/shm" + name) == 0  # nothing written into the squatter's object
+    finally:
+        _core.GpuPeerSegment.remove(name)
+
+
+GROUP_SEGMENT = r"""
+import json, os, sys, time
+from cotenant import _core
+name, gid, role = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+segment = _core.GpuPeerSegment.open(name, 0, gpu_uuid="GPU-0000aaaa-1111-2222-3333-444455556666", group=gid)
+if role == "guaranteed":
+    segment.claim_guaranteed()
+    print("claimed", flush=True)
+    time.sleep(30)
+else:
+    print(json.dumps({"opening": segment.opening, "guaranteed_pid": segment.view()["guaranteed"]["pid"]}))
+"""
+
+
+def test_jobs_of_two_users_in_one_group_meet_in_the_gpus_group_segment(users):
+    gid = users.group.gr_gid
+    name = _core.GpuPeerSegment.default_name(0, gpu_uuid="GPU-0000aaaa-1111-2222-3333-444455556666", group=gid)
+    assert name.endswith(f"-g{gid}")
+    _core.GpuPeerSegment.remove(name)
+    holder = subprocess.Popen(users.t2.prefix() + [users.python, "-c", GROUP_SEGMENT, name, str(gid), "guaranteed"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": users.code})
+    try:
+        assert holder.stdout.readline().strip() == "claimed", holder.stderr.read()
+        info = os.stat("/dev/shm" + name)
+        assert (info.st_uid, info.st_gid, oct(info.st_mode & 0o777)) == (users.t2.uid, gid, "0o660")
+        seen = users.run(users.t3, ["-c", GROUP_SEGMENT, name, str(gid), "opportunistic"])
+        assert seen.returncode == 0, seen.stderr
+        view = json.loads(seen.stdout)
+        assert view == {"opening": "attached", "guaranteed_pid": holder.pid}, view
+    finally:
+        holder.kill()
+        holder.wait()
+        _core.GpuPeerSegment.remove(name)

@@ -157,6 +157,32 @@ def test_a_loop_that_reuses_its_blocks_maps_pages_only_in_its_first_iteration(tm
         result["num_page_maps"] / (result["peak_reserved_bytes"] / (2 * MiB)))
 
 
+def test_the_report_says_where_peak_reserved_memory_went(tmp_path, capsys):
+    # A 3 MiB block and a 1 MiB block fill pages 0-1; the 3 MiB one is freed,
+    # and a 3.5 MiB block fits no hole: it maps pages 2-3 while page 0 stays
+    # mapped and free. At that peak (8 MiB): 4.5 MiB live, 1.5 MiB free in the
+    # three pages the live blocks touch, one free page (2 MiB).
+    records = [{"op": "alloc", "id": 1, "size": 3 * MiB}, {"op": "alloc", "id": 2, "size": MiB},
+               {"op": "free", "id": 1}, {"op": "alloc", "id": 3, "size": 3 * MiB + MiB // 2},
+               {"op": "free", "id": 2}, {"op": "free", "id": 3}]
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    code, out, _ = run_main(capsys, path, "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["peak_reserved_bytes"] == 8 * MiB
+    assert result["at_peak_live_bytes"] == 4 * MiB + MiB // 2
+    assert result["at_peak_partial_page_free_bytes"] == MiB + MiB // 2
+    assert result["at_peak_free_page_bytes"] == 2 * MiB
+    assert result["at_peak_request_bytes"] == 3 * MiB + MiB // 2
+    assert result["at_peak_largest_hole_bytes"] == 3 * MiB
+    assert result["fragmentation_floor"] == pytest.approx(6 / 4.5)  # 4.5 MiB live needs 3 pages
+    code, out, _ = run_main(capsys, path)
+    rows = table_cells(out)
+    assert rows["fragmentation floor"][0] == "1.333"
+    assert rows["at peak reserved"][0] == "4.50 MiB live + 1.50 MiB free in used pages + 2.00 MiB in free pages"
+    assert "3.50 MiB allocation; largest hole then 3.00 MiB" in rows["at peak reserved"][1]
+
+
 def test_blocks_on_host_pages_count_as_host_bytes_touched_per_iteration(tmp_path, capsys):
     # Each iteration frees the last one's two 2 MiB blocks and allocates two
     # more: under a 2 MiB cap one of the two lives on the host, so each
@@ -589,16 +615,46 @@ def test_bundled_trace_under_half_its_peak_cap_spills_without_oom(path):
     assert result["final_stats"]["device_resident_bytes.current"] <= peak // 2  # the cap holds at a safe point
 
 
-# Above 1.10 since the arena placement, as docs/allocator.md ("Placement")
-# records: a step allocates a block a little larger than the hole the same
-# block left the step before. strict: a fix makes these pass and fail here.
-FRAGMENTATION_ABOVE_1_10 = {"gpt_train.jsonl.gz", "gpt_train_varlen.jsonl.gz", "moe_train.jsonl.gz"}
+# The target is 1.05 (docs/allocator.md, "Placement"). Best-fit placement in
+# one arena misses it on these traces: a step allocates a block a little
+# larger than every hole (the logits, an expert's tokens, a grown KV cache)
+# and maps fresh pages while the holes stay mapped. strict: a fix makes
+# these pass and fail here.
+FRAGMENTATION_ABOVE_TARGET = {"gpt_generate.jsonl.gz", "gpt_train.jsonl.gz", "gpt_train_varlen.jsonl.gz",
+                              "moe_train.jsonl.gz"}
 
 
 @pytest.mark.parametrize("path", [
     pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="known: docs/allocator.md, Placement"))
-    if os.path.basename(path) in FRAGMENTATION_ABOVE_1_10 else path
+    if os.path.basename(path) in FRAGMENTATION_ABOVE_TARGET else path
     for path in BUNDLED_TRACES], ids=os.path.basename)
-def test_bundled_trace_fragmentation_meets_the_1_10_target(path):
+def test_bundled_trace_fragmentation_meets_the_1_05_target(path):
     result = replay.replay_trace(replay.load_trace(path))
-    assert result["fragmentation"] <= 1.10, f"peak reserved / peak allocated = {result['fragmentation']:.3f}"
+    assert result["fragmentation"] <= 1.05, f"peak reserved / peak allocated = {result['fragmentation']:.3f}"
+
+
+@pytest.mark.parametrize("path", BUNDLED_TRACES, ids=os.path.basename)
+def test_bundled_trace_peak_reserved_is_its_live_slack_and_free_pages(path):
+    result = replay.replay_trace(replay.load_trace(path))
+    parts = (result["at_peak_live_bytes"], result["at_peak_partial_page_free_bytes"], result["at_peak_free_page_bytes"])
+    assert sum(parts) == result["peak_reserved_bytes"]
+    assert all(part >= 0 for part in parts)
+    assert 1.0 <= result["fragmentation_floor"] <= result["fragmentation"]
+
+
+# Training loops that repeat their steps map nothing once warm. Not yet:
+# gpt_train remaps pages that the cold-cache rule released (0.5 maps per
+# warm step) and resnet_multiscale maps one page when a late step reaches a
+# new live peak at an address its holes cannot hold.
+WARM_MAPS_ABOVE_ZERO = {"gpt_train.jsonl.gz", "resnet_multiscale.jsonl.gz"}
+TRAINING_TRACES = [path for path in BUNDLED_TRACES if "_train" in os.path.basename(path)
+                   or "multiscale" in os.path.basename(path)]
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="known: docs/allocator.md, Placement"))
+    if os.path.basename(path) in WARM_MAPS_ABOVE_ZERO else path
+    for path in TRAINING_TRACES], ids=os.path.basename)
+def test_bundled_training_trace_maps_no_page_once_warm(path):
+    result = replay.replay_trace(replay.load_trace(path))
+    assert result["steady_maps_per_iteration"] == 0, result["maps_per_iteration"]

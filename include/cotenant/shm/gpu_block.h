@@ -4,7 +4,7 @@
 // reports, iteration times) travels in the per-job block instead
 // (job_block.h); the coordinator never writes this segment.
 //
-// One segment per (GPU, user), named "/cotenant-gpu<index>-<uid>" (see
+// One segment per (GPU, user or group), named by the GPU's UUID (see
 // GpuPeerSegment::default_name). Every job that calls enable(role=...) on
 // that GPU opens it (create-or-attach) and claims a slot:
 //   guaranteed     at most one per GPU: publishes whether it is busy (work in
@@ -120,8 +120,13 @@ struct GpuPeerSegmentOptions {
   // A holder whose heartbeat is older than this counts as crashed even if
   // its pid exists (a reused pid, or a hung process).
   Nanoseconds stale_after_ns = 3'000'000'000;  // 3 s
-  // The GPU's UUID, stored at creation ("" when unknown).
+  // The GPU's UUID, stored at creation ("" when unknown). When given, it is
+  // what tells a segment of this GPU from another's, not the CUDA index
+  // (jobs with different CUDA_VISIBLE_DEVICES see one GPU under two indices).
   std::string gpu_uuid;
+  // The group whose members share the segment (jobs of several users on one
+  // GPU); none: the segment is the caller's uid's alone.
+  std::optional<gid_t> group;
 };
 
 // How open() found the segment.
@@ -130,8 +135,11 @@ const char* to_string(SegmentOpening opening);
 
 class GpuPeerSegment {
  public:
-  // "/cotenant-gpu<device>-<uid>".
-  static std::string default_name(std::uint32_t device, uid_t uid);
+  // The segment of one GPU for one trust domain: "/cotenant-gpu-<key>-u<uid>",
+  // or "/cotenant-gpu-<key>-g<gid>" where a group's members share it. <key>
+  // is the GPU's UUID, or "index<device>" where the UUID is unknown.
+  static std::string default_name(const std::string& gpu_uuid, std::uint32_t device, uid_t uid,
+                                  std::optional<gid_t> group = std::nullopt);
   // Creates the segment or attaches to it; re-initialises one left by an
   // earlier run or another version (wrong magic, version, size or device).
   // Attaching reclaims the slots of crashed holders. Throws cotenant::Error

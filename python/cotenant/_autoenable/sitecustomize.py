@@ -1,23 +1,34 @@
-"""Enables cotenant in a process started by `cotenant run`, with no code change.
+"""Enables cotenant in the process `cotenant run` started, with no code change.
 
-`cotenant run` puts this directory first on PYTHONPATH and describes the job
-in COTENANT_* environment variables; Python imports this file at start-up.
-It first runs any other sitecustomize the environment had, so a site's own
-start-up code keeps working.
+`cotenant run` puts this directory first on PYTHONPATH, describes the job in
+COTENANT_* environment variables and marks the job's pid (COTENANT_JOB_PID);
+Python imports this file at start-up. Only that process is the job: in its
+children this file does nothing. When cotenant cannot be enabled, the job
+exits with status 2 and says why (cotenant.launch), unless allowed to run
+uncapped. It first runs any other sitecustomize the environment had, so a
+site's own start-up code keeps working.
 """
 
 import importlib.util
+import logging
 import os
 import sys
 
 
 def _enable_cotenant() -> None:
+    if os.environ.get("COTENANT_JOB_PID") != str(os.getpid()):
+        return  # a child of the job (a worker, a compiler process): not a job
     try:
-        import cotenant
-
-        cotenant.enable_from_environment()
-    except Exception as error:  # never stop the user's program from starting
-        sys.stderr.write(f"cotenant: not enabled in this process: {error}\n")
+        from cotenant import launch
+    except Exception as error:  # cotenant itself does not import: nothing else can say so
+        allowed = os.environ.get("COTENANT_ALLOW_UNCAPPED", "").strip().lower() in ("1", "true", "yes", "on")
+        logging.getLogger("cotenant").log(logging.WARNING if allowed else logging.ERROR,
+                                          "cotenant run: cannot import cotenant in this program: %s", error)
+        if not allowed:
+            sys.stderr.flush()
+            os._exit(2)
+        return
+    launch.enable_in_job()
 
 
 def _run_next_sitecustomize() -> None:

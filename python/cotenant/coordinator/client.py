@@ -62,7 +62,9 @@ def trusted_coordinator_uids() -> Set[int]:
     """Who may serve a coordinator this process talks to: root, itself, and
     the service account named by $COTENANT_COORDINATOR_USER (a user name or uid)."""
     uids = {0, os.getuid(), os.geteuid()}
-    configured = os.environ.get(paths.COORDINATOR_USER_ENV, "").strip()
+    from cotenant import settings
+
+    configured = settings.get("coordinator_user") or ""
     if configured:
         try:
             uids.add(int(configured) if configured.isdigit() else pwd.getpwnam(configured).pw_uid)
@@ -259,6 +261,7 @@ def register(
     persistent_bytes: Union[int, str, None] = None,
     device_total_bytes: Optional[int] = None,
     timeout: float = 5.0,
+    gpu_uuid: Optional[str] = None,
 ) -> Optional[Registration]:
     """Registers the calling process as a job. Returns None when no coordinator
     was started on the socket (no socket file: the job then runs on its own).
@@ -282,6 +285,8 @@ def register(
         fields["persistent_bytes"] = persistent
     if device_total_bytes:
         fields["device_total_bytes"] = int(device_total_bytes)
+    if gpu_uuid:  # the GPU itself, whatever index CUDA_VISIBLE_DEVICES gives it here
+        fields["gpu_uuid"] = gpu_uuid
     try:
         client = CoordinatorClient(socket, timeout)
     except CoordinatorNotRunning:

@@ -11,12 +11,13 @@ shares that changed.
 
 Failures:
   * the daemon dies: blocks stay, each job keeps its last cap and share and
-    keeps publishing; a restarted daemon on the same socket path finds the
-    blocks by name (paths.job_block_prefix), re-adopts the live jobs and
-    reloads administrator settings and baselines from the state file;
-  * a job dies: its pid is gone (or a zombie), it reported "exited", or its
-    heartbeat stopped for `stale_heartbeat_s`: its block is unlinked and its
-    memory returns to the others at the next tick.
+    keeps publishing; a restarted daemon on the same socket path re-adopts
+    the live jobs its durable state names (block name, owner token,
+    identity) and reloads administrator settings and baselines from it;
+  * a job dies: its process is gone (or a zombie, or its pid names a process
+    with another start time) or it reported "exited": its block is unlinked
+    and its memory returns to the others at the next tick. A live process
+    whose heartbeat stopped (SIGSTOP, a hang) is kept with its memory.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ import json
 import logging
 import os
 import resource
+import secrets
 import signal
-import subprocess
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Union
 
-from cotenant.coordinator import paths, policy, protocol, report
+from cotenant.coordinator import gpus, paths, policy, protocol, report
 from cotenant.coordinator.protocol import ProtocolError
 from cotenant.coordinator.queue_service import QueueService
 from cotenant.coordinator.rundir import AlreadyRunning, RunDirectory, UnsafeRunDirectory
@@ -113,8 +115,31 @@ def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
 # --- processes ---------------------------------------------------------------
 
 
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (killed, not yet reaped) counts as dead."""
+def _proc_stat(pid: int) -> Optional[List[bytes]]:
+    """/proc/<pid>/stat's fields from the state on (field 3, index 0), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int:
+    """When `pid` started (clock ticks since boot, /proc/<pid>/stat field 22);
+    0 where it cannot be read. With the pid it names one process for good:
+    a pid the kernel reuses has another start time."""
+    fields = _proc_stat(pid) if pid > 0 else None
+    try:
+        return int(fields[19]) if fields else 0
+    except (IndexError, ValueError):
+        return 0
+
+
+def process_alive(pid: int, start_ticks: int = 0) -> bool:
+    """True while `pid` runs (and, given its start time, is still the same
+    process); a zombie (killed, not yet reaped) counts as dead. A stopped
+    process (SIGSTOP) is alive."""
     if pid <= 0:
         return False
     try:
@@ -123,32 +148,21 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
+    fields = _proc_stat(pid)
+    if fields is None:
+        return True
+    if fields[0] in (b"Z", b"X"):
+        return False
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
-        return state not in (b"Z", b"X")
-    except (OSError, ValueError):
+        return not start_ticks or int(fields[19]) == start_ticks
+    except (IndexError, ValueError):
         return True
 
 
-def detect_gpu_memory() -> Dict[int, int]:
-    """Total memory per GPU index from nvidia-smi; empty where there is none."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=5, check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    totals = {}
-    for line in out.strip().splitlines():
-        try:
-            index, mib = (part.strip() for part in line.split(","))
-            totals[int(index)] = int(mib) << 20
-        except ValueError:
-            continue
-    return totals
+def process_stopped(pid: int) -> bool:
+    """True while `pid` is stopped (SIGSTOP, a debugger)."""
+    fields = _proc_stat(pid) if pid > 0 else None
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 # --- state -------------------------------------------------------------------
@@ -159,10 +173,11 @@ class Job:
     job_id: int
     name: str
     role: str
-    device: int
+    device: int  # the job's CUDA index (relative to its CUDA_VISIBLE_DEVICES)
     pid: int
     uid: int
     block: Any  # _core.JobBlock
+    gpu: str = ""  # the physical GPU: its UUID, or the synthetic "index:N" (gpus.gpu_key)
     user_cap: Optional[int] = None
     pinned_share: Optional[float] = None
     persistent_bytes: int = 0
@@ -175,6 +190,9 @@ class Job:
     registered_at: float = field(default_factory=time.monotonic)
     adopted: bool = False
     invalid_reports: int = 0  # reads whose numbers report.check() refused
+    pid_start_ticks: int = 0  # with pid, names the process for good (a reused pid starts later)
+    owner_token: int = 0      # in the block's header and the durable state: what restart adopts
+    silent_since: Optional[float] = None  # a live process's heartbeat stopped (stopped, or hung) at this time
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
         """True while the solo baseline is being measured. A guaranteed job that
@@ -198,19 +216,30 @@ class Job:
             allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
         )
 
+    def state(self) -> str:
+        """queued, paused (the process is stopped), unresponsive (live, its
+        heartbeat stopped), or what the job reports (starting, running, ...)."""
+        if not self.admitted:
+            return "queued"
+        if self.silent_since is not None:
+            return "paused" if process_stopped(self.pid) else "unresponsive"
+        return self.report.get("state", "starting")
+
     def status(self, now_ns: int) -> Dict[str, Any]:
         r = self.report
         heartbeat = r.get("heartbeat_ns", 0)
         return {
-            "job_id": self.job_id, "name": self.name, "gpu": self.device, "pid": self.pid, "uid": self.uid,
+            "job_id": self.job_id, "name": self.name, "gpu": self.device, "gpu_key": self.gpu,
+            "gpu_uuid": None if gpus.is_synthetic(self.gpu) else self.gpu, "pid": self.pid, "uid": self.uid,
             "role": self.role,
-            "state": "queued" if not self.admitted else r.get("state", "starting"),
+            "state": self.state(),
             "queue_reason": self.queue_reason,
             "cap": self.cap, "user_cap": self.user_cap, "share": self.share,
             "share_pinned": self.pinned_share is not None,
             "device_bytes": r.get("device_bytes", 0), "host_bytes": r.get("host_bytes", 0),
             "allocated_bytes": r.get("allocated_bytes", 0), "cached_bytes": r.get("cached_bytes", 0),
             "spilled_bytes": r.get("spilled_bytes", 0), "restored_bytes": r.get("restored_bytes", 0),
+            "page_moves": r.get("num_migrations", 0),
             "pending_migration_bytes": r.get("pending_migration_bytes", 0),
             "applied_cap": r.get("applied_memory_cap"), "applied_share": r.get("applied_share"),
             "iteration_ewma_us": self.iteration_ewma_us(), "iteration_count": r.get("iteration_count", 0),
@@ -238,6 +267,25 @@ class Metrics:
         self.host = Gauge("cotenant_job_host_bytes", "Host-resident (spilled) bytes.", labels, registry=self.registry)
         self.share = Gauge("cotenant_job_compute_share", "Compute share in [0, 1].", labels, registry=self.registry)
         self.slowdown = Gauge("cotenant_job_slowdown", "Guaranteed iteration time over its solo baseline.", labels, registry=self.registry)
+        self.spilled = Gauge("cotenant_job_spilled_bytes", "Bytes moved device -> host since the job started.",
+                             labels, registry=self.registry)
+        self.restored = Gauge("cotenant_job_restored_bytes", "Bytes moved host -> device since the job started.",
+                              labels, registry=self.registry)
+        self.moves = Gauge("cotenant_job_page_moves", "Pages moved (either way) since the job started.", labels,
+                           registry=self.registry)
+        gpu = ["gpu"]
+        self.gpu_gauges = {
+            "device_bytes": Gauge("cotenant_gpu_device_bytes", "Device-resident bytes of the GPU's jobs.", gpu,
+                                  registry=self.registry),
+            "host_bytes": Gauge("cotenant_gpu_host_bytes", "Host-resident bytes of the GPU's jobs.", gpu,
+                                registry=self.registry),
+            "spilled_bytes": Gauge("cotenant_gpu_spilled_bytes", "Bytes the GPU's live jobs moved device -> host.",
+                                   gpu, registry=self.registry),
+            "restored_bytes": Gauge("cotenant_gpu_restored_bytes", "Bytes the GPU's live jobs moved host -> device.",
+                                    gpu, registry=self.registry),
+            "page_moves": Gauge("cotenant_gpu_page_moves", "Pages the GPU's live jobs moved.", gpu,
+                                registry=self.registry),
+        }
         self.jobs = Gauge("cotenant_jobs", "Jobs known to the coordinator.", ["gpu", "role"], registry=self.registry)
         self.reclaimed = Counter("cotenant_jobs_reclaimed_total", "Dead jobs whose memory was reclaimed.", registry=self.registry)
         self.errors = Counter("cotenant_protocol_errors_total", "Requests answered with an error.", ["code"], registry=self.registry)
@@ -245,7 +293,7 @@ class Metrics:
     def update(self, jobs: Dict[int, Job]) -> None:
         counts: Dict[tuple, int] = collections.Counter()
         for job in jobs.values():
-            labels = (str(job.device), job.name, job.role)
+            labels = (job.gpu, job.name, job.role)
             if job.cap is not None:
                 self.cap.labels(*labels).set(job.cap)
             self.device.labels(*labels).set(job.report.get("device_bytes", 0))
@@ -254,14 +302,26 @@ class Metrics:
             slowdown = job.slowdown()
             if slowdown is not None:
                 self.slowdown.labels(*labels).set(slowdown)
-            counts[(str(job.device), job.role)] += 1
+            self.spilled.labels(*labels).set(job.report.get("spilled_bytes", 0))
+            self.restored.labels(*labels).set(job.report.get("restored_bytes", 0))
+            self.moves.labels(*labels).set(job.report.get("num_migrations", 0))
+            counts[(job.gpu, job.role)] += 1
+        by_gpu: Dict[str, List[Job]] = collections.defaultdict(list)
+        for job in jobs.values():
+            by_gpu[job.gpu].append(job)
+        for gauge in self.gpu_gauges.values():
+            gauge.clear()
+        for key, on_gpu in by_gpu.items():
+            for name, value in _gpu_totals_of(on_gpu).items():
+                self.gpu_gauges[name].labels(key).set(value)
         self.jobs.clear()
         for (gpu, role), n in counts.items():
             self.jobs.labels(gpu, role).set(n)
 
     def forget(self, job: Job) -> None:
-        labels = (str(job.device), job.name, job.role)
-        for gauge in (self.cap, self.device, self.host, self.share, self.slowdown):
+        labels = (job.gpu, job.name, job.role)
+        for gauge in (self.cap, self.device, self.host, self.share, self.slowdown, self.spilled, self.restored,
+                      self.moves):
             try:
                 gauge.remove(*labels)
             except KeyError:
@@ -300,7 +360,9 @@ class Coordinator:
         self.socket_path = os.path.abspath(config.socket_path)
         self.jobs: Dict[int, Job] = {}
         self.next_job_id = 1
-        self.gpu_memory: Dict[int, int] = {}
+        self.gpu_memory: Dict[int, int] = {}      # by the node's GPU index (the queue's GPUs)
+        self.gpu_totals: Dict[str, int] = {}      # by GPU key (gpus.gpu_key): what the policy plans with
+        self.node_gpus: List[gpus.NodeGpu] = []   # from NVML (or nvidia-smi); empty without either
         self.history: Deque[Dict[str, Any]] = collections.deque(maxlen=50000)
         self.metrics: Optional[Metrics] = Metrics() if config.metrics_port is not None else None
         self.admin_gid = grp.getgrnam(config.group).gr_gid if config.group else None
@@ -325,8 +387,8 @@ class Coordinator:
         except (UnsafeRunDirectory, AlreadyRunning, OSError) as error:
             raise SystemExit(f"cotenant coordinator: {error}") from None
         _raise_descriptor_limit()
-        if self.config.detect_gpus and self.config.gpu_memory_bytes is None:
-            self.gpu_memory.update(detect_gpu_memory())
+        if self.config.detect_gpus:
+            self._learn_node_gpus()
         self._adopt_existing_jobs()
         try:
             self._history_file = self._run_dir.open_append(paths.HISTORY_SUFFIX)
@@ -376,48 +438,109 @@ class Coordinator:
     # --- adoption and persistence -----------------------------------------------
 
     def _adopt_existing_jobs(self) -> None:
-        core = _core()
+        """Adopts the live jobs that this coordinator's durable state names, and
+        only those: each block must carry the owner token the state recorded and
+        belong to this coordinator's uid or the job's (docs/coordinator.md,
+        "What is adopted on restart"). Identity comes from the state, never from
+        the block, which its job can write. Other blocks under this
+        coordinator's prefix are not read: its own leftovers (a registration cut
+        short) are removed, anyone else's are left alone."""
         saved = self._load_state()
-        prefix = paths.job_block_prefix(self.socket_path)
-        try:
-            names = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
-        except OSError:
-            names = []
-        for entry in names:
-            name = "/" + entry
+        named = set()
+        for key, entry in saved.items():
+            if key.startswith("_") or not isinstance(entry, dict):
+                continue
+            try:
+                job = self._adopt(int(key), entry)
+            except (KeyError, TypeError, ValueError) as error:
+                _event("state entry not adopted", logging.WARNING, job_id=key, reason=f"incomplete entry: {error}")
+                continue
+            named.add(entry.get("block"))
+            if job is not None:
+                self.jobs[job.job_id] = job
+                self.next_job_id = max(self.next_job_id, job.job_id + 1)
+                _event("job re-adopted", job=job.name, job_id=job.job_id, pid=job.pid, role=job.role, cap=job.cap,
+                       share=job.share)
+        self._remove_own_leftovers(named)
+        self.next_job_id = max(self.next_job_id, saved.get("_next_job_id", 1))
+        for key, total in saved.get("_gpu_totals", {}).items():
+            self.gpu_totals.setdefault(key, total)
+
+    def _adopt(self, job_id: int, entry: Dict[str, Any]) -> Optional[Job]:
+        core = _core()
+        name, token, uid, pid = entry["block"], int(entry["owner_token"]), int(entry["uid"]), int(entry["pid"])
+        start_ticks = int(entry.get("pid_start_ticks", 0))
+        if not name.startswith("/" + paths.job_block_prefix(self.socket_path)):
+            raise ValueError(f"block {name!r} is not this coordinator's")
+        if not process_alive(pid, start_ticks):
+            self._unlink_if_ours(name, uid)
+            _event("dead job reclaimed at start", job=entry.get("name"), job_id=job_id, pid=pid)
+            return None
+        problem = self._block_owner_problem(name, uid)
+        if problem is None:
             try:
                 block = core.JobBlock.open(name)
-                identity = block.identity()
-                report = block.report() or {"pid": identity["pid"], "state": "starting"}
+                if block.owner_token() != token or block.identity()["job_id"] != job_id:
+                    block.close()
+                    problem = "its owner token or job id is not the one this coordinator recorded"
             except (core.Error, ValueError, OSError) as error:
-                _event("unreadable job block removed", logging.WARNING, block=name, reason=str(error))
-                self._unlink_quietly(name)
+                problem = f"unreadable: {error}"
+        if problem is not None:
+            _event("job block not adopted", logging.WARNING, block=name, job_id=job_id, reason=problem)
+            return None
+        job = Job(job_id=job_id, name=entry["name"], role=entry["role"], device=int(entry["device"]), pid=pid,
+                  gpu=str(entry.get("gpu") or gpus.gpu_key(None, int(entry["device"]))), uid=uid, block=block, report=block.report() or {"pid": pid, "state": "starting"},
+                  adopted=True, pid_start_ticks=start_ticks, owner_token=token)
+        job.user_cap = entry.get("user_cap")
+        job.pinned_share = entry.get("pinned_share")
+        job.persistent_bytes = entry.get("persistent_bytes", 0)
+        job.admitted = entry.get("admitted", True)
+        job.queue_reason = entry.get("queue_reason", "")
+        if entry.get("baseline_us"):
+            job.baseline = policy.Baseline(start_count=0, baseline_us=entry["baseline_us"])
+        # The control section is the coordinator's: rewrite what the state says
+        # (a job may have scribbled over its copy in the block).
+        job.cap, job.share = entry.get("cap"), float(entry.get("share", 1.0))
+        block.set_control(memory_cap=job.cap, share=job.share)
+        return job
+
+    def _block_owner_problem(self, name: str, job_uid: int) -> Optional[str]:
+        try:
+            info = os.stat("/dev/shm" + name, follow_symlinks=False)
+        except OSError as error:
+            return f"cannot inspect it: {error.strerror}"
+        if not stat.S_ISREG(info.st_mode):
+            return "it is not a regular shared-memory object"
+        if info.st_uid not in (os.geteuid(), job_uid):
+            return f"it belongs to uid {info.st_uid}, neither this coordinator's nor the job's"
+        if info.st_mode & 0o007:
+            return f"every user may access it (mode {stat.S_IMODE(info.st_mode):04o})"
+        return None
+
+    def _unlink_if_ours(self, name: str, job_uid: int) -> None:
+        if self._block_owner_problem(name, job_uid) is None:
+            self._unlink_quietly(name)
+
+    def _remove_own_leftovers(self, named: set) -> None:
+        prefix = paths.job_block_prefix(self.socket_path)
+        try:
+            entries = [e for e in os.listdir("/dev/shm") if e.startswith(prefix) and "/" + e not in named]
+        except OSError:
+            return
+        foreign = 0
+        for entry in entries:
+            try:
+                owner = os.stat("/dev/shm/" + entry, follow_symlinks=False).st_uid
+            except OSError:
                 continue
-            pid = report["pid"] or identity["pid"]
-            if report["state"] == "exited" or not process_alive(pid):
-                block.unlink()
-                _event("dead job reclaimed at start", job=identity["name"], pid=pid)
-                continue
-            control = block.control()
-            job = Job(
-                job_id=identity["job_id"], name=identity["name"], role=identity["role"], device=identity["device"],
-                pid=pid, uid=identity["uid"], block=block, report=report,
-                cap=control["memory_cap"], share=control["share"], adopted=True,
-            )
-            extra = saved.get(str(job.job_id), {})
-            job.user_cap = extra.get("user_cap")
-            job.pinned_share = extra.get("pinned_share")
-            job.persistent_bytes = extra.get("persistent_bytes", 0)
-            job.admitted = extra.get("admitted", True)
-            job.queue_reason = extra.get("queue_reason", "")
-            if extra.get("baseline_us"):
-                job.baseline = policy.Baseline(start_count=0, baseline_us=extra["baseline_us"])
-            self.jobs[job.job_id] = job
-            self.next_job_id = max(self.next_job_id, job.job_id + 1)
-            _event("job re-adopted", job=job.name, job_id=job.job_id, pid=pid, role=job.role, cap=job.cap, share=job.share)
-        self.next_job_id = max(self.next_job_id, saved.get("_next_job_id", 1))
-        for device, total in saved.get("_gpu_memory", {}).items():
-            self.gpu_memory.setdefault(int(device), total)
+            if owner == os.geteuid():
+                self._unlink_quietly("/" + entry)
+                _event("leftover job block removed", block="/" + entry)
+            else:
+                foreign += 1
+        if foreign:
+            _event("blocks of other users ignored", logging.WARNING, count=foreign, prefix=prefix,
+                   reason="not named by this coordinator's state; they are never read or adopted")
 
     @staticmethod
     def _unlink_quietly(name: str) -> None:
@@ -438,13 +561,15 @@ class Coordinator:
         cut loses none of it (replies that acknowledge a change come after)."""
         state: Dict[str, Any] = {
             str(j.job_id): {
+                "name": j.name, "role": j.role, "device": j.device, "gpu": j.gpu, "pid": j.pid, "pid_start_ticks": j.pid_start_ticks,
+                "uid": j.uid, "block": j.block.name, "owner_token": j.owner_token, "cap": j.cap, "share": j.share,
                 "user_cap": j.user_cap, "pinned_share": j.pinned_share, "persistent_bytes": j.persistent_bytes,
                 "admitted": j.admitted, "queue_reason": j.queue_reason, "baseline_us": j.baseline.baseline_us,
             }
             for j in self.jobs.values()
         }
         state["_next_job_id"] = self.next_job_id
-        state["_gpu_memory"] = {str(k): v for k, v in self.gpu_memory.items()}
+        state["_gpu_totals"] = dict(self.gpu_totals)
         self._run_dir.write_durably(paths.STATE_SUFFIX, json.dumps(state, allow_nan=False).encode())
         self._state_dirty = False
 
@@ -462,13 +587,13 @@ class Coordinator:
         now = time.monotonic() if now is None else now
         now_ns = _core().monotonic_ns()
         for job in list(self.jobs.values()):
-            if process_alive(job.pid):  # a dead job's block is not read: it may be stuck mid-update
+            if process_alive(job.pid, job.pid_start_ticks):  # a dead job's block is not read: it may be stuck mid-update
                 self._read_report(job)  # never waits: keeps the last report while the job's writer is mid-update
             reason = self._death_reason(job, now_ns)
             if reason:
                 self._reclaim(job, reason)
-        for device in sorted({j.device for j in self.jobs.values()}):
-            self._plan_device(device, now)
+        for gpu in sorted({j.gpu for j in self.jobs.values()}):
+            self._plan_device(gpu, now)
         self.queue.tick(now)
         if now - self._last_history >= self.config.history_interval_s:
             self._last_history = now
@@ -490,14 +615,27 @@ class Coordinator:
                        fields=refused, action="each keeps its last valid value")
 
     def _death_reason(self, job: Job, now_ns: int) -> str:
+        """Why `job` is gone, or "" while it lives. Only a process that is gone
+        (or whose pid now names another process) or that said it exited is
+        reclaimed: a live process whose heartbeat stopped (SIGSTOP, a debugger,
+        a hang) still holds its GPU memory, so it keeps its block, its cap and
+        its memory in the plan, and shows as paused or unresponsive."""
         if job.report.get("state") == "exited":
             return "it exited"
-        if not process_alive(job.pid):
+        if not process_alive(job.pid, job.pid_start_ticks):
             return f"its process {job.pid} is gone"
         heartbeat = job.report.get("heartbeat_ns", 0)
-        if heartbeat and (now_ns - heartbeat) / 1e9 > self.config.stale_heartbeat_s:
-            return f"its heartbeat stopped {(now_ns - heartbeat) / 1e9:.1f} s ago"
-        if not heartbeat and time.monotonic() - job.registered_at > self.config.attach_timeout_s:
+        silent = heartbeat and (now_ns - heartbeat) / 1e9 > self.config.stale_heartbeat_s
+        if silent and job.silent_since is None:
+            job.silent_since = time.monotonic()
+            _event("job silent, kept", logging.WARNING, job=job.name, job_id=job.job_id, pid=job.pid,
+                   state=job.state(), heartbeat_age_s=round((now_ns - heartbeat) / 1e9, 1),
+                   reason="its process lives and holds its memory; it is reclaimed only when the process is gone")
+        elif not silent and job.silent_since is not None:
+            job.silent_since = None
+            _event("job heard again", job=job.name, job_id=job.job_id, pid=job.pid)
+        if (not heartbeat and time.monotonic() - job.registered_at > self.config.attach_timeout_s
+                and not process_stopped(job.pid)):
             # E.g. the coordinator died between creating the block and replying:
             # the job never learnt its block and runs on its own.
             return f"it never attached to its block in {self.config.attach_timeout_s:.0f} s"
@@ -508,32 +646,56 @@ class Coordinator:
         try:
             job.block.unlink()
         except Exception:  # noqa: BLE001
-            self._unlink_quietly(paths.job_block_name(self.socket_path, job.job_id))
+            self._unlink_quietly(job.block.name)
         if self.metrics is not None:
             self.metrics.reclaimed.inc()
             self.metrics.forget(job)
         self._state_dirty = True
         self._write_history({"t": time.time(), "event": "reclaimed", "job": job.name, "job_id": job.job_id,
-                             "gpu": job.device, "reason": reason})
+                             "gpu": job.device, "gpu_key": job.gpu, "reason": reason})
         _event("job reclaimed", job=job.name, job_id=job.job_id, pid=job.pid, reason=reason)
 
-    def _device_total(self, device: int) -> Optional[int]:
+    def _learn_node_gpus(self) -> None:
+        """The node's GPUs (index, UUID, memory), from NVML, else nvidia-smi."""
+        found, source = gpus.detect()
+        self.node_gpus = found
+        for gpu in found:
+            self.gpu_memory[gpu.index] = gpu.total_bytes
+            self.gpu_totals[gpu.uuid] = gpu.total_bytes
+            self.gpu_totals.setdefault(gpus.gpu_key(None, gpu.index), gpu.total_bytes)
+        if found:
+            _event("gpus found", source=source, gpus=[{"index": g.index, "uuid": g.uuid} for g in found])
+        else:
+            _event("gpus not listed", logging.WARNING, reason=source,
+                   consequence="jobs are told apart by the GPU UUID they report; a job that reports none is "
+                               "keyed by its CUDA index (index:N)")
+
+    def _node_key(self, index: int) -> str:
+        """The key of the node's GPU `index` (the queue's and --gpus' numbering)."""
+        for gpu in self.node_gpus:
+            if gpu.index == index:
+                return gpu.uuid
+        return gpus.gpu_key(None, index)
+
+    def _device_total(self, gpu: Union[str, int]) -> Optional[int]:
+        """Memory of a GPU, by key (or by the node's index)."""
         if self.config.gpu_memory_bytes is not None:
             return self.config.gpu_memory_bytes
-        return self.gpu_memory.get(device)
+        key = self._node_key(gpu) if isinstance(gpu, int) else gpu
+        return self.gpu_totals.get(key)
 
-    def _resolve_cap(self, value: Any, device: int, request_id: Any) -> Optional[int]:
-        """A cap from the wire (bytes, null or a cap's text) in bytes on `device`,
+    def _resolve_cap(self, value: Any, gpu: str, request_id: Any) -> Optional[int]:
+        """A cap from the wire (bytes, null or a cap's text) in bytes on GPU `gpu`,
         through the one parser (cotenant._core.Cap)."""
         cap = _core().Cap(value)
-        if cap.is_fraction and self._device_total(device) is None:
+        if cap.is_fraction and self._device_total(gpu) is None:
             raise ProtocolError(protocol.BAD_REQUEST,
                                 f"the cap {cap} is a fraction of the GPU, and this coordinator does not know GPU "
-                                f"{device}'s memory; give the cap in bytes (e.g. \"6GiB\")", request_id)
-        return cap.resolve(self._device_total(device) or 0)
+                                f"{gpu}'s memory; give the cap in bytes (e.g. \"6GiB\")", request_id)
+        return cap.resolve(self._device_total(gpu) or 0)
 
-    def _plan_device(self, device: int, now: float) -> None:
-        jobs = [j for j in self.jobs.values() if j.device == device]
+    def _plan_device(self, device: str, now: float) -> None:
+        jobs = [j for j in self.jobs.values() if j.gpu == device]
         total = self._device_total(device)
         guaranteed = [j for j in jobs if j.role == policy.GUARANTEED]
         opportunistic = [j for j in jobs if j.role == policy.OPPORTUNISTIC]
@@ -601,18 +763,18 @@ class Coordinator:
             job.share = changes["share"]
         _event("control changed", logging.DEBUG, job=job.name, **changes)
 
-    def _admission(self, persistent_bytes: int, device: int, total: int, exclude: int = -1) -> policy.Admission:
+    def _admission(self, persistent_bytes: int, device: str, total: int, exclude: int = -1) -> policy.Admission:
         held = sum(j.observation().live_bytes for j in self.jobs.values()
-                   if j.device == device and j.role == policy.GUARANTEED)
+                   if j.gpu == device and j.role == policy.GUARANTEED)
         others = sum(j.persistent_bytes for j in self.jobs.values()
-                     if j.device == device and j.role == policy.OPPORTUNISTIC and j.admitted and j.job_id != exclude)
+                     if j.gpu == device and j.role == policy.OPPORTUNISTIC and j.admitted and j.job_id != exclude)
         return policy.admit_opportunistic(persistent_bytes, total, held, others, self.config.memory)
 
     def _record_history(self) -> None:
         t = time.time()
         for job in self.jobs.values():
             self._write_history({
-                "t": round(t, 3), "gpu": job.device, "job": job.name, "job_id": job.job_id, "role": job.role,
+                "t": round(t, 3), "gpu": job.device, "gpu_key": job.gpu, "job": job.name, "job_id": job.job_id, "role": job.role,
                 "cap": job.cap, "device_bytes": job.report.get("device_bytes", 0),
                 "host_bytes": job.report.get("host_bytes", 0), "share": job.share, "slowdown": job.slowdown(),
             })
@@ -761,11 +923,11 @@ class Coordinator:
                     f"uid {uid} may not change job {job.name!r} (id {job.job_id}): it belongs to uid {job.uid}, and "
                     "only its owner, root or the coordinator's own user may change it", req.id)
             if op == "set_cap":
-                self._change_durably(job, "user_cap", self._resolve_cap(args["memory_cap"], job.device, req.id))
-                if self._device_total(job.device) is None:
+                self._change_durably(job, "user_cap", self._resolve_cap(args["memory_cap"], job.gpu, req.id))
+                if self._device_total(job.gpu) is None:
                     self._apply(job, cap=job.user_cap)
                 else:
-                    self._plan_device(job.device, time.monotonic())
+                    self._plan_device(job.gpu, time.monotonic())
                 _event("cap set", job=job.name, user_cap=job.user_cap, by_pid=pid, by_uid=uid)
                 return protocol.reply_ok(req.id, job=job.name, memory_cap=job.cap, user_cap=job.user_cap)
             if op == "set_share":
@@ -795,17 +957,18 @@ class Coordinator:
 
     def _register(self, req: protocol.Request, pid: int, uid: int) -> Dict[str, Any]:
         args = req.args
-        device, role = args["device"], args["role"]
-        if self.config.gpus is not None and device not in self.config.gpus:
-            raise ProtocolError(protocol.BAD_REQUEST,
-                                f"this coordinator manages GPUs {self.config.gpus}, not GPU {device}; start one "
-                                "with --gpus including it, or run the job on a managed GPU", req.id)
-        if any(j.pid == pid and j.device == device for j in self.jobs.values()):
+        index, role = args["device"], args["role"]
+        uuid = args.get("gpu_uuid") or None
+        device = gpus.gpu_key(uuid, index)
+        self._refuse_unmanaged_gpu(uuid, index, req.id)
+        if any(j.pid == pid and j.gpu == device for j in self.jobs.values()):
             raise ProtocolError(protocol.OUT_OF_ORDER,
                                 f"process {pid} already registered a job on GPU {device}", req.id)
-        if "device_total_bytes" in args and device not in self.gpu_memory:
-            self.gpu_memory[device] = args["device_total_bytes"]
+        if "device_total_bytes" in args and device not in self.gpu_totals:
+            self.gpu_totals[device] = args["device_total_bytes"]
             self._state_dirty = True
+        if gpus.is_synthetic(device):
+            _event("job without a GPU UUID", logging.DEBUG, pid=pid, note=gpus.gpu_key_note(device))
         persistent = args.get("persistent_bytes", 0)
         admitted, reason = True, ""
         total = self._device_total(device)
@@ -824,31 +987,34 @@ class Coordinator:
             room = protocol.MAX_NAME_BYTES - len(suffix)
             name = name.encode()[:room].decode(errors="ignore") + suffix
         user_cap = self._resolve_cap(args.get("memory_cap"), device, req.id)
-        guaranteed_exists = any(j.device == device and j.role == policy.GUARANTEED for j in self.jobs.values())
+        guaranteed_exists = any(j.gpu == device and j.role == policy.GUARANTEED for j in self.jobs.values())
         # Opportunistic jobs start slow (or paused) and climb; guaranteed jobs run unthrottled.
         share = 1.0 if role == policy.GUARANTEED or not guaranteed_exists else 0.0
         if not admitted:
             share = 0.0
-        block_name = paths.job_block_name(self.socket_path, job_id)
-        self._unlink_quietly(block_name)  # a leftover of a coordinator that died mid-registration
+        owner_token = secrets.randbits(64)
+        block_name = paths.job_block_name(self.socket_path, job_id, owner_token)
+        start_ticks = process_start_ticks(pid)
         try:
-            block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=device,
-                                            pid=pid, uid=uid, memory_cap=user_cap, share=share)
+            block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=index,
+                                            pid=pid, uid=uid, memory_cap=user_cap, share=share,
+                                            pid_start_ticks=start_ticks, owner_token=owner_token,
+                                            gpu_uuid=uuid or "")
         except _core().Error as error:  # e.g. /dev/shm is full: this job is refused, the others go on
             _event("job block not created", logging.WARNING, job=name, pid=pid, reason=str(error))
             raise ProtocolError(protocol.RESOURCE_EXHAUSTED,
                                 f"the coordinator could not create this job's shared-memory block: {error}",
                                 req.id) from None
         self._give_block_to(block_name, uid)
-        job = Job(job_id=job_id, name=name, role=role, device=device, pid=pid, uid=uid, block=block,
+        job = Job(job_id=job_id, name=name, role=role, device=index, gpu=device, pid=pid, uid=uid, block=block,
                   user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
-                  cap=user_cap, share=share)
+                  cap=user_cap, share=share, pid_start_ticks=start_ticks, owner_token=owner_token)
         job.report = block.report() or {}
         self.jobs[job_id] = job
         self._plan_device(device, time.monotonic())
         self._state_dirty = True
         self._save_state()
-        _event("job registered", job=name, job_id=job_id, pid=pid, uid=uid, role=role, gpu=device,
+        _event("job registered", job=name, job_id=job_id, pid=pid, uid=uid, role=role, gpu=device, device=index,
                cap=job.cap, share=job.share, queued=not admitted)
         return protocol.reply_ok(req.id, job_id=job_id, name=name, block=block_name, memory_cap=job.cap,
                                  share=job.share, admitted=admitted, queue_reason=reason)
@@ -875,15 +1041,47 @@ class Coordinator:
                reason="the coordinator may not give the block to the job's uid or the admin group; run it as "
                       "root or in the --group shared with the jobs")
 
+    def _gpu_status(self, key: str) -> Dict[str, Any]:
+        jobs = [j for j in self.jobs.values() if j.gpu == key]
+        index = next((g.index for g in self.node_gpus if g.uuid == key), None)
+        if index is None and gpus.is_synthetic(key):
+            index = int(key[len(gpus.SYNTHETIC_PREFIX):])
+        return {"gpu": key, "uuid": None if gpus.is_synthetic(key) else key, "index": index,
+                "note": gpus.gpu_key_note(key), "total_bytes": self._device_total(key), "jobs": len(jobs),
+                **_gpu_totals_of(jobs)}
+
+    def _refuse_unmanaged_gpu(self, uuid: Optional[str], index: int, request_id: Any) -> None:
+        """With --gpus, a job must run on one of them: by its UUID where the node's GPUs are known."""
+        if self.config.gpus is None:
+            return
+        node_index = next((g.index for g in self.node_gpus if g.uuid == uuid), None) if uuid else None
+        which = index if node_index is None else node_index
+        if which not in self.config.gpus:
+            named = f"GPU {which}" + (f" ({uuid})" if uuid else "")
+            raise ProtocolError(protocol.BAD_REQUEST,
+                                f"this coordinator manages GPUs {self.config.gpus}, not {named}; start one "
+                                "with --gpus including it, or run the job on a managed GPU", request_id)
+
     def status(self) -> Dict[str, Any]:
         now_ns = _core().monotonic_ns()
-        gpus = sorted({j.device for j in self.jobs.values()} | set(self.config.gpus or []))
+        keys = sorted({j.gpu for j in self.jobs.values()} | {self._node_key(i) for i in self.config.gpus or []})
         return {
             "coordinator": {"pid": os.getpid(), "socket": self.socket_path, "protocol": protocol.PROTOCOL_VERSION},
-            "gpus": [{"gpu": d, "total_bytes": self._device_total(d)} for d in gpus],
-            "jobs": [j.status(now_ns) for j in sorted(self.jobs.values(), key=lambda j: (j.device, j.job_id))],
+            "gpus": [self._gpu_status(key) for key in keys],
+            "jobs": [j.status(now_ns) for j in sorted(self.jobs.values(), key=lambda j: (j.gpu, j.job_id))],
             "queue": self.queue.status(),
         }
+
+
+def _gpu_totals_of(jobs: List[Job]) -> Dict[str, int]:
+    """What the jobs on one GPU hold and have moved (bytes, page moves)."""
+    sums = {"device_bytes": 0, "host_bytes": 0, "spilled_bytes": 0, "restored_bytes": 0, "page_moves": 0}
+    for job in jobs:
+        for field_name, source in (("device_bytes", "device_bytes"), ("host_bytes", "host_bytes"),
+                                   ("spilled_bytes", "spilled_bytes"), ("restored_bytes", "restored_bytes"),
+                                   ("page_moves", "num_migrations")):
+            sums[field_name] += int(job.report.get(source, 0) or 0)
+    return sums
 
 
 def _raise_descriptor_limit() -> None:

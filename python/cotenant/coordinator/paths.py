@@ -17,7 +17,9 @@ def node_socket_path() -> str:
     """The node's coordinator: $COTENANT_RUN_DIR/coordinator.sock, by default
     /run/cotenant/coordinator.sock (only root can make /run/cotenant, so no
     other user can squat it)."""
-    return os.path.join(os.environ.get(RUN_DIR_ENV) or "/run/cotenant", SOCKET_NAME)
+    from cotenant import settings
+
+    return os.path.join(settings.get("run_dir") or "/run/cotenant", SOCKET_NAME)
 
 
 def user_socket_path() -> Optional[str]:
@@ -33,7 +35,7 @@ def default_socket_path() -> str:
     else the user's own coordinator ($XDG_RUNTIME_DIR/cotenant/coordinator.sock)
     when one listens there; else the node's (/run/cotenant/coordinator.sock).
     Never a path under /tmp, which another user could have made first."""
-    explicit = os.environ.get(SOCKET_ENV)
+    explicit = _explicit_socket()
     if explicit:
         return explicit
     own = user_socket_path()
@@ -47,7 +49,7 @@ def default_serving_path() -> Optional[str]:
     root: the node's path; another user: their own $XDG_RUNTIME_DIR, else the
     node's path when its directory is theirs (a service account given
     /run/cotenant). None when there is no such place (the caller says to give --socket)."""
-    explicit = os.environ.get(SOCKET_ENV)
+    explicit = _explicit_socket()
     if explicit:
         return explicit
     node = node_socket_path()
@@ -62,6 +64,13 @@ def default_serving_path() -> Optional[str]:
     except OSError:
         pass
     return None
+
+
+def _explicit_socket() -> Optional[str]:
+    """$COTENANT_SOCKET, or COTENANT_CONF's socket: key."""
+    from cotenant import settings
+
+    return settings.get("socket")
 
 
 def _is_socket(path: str) -> bool:
@@ -81,8 +90,10 @@ def job_block_prefix(socket_path: str) -> str:
     return f"cotenant-{node_key(socket_path)}-job-"
 
 
-def job_block_name(socket_path: str, job_id: int) -> str:
-    return "/" + job_block_prefix(socket_path) + str(job_id)
+def job_block_name(socket_path: str, job_id: int, owner_token: int) -> str:
+    """A job's block: the job id and the block's random owner token, so no
+    other user can create a job's name before the coordinator does."""
+    return "/" + job_block_prefix(socket_path) + f"{job_id}-{owner_token:016x}"
 
 
 # Files next to the socket, in its run directory (rundir.py).

@@ -106,6 +106,13 @@ _job_name.describe = (f"a printable name of 1 to {MAX_NAME_BYTES} bytes (UTF-8) 
                       "(numbers are job ids)")
 
 
+def _gpu_uuid(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("GPU-") and value.isprintable() and len(value.encode()) <= 47
+
+
+_gpu_uuid.describe = "a GPU UUID as NVML writes it, \"GPU-\" and at most 43 more characters"
+
+
 def _choice(options):
     def check(value: Any) -> bool:
         return isinstance(value, str) and value in options
@@ -159,6 +166,7 @@ SCHEMA: Dict[str, Dict[str, tuple]] = {
         "memory_cap": (_cap_value, False),
         "persistent_bytes": (_int(0), False),
         "device_total_bytes": (_int(1), False),
+        "gpu_uuid": (_gpu_uuid, False),  # the physical GPU; the coordinator keys GPUs by it
     },
     "unregister": {},
     "status": {},

@@ -60,6 +60,8 @@ class SimulatedDevice {
   std::uint64_t pages_created() const { return device_.calls().create_page; }
   std::uint64_t maps() const { return device_.calls().map; }
   std::uint64_t unmaps() const { return device_.calls().unmap; }
+  std::uint64_t pins() const { return device_.calls().allocate_pinned_host; }
+  std::uint64_t unpins() const { return device_.calls().free_pinned_host; }
   void fail_next_device_page() { device_.fail_next_device_pages(1); }
   void check_clean() { CHECK(device_.device_bytes_in_use() == 0); }
 
@@ -124,6 +126,8 @@ class FakeCudaDevice {
   std::uint64_t pages_created() const { return fake_cuda::calls("cuMemCreate"); }
   std::uint64_t maps() const { return fake_cuda::calls("cuMemMap"); }
   std::uint64_t unmaps() const { return fake_cuda::calls("cuMemUnmap"); }
+  std::uint64_t pins() const { return fake_cuda::calls("cuMemHostAlloc"); }
+  std::uint64_t unpins() const { return fake_cuda::calls("cuMemFreeHost"); }
   void fail_next_device_page() { fake_cuda::fail_nth("cuMemCreate", 1, CUDA_ERROR_OUT_OF_MEMORY); }
   // Destroys the backend and its streams, then checks the driver's books.
   void check_clean() {

@@ -365,6 +365,94 @@ TEMPLATE_TEST_CASE("contract_pinned_fallback_serves_over_cap_allocations_from_pi
   device.check_clean();
 }
 
+TEMPLATE_TEST_CASE("contract_pinned_fallback_pins_once_for_a_loop_of_over_cap_allocations", "[contract][cap]",
+                   BOTH_DEVICES) {
+  // Pinning host memory costs milliseconds: a training loop whose
+  // activations go over the cap every step pins its memory once.
+  DeviceSpec spec;
+  spec.host_mappable = false;
+  TestType device(spec);
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(4 * kMiB);
+    const DevicePtr on_device = allocator.allocate(4 * kMiB, 0);
+    for (int step = 0; step < 50; ++step) {
+      const DevicePtr a = allocator.allocate(3 * kMiB, 0);
+      const DevicePtr b = allocator.allocate(5 * kMiB + static_cast<std::size_t>(step) * 4096, 0);
+      CHECK_FALSE(allocator.is_device_resident(a));
+      device.fill(b, 7 + static_cast<std::uint64_t>(step), 5 * kMiB);
+      CHECK(device.holds(b, 7 + static_cast<std::uint64_t>(step), 5 * kMiB));
+      allocator.free(b);
+      allocator.free(a);
+    }
+    CHECK(device.pins() == 2);
+    CHECK(device.unpins() == 0);
+    CHECK(allocator.stats().num_spilled_allocations == 100);
+    allocator.empty_cache();
+    CHECK(device.unpins() == 2);
+    CHECK(allocator.stats().pinned_fallback_bytes.current == 0);
+    allocator.free(on_device);
+    allocator.check_invariants();
+  }
+  device.check_clean();
+}
+
+TEMPLATE_TEST_CASE("contract_a_cached_pinned_block_is_not_reused_while_another_stream_still_uses_it",
+                   "[contract][cap]", BOTH_DEVICES) {
+  DeviceSpec spec;
+  spec.host_mappable = false;
+  spec.events_immediate = false;
+  TestType device(spec);
+  {
+    CachingAllocator allocator(device.backend());
+    const StreamId one = device.stream(1);
+    const StreamId two = device.stream(2);
+    allocator.set_memory_cap(4 * kMiB);
+    const DevicePtr on_device = allocator.allocate(4 * kMiB, one);
+    const DevicePtr pinned = allocator.allocate(3 * kMiB, one);
+    device.keep_busy(two);
+    allocator.record_stream(pinned, two);
+    allocator.free(pinned);
+    const DevicePtr other = allocator.allocate(3 * kMiB, one);
+    CHECK(other != pinned);  // stream two's work may still touch it
+    device.complete_stream(two);
+    CHECK(allocator.allocate(3 * kMiB, one) == pinned);
+    CHECK(device.pins() == 2);
+    allocator.free(pinned);
+    allocator.free(other);
+    allocator.free(on_device);
+    allocator.check_invariants();
+  }
+  device.check_clean();
+}
+
+TEMPLATE_TEST_CASE("contract_cached_pinned_memory_goes_back_when_host_memory_runs_short", "[contract][cap]",
+                   BOTH_DEVICES) {
+  DeviceSpec spec;
+  spec.host_mappable = false;
+  spec.host_capacity = 8 * kMiB;
+  TestType device(spec);
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(4 * kMiB);
+    const DevicePtr on_device = allocator.allocate(4 * kMiB, 0);
+    allocator.free(allocator.allocate(6 * kMiB, device.stream(1)));  // cached for stream 1
+    // Another stream cannot take it, and the host has room for 2 MiB more
+    // only: the cache goes back, then the allocation is pinned.
+    const DevicePtr pinned = allocator.allocate(6 * kMiB, device.stream(2));
+    CHECK_FALSE(allocator.is_device_resident(pinned));
+    device.fill(pinned, 9, 6 * kMiB);
+    CHECK(device.holds(pinned, 9, 6 * kMiB));
+    CHECK(device.pins() == 3);  // one failed try between the two that succeeded
+    CHECK(device.unpins() == 1);
+    CHECK(allocator.stats().pinned_fallback_bytes.current == 6 * kMiB);
+    allocator.free(pinned);
+    allocator.free(on_device);
+    allocator.check_invariants();
+  }
+  device.check_clean();
+}
+
 TEMPLATE_TEST_CASE("contract_setting_the_cap_from_another_thread_is_safe_while_allocating", "[contract][threads]",
                    BOTH_DEVICES) {
   TestType device;

@@ -190,3 +190,41 @@ TEST_CASE("failure_errors_name_the_call_the_error_and_its_number_and_clear_the_r
   }
   device.check_clean();
 }
+
+// A tensor's deleter must not throw (it runs in destructors, at interpreter
+// exit too), so a free that fails is reported and the memory stays
+// allocated. That report is true only if free() changes nothing when the
+// driver refuses: recording the event of a record_stream use fails when the
+// runtime is shutting down, or for a stream of another device. Regression:
+// free() took the block out of the live set first, so it was lost (neither
+// allocated nor free, its event leaked) and a second free was refused.
+TEST_CASE("failure_event_record_error_during_free_keeps_the_block_allocated", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    const DevicePtr block = allocator.allocate(3 * kMiB, device.stream(1));
+    device.fill(block, 5, 3 * kMiB);
+    allocator.record_stream(block, device.stream(2));
+    const AllocatorStats before = allocator.stats();
+    fake_cuda::fail_nth("cudaEventRecord", 1, cudaErrorCudartUnloading);
+    try {
+      allocator.free(block);
+      FAIL("free() succeeded although the runtime refused to record its event");
+    } catch (const Error& e) {
+      CHECK_THAT(e.what(), Catch::Contains("cudaEventRecord") && Catch::Contains("cudaErrorCudartUnloading"));
+    }
+    CHECK(cudaGetLastError() == cudaSuccess);  // torch's next check does not see it
+    const AllocatorStats after = allocator.stats();
+    CHECK(after.allocated_bytes.all.current == before.allocated_bytes.all.current);
+    CHECK(after.active_bytes.all.current == before.active_bytes.all.current);
+    CHECK(allocator.allocation_size(block) == 3 * kMiB);
+    CHECK(device.holds(block, 5, 3 * kMiB));
+    allocator.check_invariants();
+    // The driver works again: the same free goes through, once.
+    allocator.free(block);
+    CHECK(allocator.stats().allocated_bytes.all.current == 0);
+    CHECK_THROWS_AS(allocator.free(block), Error);
+    allocator.check_invariants();
+  }
+  device.check_clean();  // the event made for the failed free was not lost
+}

@@ -1,0 +1,212 @@
+// torch.cuda.memory._record_memory_history() and the snapshot under
+// cotenant: each device's MemoryHistory (cotenant/memory_history.h) in
+// PyTorch's types. How host-resident memory appears, for memory_viz:
+// docs/allocator.md, "Memory history".
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+#include "cotenant/errors.h"
+#include "cuda_allocator.h"
+
+namespace cotenant::torch_ext {
+namespace {
+
+// The stream that host-resident memory reports in snapshots and in segment
+// trace entries: -1 once in Python. memory_viz draws it as a stream of its
+// own, so spilled memory stands apart from the device's.
+void* const kHostStream = reinterpret_cast<void*>(~std::uintptr_t{0});
+
+void* stream_pointer(StreamId stream) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(stream)); }
+void* stream_pointer(StreamId stream, Residency where) {
+  return where == Residency::kHost ? kHostStream : stream_pointer(stream);
+}
+
+bool is_segment_action(HistoryAction action) {
+  return action == HistoryAction::kSegmentAlloc || action == HistoryAction::kSegmentFree ||
+         action == HistoryAction::kSegmentMap || action == HistoryAction::kSegmentUnmap;
+}
+
+c10_alloc::TraceEntry::Action to_torch(HistoryAction action) {
+  using T = c10_alloc::TraceEntry;
+  switch (action) {
+    case HistoryAction::kAlloc: return T::ALLOC;
+    case HistoryAction::kFreeRequested: return T::FREE_REQUESTED;
+    case HistoryAction::kFreeCompleted: return T::FREE_COMPLETED;
+    case HistoryAction::kSegmentAlloc: return T::SEGMENT_ALLOC;
+    case HistoryAction::kSegmentFree: return T::SEGMENT_FREE;
+    case HistoryAction::kSegmentMap: return T::SEGMENT_MAP;
+    case HistoryAction::kSegmentUnmap: return T::SEGMENT_UNMAP;
+    case HistoryAction::kSnapshot: return T::SNAPSHOT;
+    case HistoryAction::kOom: return T::OOM;
+  }
+  return T::SNAPSHOT;
+}
+
+ContextLevel to_level(c10_alloc::RecordContext when) {
+  switch (when) {
+    case c10_alloc::RecordContext::NEVER: return ContextLevel::kNever;
+    case c10_alloc::RecordContext::STATE: return ContextLevel::kState;
+    case c10_alloc::RecordContext::ALLOC: return ContextLevel::kAlloc;
+    case c10_alloc::RecordContext::ALL: return ContextLevel::kAll;
+  }
+  return ContextLevel::kNever;
+}
+
+// Contexts come from PyTorch's recorder as GatheredContext and are kept
+// opaque (shared_ptr<void> to the same object): casting back is exact.
+std::shared_ptr<c10::GatheredContext> to_torch(const HistoryContext& context) {
+  return std::static_pointer_cast<c10::GatheredContext>(context);
+}
+
+c10_alloc::TraceEntry to_torch(const HistoryEntry& e, c10::DeviceIndex device) {
+  const bool segment = is_segment_action(e.action);
+  c10_alloc::TraceEntry entry(to_torch(e.action), device, e.address, e.size,
+                              segment ? stream_pointer(e.stream, e.where) : stream_pointer(e.stream),
+                              c10::MempoolId_t{e.pool.first, e.pool.second}, /*time=*/0, to_torch(e.context),
+                              /*compile_context=*/"",
+                              segment ? std::string("cotenant:") + residency_name(e.where) : std::string());
+  entry.time_.t_ = static_cast<time_t>(e.time_us);  // what snapshots report as time_us
+  return entry;
+}
+
+// Throws the c10 error PyTorch shows for cotenant's Error.
+template <typename Fn>
+void with_torch_errors(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace
+
+bool CotenantCudaAllocator::isHistoryEnabled() {
+  std::lock_guard<std::mutex> lock(history_mutex_);
+  return history_settings_.enabled;
+}
+
+void CotenantCudaAllocator::recordHistory(bool enabled, c10_alloc::CreateContextFn context_recorder,
+                                          size_t alloc_trace_max_entries, c10_alloc::RecordContext when,
+                                          bool clearHistory, const std::vector<std::string>& skip_actions) {
+  HistorySettings settings;
+  settings.enabled = enabled;
+  settings.context = to_level(when);
+  settings.max_entries = alloc_trace_max_entries;
+  settings.clear = clearHistory;
+  with_torch_errors([&] {
+    for (const std::string& name : skip_actions) settings.skip_actions.push_back(parse_history_action(name));
+  });
+  if (context_recorder != nullptr) {
+    settings.recorder = [context_recorder]() -> HistoryContext { return context_recorder(); };
+  }
+  TORCH_CHECK(!enabled || when == c10_alloc::RecordContext::NEVER || context_recorder != nullptr,
+              "recording memory history with stack context needs a context recorder; use "
+              "torch.cuda.memory._record_memory_history(), which passes one.");
+  {
+    std::lock_guard<std::mutex> lock(history_mutex_);
+    history_settings_ = settings;
+    history_settings_.clear = false;  // devices created later start empty anyway
+  }
+  const int count = device_count_.load(std::memory_order_acquire);
+  for (int dev = 0; dev < count; ++dev) {
+    DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
+    if (d == nullptr) continue;
+    with_torch_errors([&] { d->history->configure(settings); });
+    attach_history(*d, /*configure=*/false);
+  }
+}
+
+void CotenantCudaAllocator::attachAllocatorTraceTracker(c10_alloc::AllocatorTraceTracker tracker) {
+  {
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    trace_trackers_.push_back(std::move(tracker));
+  }
+  const int count = device_count_.load(std::memory_order_acquire);
+  for (int dev = 0; dev < count; ++dev) {
+    if (DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev))) attach_history(*d, false);
+  }
+}
+
+void CotenantCudaAllocator::attach_history(DeviceAllocators& d, bool configure) {
+  if (configure) {
+    HistorySettings settings;
+    {
+      std::lock_guard<std::mutex> lock(history_mutex_);
+      settings = history_settings_;
+    }
+    if (settings.enabled) with_torch_errors([&] { d.history->configure(settings); });
+  }
+  bool add_tracker_listener = false;
+  {
+    // Decided under observers_mutex_, added outside it: the listener takes
+    // observers_mutex_ under the history's lock, never the other way round.
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    if (!trace_trackers_.empty() && !d.history_feeds_trace_trackers) {
+      d.history_feeds_trace_trackers = true;
+      add_tracker_listener = true;
+    }
+  }
+  if (add_tracker_listener) {
+    const c10::DeviceIndex device = d.device;
+    d.history->add_listener([this, device](const HistoryEntry& e) {
+      std::vector<c10_alloc::AllocatorTraceTracker> trackers;
+      {
+        std::lock_guard<std::mutex> lock(observers_mutex_);
+        trackers = trace_trackers_;
+      }
+      const c10_alloc::TraceEntry entry = to_torch(e, device);
+      for (const auto& tracker : trackers) tracker(entry);
+    });
+  }
+  // Recording off and no tracker: no sink, so the allocators pay nothing.
+  const bool active = d.history->active();
+  d.main->set_event_sink(active ? &d.history->feed({0, 0}) : nullptr);
+  for (auto& [id, pool] : d.pools->pools()) pool->set_event_sink(active ? &d.history->feed(id) : nullptr);
+}
+
+void CotenantCudaAllocator::add_segments_to_snapshot(DeviceAllocators& d, CachingAllocator& allocator,
+                                                     c10::MempoolId_t pool, c10_alloc::SnapshotInfo& out) {
+  for (const SegmentInfo& s : allocator.snapshot()) {
+    for (const SegmentPart& part : residency_parts(s)) {
+      c10::CachingDeviceAllocator::SegmentInfo segment;
+      segment.device = d.device;
+      segment.address = part.address;
+      segment.total_size = part.size;
+      segment.stream = stream_pointer(s.stream, part.where);
+      segment.is_large = s.pool == PoolKind::kLarge;
+      // Page-mapped, as PyTorch's expandable segments: pieces come and go
+      // with segment_map / segment_unmap entries.
+      segment.is_expandable = !s.pinned_fallback;
+      segment.owner_private_pool_id = pool;
+      for (const BlockInfo& b : part.blocks) {
+        c10::CachingDeviceAllocator::BlockInfo block;
+        block.size = b.size;
+        block.requested_size = b.requested_size;
+        block.allocated = b.allocated;
+        block.active = b.allocated || b.waiting_on_events;
+        if (block.active) {
+          block.context_when_allocated = to_torch(d.history->context_of(b.address));
+          segment.active_size += b.size;
+        }
+        if (b.allocated) {
+          segment.allocated_size += b.size;
+          segment.requested_size += b.requested_size;
+        }
+        segment.blocks.push_back(std::move(block));
+      }
+      out.segments.push_back(std::move(segment));
+    }
+  }
+}
+
+void CotenantCudaAllocator::add_history_to_snapshot(DeviceAllocators& d, c10_alloc::SnapshotInfo& out,
+                                                    bool include_traces) {
+  d.history->record_snapshot();  // as PyTorch's: a trace entry marks when the snapshot was taken
+  if (!include_traces) return;
+  auto& trace = out.device_traces.at(static_cast<size_t>(d.device));
+  for (const HistoryEntry& e : d.history->entries()) trace.push_back(to_torch(e, d.device));
+}
+
+}  // namespace cotenant::torch_ext

@@ -1,0 +1,118 @@
+"""What users see: each command's --help, `cotenant status`, the timeline, the job side's messages."""
+
+import argparse
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from cotenant import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "python" / "cotenant"
+
+
+def subcommands(parser, path=("cotenant",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield path + (name,), sub
+                yield from subcommands(sub, path + (name,))
+
+
+def test_every_subcommand_help_says_what_it_does():
+    found = list(subcommands(cli.build_parser()))
+    assert len(found) >= 10
+    for path, sub in found:
+        assert sub.description and len(sub.description) > 15, f"`{' '.join(path)} --help` has no description"
+        assert " ".join(sub.description.split()) in " ".join(sub.format_help().split())
+
+
+VIEW = {
+    "coordinator": {"pid": 1, "socket": "/run/cotenant/coordinator.sock", "protocol": 2},
+    "gpus": [{"gpu": "GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab", "uuid": "GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab",
+              "index": 0, "note": None, "total_bytes": 80 << 30, "jobs": 4, "device_bytes": 30 << 30,
+              "host_bytes": 2 << 30, "spilled_bytes": 3 << 30, "restored_bytes": 1 << 30, "page_moves": 2048},
+             {"gpu": "index:1", "uuid": None, "index": 1, "note": "index:1: the job reported no GPU UUID",
+              "total_bytes": None, "jobs": 0, "device_bytes": 0, "host_bytes": 0, "spilled_bytes": 0,
+              "restored_bytes": 0, "page_moves": 0}],
+    "jobs": [
+        dict(job_id=1, name="train", gpu=0, gpu_key="GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab", pid=10,
+             role="guaranteed", state="running", share=1.0, cap=None, device_bytes=20 << 30, host_bytes=0),
+        dict(job_id=2, name="extra", gpu=1, gpu_key="GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab", pid=11,
+             role="opportunistic", state="running", share=0.4, cap=8 << 30, device_bytes=8 << 30, host_bytes=2 << 30),
+        dict(job_id=3, name="paused", gpu=0, gpu_key="GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab", pid=12,
+             role="opportunistic", state="suspended", share=0.0, cap=0, device_bytes=0, host_bytes=1 << 30),
+        dict(job_id=4, name="waiting", gpu=0, gpu_key="GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab", pid=13,
+             role="opportunistic", state="queued", share=0.0, cap=None, device_bytes=0, host_bytes=0,
+             queue_reason="needs 10 GiB"),
+    ],
+    "queue": [],
+}
+
+
+def test_status_has_a_line_per_gpu_and_a_state_per_job():
+    lines = cli.format_status(VIEW).splitlines()
+    first, second = lines[0], lines[1]
+    assert first.startswith("GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab (index 0): 80.00 GiB total")
+    assert "for 4 jobs" in first and "2048 page moves" in first and "spilled 3.00 GiB" in first
+    assert second.startswith("index:1 (index 1)") and "note: index:1: the job reported no GPU UUID" in lines[2]
+    rows = {line.split()[1]: line.split() for line in lines if line.startswith("GPU-5f1c0d3e ")}
+    assert {name: row[4 + 1] for name, row in rows.items()} == {
+        "train": "running", "extra": "throttled", "paused": "suspended", "waiting": "queued"}
+
+
+def test_timeline_legends_do_not_cover_the_plots():
+    pytest.importorskip("matplotlib")
+    from cotenant import timeline
+
+    records = []
+    for t in range(50):
+        for j in range(6):  # many jobs: a legend inside would cover lines
+            records.append({"t": float(t), "gpu": 0, "gpu_key": "GPU-a", "job": f"job{j}", "role": "opportunistic",
+                            "cap": (j + 1) << 30, "device_bytes": (j + 1) << 29, "host_bytes": t << 20,
+                            "share": (t % 10) / 10})
+    fig = timeline.figure(records)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    axes = [a for a in fig.axes if a.get_legend() is not None]
+    assert len(axes) == 2
+    for ax in axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        plot = ax.get_window_extent(renderer)
+        assert legend.x0 >= plot.x1, "the legend overlaps the plot"
+
+
+def test_timeline_groups_by_gpu_key_so_one_gpu_is_one_column():
+    pytest.importorskip("matplotlib")
+    from cotenant import timeline
+
+    records = [{"t": 0.0, "gpu": 0, "gpu_key": "GPU-a", "job": "a", "role": "guaranteed", "cap": None,
+                "device_bytes": 1, "host_bytes": 0, "share": 1.0},
+               {"t": 0.0, "gpu": 1, "gpu_key": "GPU-a", "job": "b", "role": "opportunistic", "cap": None,
+                "device_bytes": 1, "host_bytes": 0, "share": 0.5}]
+    fig = timeline.figure(records)
+    assert len(fig.axes) == 2  # one column: memory and share
+
+
+# Modules that run inside a job; they speak through the "cotenant" logger, never print.
+JOB_SIDE = ["api.py", "gate.py", "settings.py", "launch.py", "_autoenable/sitecustomize.py",
+            "coordinator/client.py", "coordinator/paths.py", "coordinator/protocol.py"]
+
+
+@pytest.mark.parametrize("module", JOB_SIDE)
+def test_the_job_side_logs_through_logging_and_never_prints(module):
+    tree = ast.parse((PACKAGE / module).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            assert not (isinstance(func, ast.Name) and func.id == "print"), f"{module}:{node.lineno} prints"
+            text = ast.unparse(func)
+            assert "stderr.write" not in text and "stdout.write" not in text, f"{module}:{node.lineno} writes"
+
+
+def test_metrics_listen_on_loopback_unless_told():
+    parser = cli.build_parser()
+    args = parser.parse_args(["coordinator"])
+    assert args.metrics_address == "127.0.0.1"

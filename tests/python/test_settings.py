@@ -1,0 +1,127 @@
+"""COTENANT_CONF: one string for every job-side setting, and PyTorch's options cotenant ignores."""
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cotenant import api, gate, settings
+from cotenant.coordinator import paths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_conf_string_gives_each_key_and_checks_its_value():
+    env = {"COTENANT_CONF": "cap:6GiB, role:opportunistic,name:trainer,gate_window_ms:20,share:0.5"}
+    assert settings.get("cap", env) == "6GiB"
+    assert settings.value("cap", env).resolve(0) == 6 << 30
+    assert settings.get("role", env) == "opportunistic"
+    assert settings.get("name", env) == "trainer"
+    assert settings.get("device", env) is None
+    assert gate.activation_settings(env)["share_window_s"] == 0.02
+    assert gate.activation_settings(env)["initial_share"] == 0.5
+
+
+@pytest.mark.parametrize("text, words", [
+    ("cap=6GiB", ["'cap=6GiB' is not key:value", "write cap:6GiB"]),
+    ("capp:6GiB", ["unknown key 'capp'", "did you mean 'cap'?"]),
+    ("cap:lots", ["cap:lots", "cannot use \"lots\" as a memory cap", "e.g. cap:6GiB"]),
+    ("role:boss", ["role:boss", "unknown role 'boss'"]),
+    ("gate_max_in_flight:0", ["gate_max_in_flight:0", "must be at least 1"]),
+    ("cap:1GiB,cap:2GiB", ["'cap' is given twice"]),
+    ("spill_without_cap:maybe", ["spill_without_cap:maybe", "write 1 or 0"]),
+])
+def test_a_malformed_conf_string_names_the_key_and_the_fix(text, words):
+    with pytest.raises(settings.SettingsError) as caught:
+        settings.get("cap", {"COTENANT_CONF": text})
+    message = str(caught.value)
+    assert message.startswith("COTENANT_CONF: ")
+    for word in words:
+        assert word in message, message
+
+
+def test_the_variable_wins_over_the_conf_string_and_the_disagreement_is_logged(caplog):
+    env = {"COTENANT_CONF": "cap:4GiB", "COTENANT_MEMORY_CAP": "6GiB"}
+    with caplog.at_level(logging.WARNING, logger="cotenant"):
+        assert settings.get("cap", env) == "6GiB"
+    assert "COTENANT_MEMORY_CAP=6GiB wins over COTENANT_CONF's cap:4GiB" in caplog.text
+
+
+def test_every_job_side_variable_the_code_reads_is_a_conf_key():
+    # The variables the job side reads (Python and C++), found in the sources.
+    read = set()
+    for path in list((ROOT / "python" / "cotenant").rglob("*.py")) + list((ROOT / "csrc").rglob("*.cpp")):
+        read |= set(re.findall(r"\"(COTENANT_[A-Z_]+)\"", path.read_text()))
+    not_settings = {"COTENANT_CONF", "COTENANT_JOB_PID", "COTENANT_QUEUE_GPUS"}  # the string; outputs to the program
+    assert read - not_settings <= {s.variable for s in settings.SETTINGS}, read - not_settings
+    assert {"COTENANT_HOST_PAGES", "COTENANT_SPILL_WITHOUT_CAP", "COTENANT_MEMORY_CAP"} <= read
+
+
+def test_conf_string_reaches_the_readers_of_socket_device_and_disable(monkeypatch):
+    monkeypatch.delenv("COTENANT_SOCKET", raising=False)
+    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
+    monkeypatch.setenv("COTENANT_CONF", "socket:/tmp/x/c.sock,disable:1,run_dir:/srv/ct")
+    assert paths.default_socket_path() == "/tmp/x/c.sock"
+    assert paths.node_socket_path() == "/srv/ct/coordinator.sock"
+    assert api.disabled_by_environment()
+    assert api.enable() is False
+
+
+def test_conf_string_sets_the_allocator_options_the_extension_reads_with_getenv():
+    env = {"COTENANT_CONF": "host_pages:pinned,spill_without_cap:yes"}
+    settings.export_for_extension(env)
+    assert env["COTENANT_HOST_PAGES"] == "pinned" and env["COTENANT_SPILL_WITHOUT_CAP"] == "1"
+
+
+def test_enable_from_environment_reads_the_conf_string(monkeypatch):
+    for variable in ("COTENANT_ENABLE", "COTENANT_ROLE", "COTENANT_MEMORY_CAP", "COTENANT_JOB_PID",
+                     "COTENANT_DISABLE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("COTENANT_CONF", "enable:1,role:cap_only,cap:0.5,name:n1,persistent:1GiB")
+    calls = []
+    monkeypatch.setattr(api, "enable", lambda **kwargs: calls.append(kwargs) or True)
+    assert api.enable_from_environment() is True
+    (call,) = calls
+    assert api.parse_role(call["role"]) is None
+    assert call["memory_cap"].is_fraction and call["name"] == "n1" and call["persistent_memory"] == "1GiB"
+
+
+def test_cap_only_is_a_role_name_for_no_gate():
+    assert api.parse_role("cap_only") is None
+    with pytest.raises(ValueError, match="cap_only"):
+        api.parse_role("boss")
+
+
+# ---- PyTorch's allocator options ----------------------------------------------------------------
+
+
+def test_pytorch_allocator_options_cotenant_ignores_are_named_once(caplog, monkeypatch):
+    monkeypatch.setattr(settings, "_warned_pytorch", False)
+    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True,pinned_use_background_threads:True",
+           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    with caplog.at_level(logging.WARNING, logger="cotenant"):
+        settings.warn_ignored_pytorch_options(env)
+        settings.warn_ignored_pytorch_options(env)
+    warnings = [r for r in caplog.records if "no effect" in r.getMessage()]
+    assert len(warnings) == 1
+    text = warnings[0].getMessage()
+    assert "PYTORCH_ALLOC_CONF: expandable_segments:True" in text
+    assert "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb:128" in text
+    assert "pinned_use_background_threads" not in text  # the pinned host allocator is still PyTorch's
+
+
+def test_no_warning_without_pytorch_allocator_options():
+    assert settings.ignored_pytorch_options({}) == []
+
+
+def test_a_malformed_conf_string_stops_cotenant_run_before_the_program_starts():
+    from coordinator_harness import child_env
+
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--", "true"],
+                         env={**child_env(), "COTENANT_CONF": "role:opportunistic,cap:lots"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "COTENANT_CONF: cap:lots" in out.stderr and "Traceback" not in out.stderr
