@@ -37,7 +37,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster.scheduler import (
-    FINISHED, GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
+    GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
     JobSpec,
 )
 from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING
@@ -113,10 +113,13 @@ class NodeAgent:
             if job.get("state") == "running":
                 busy[job["gpu"]] += 1.0 if job["role"] == GUARANTEED else job.get("share", 0.0)
         utilization = {int(i): float(u) / 100 for i, u in _nvidia_smi(["index", "utilization.gpu"])}
+        # The coordinator knows the node's GPUs by UUID where NVML is there: its word wins.
+        uuids = {g["index"]: g["uuid"] for g in view.get("gpus", []) if g.get("uuid") and g.get("index") is not None}
         gpus = []
         for g in self.inventory:
             memory = g["memory_bytes"]
-            gpus.append({**g, "free_bytes": None if memory is None else max(0, memory - used[g["index"]]),
+            free = None if memory is None else max(0, memory - used[g["index"]])
+            gpus.append({**g, "uuid": uuids.get(g["index"], g["uuid"]), "free_bytes": free,
                          "utilization": utilization.get(g["index"], min(1.0, busy[g["index"]]))})
         workers: Dict[str, Dict[str, Any]] = {}
         for job in jobs:
