@@ -100,6 +100,7 @@ EXTRAS = {
     "metrics": ["prometheus-client"],   # cotenant coordinator --metrics-port
     "timeline": ["matplotlib"],         # cotenant timeline
     "nvml": ["nvidia-ml-py"],           # the coordinator lists the node's GPUs (UUIDs) through NVML
+    "cluster": ["ray>=2.60", "scipy"],  # cotenant cluster; AlloX's matching in cotenant simulate --cluster
 }
 EXTRAS["all"] = sorted({requirement for requirements in EXTRAS.values() for requirement in requirements})
 EXTRAS["test"] = ["pytest", "hypothesis", "packaging"]

@@ -2,7 +2,8 @@
 
 Each is an extra of the package (setup.py's EXTRAS): `pip install 'cotenant[metrics]'`
 for the coordinator's Prometheus endpoint, `'cotenant[timeline]'` for `cotenant
-timeline`, `'cotenant[all]'` for both.
+timeline`, `'cotenant[cluster]'` (ray, scipy) for `cotenant cluster` and AlloX's
+matching, `'cotenant[all]'` for all of them.
 """
 
 from __future__ import annotations

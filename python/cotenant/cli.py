@@ -1,4 +1,4 @@
-"""The `cotenant` command: coordinator, status, set-cap, set-share, run, timeline."""
+"""The `cotenant` command: coordinator, status, set-cap, set-share, run, timeline, simulate, cluster."""
 
 from __future__ import annotations
 
@@ -436,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cotenant.scheduling.command import add_simulate_command
 
     add_simulate_command(sub)
+    from cotenant.cluster.command import add_cluster_command
+
+    add_cluster_command(sub)
     describe_subcommands(sub)
     return parser
 
@@ -452,10 +455,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from cotenant._extras import MissingExtraError
+    from cotenant.cluster.command import ClusterCommandError
     from cotenant.coordinator.client import CoordinatorError, CoordinatorUnavailable
 
     try:
         return args.func(args)
+    except ClusterCommandError as error:
+        print(f"cotenant cluster: {error}", file=sys.stderr)
+        return 1
     except CoordinatorUnavailable as error:
         print(f"cotenant: {error}", file=sys.stderr)
         return 1

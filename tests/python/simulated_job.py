@@ -9,6 +9,7 @@ reports iteration times. The test steers it through small files:
 and it writes:
   <control>.resumes   how many times its memory read back intact after a suspend
   <control>.corrupt   written when its memory did not (what differed)
+  ("{name}" in --control is replaced by the job's name: one path for every worker of a cluster job)
 With --iterations N it exits after N iterations run while not suspended (a job
 that finishes); a suspended job makes no progress. The GPU it registers on is
 COTENANT_DEVICE when `cotenant run --queue` set it, else --device.
@@ -64,8 +65,9 @@ def write_file(path, text):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", help="the coordinator's socket (default: where cotenant looks)")
-    parser.add_argument("--role", required=True)
-    parser.add_argument("--name")
+    parser.add_argument("--role", default=os.environ.get("COTENANT_ROLE"),
+                        help="default: COTENANT_ROLE, as `cotenant run` sets it")
+    parser.add_argument("--name", default=os.environ.get("COTENANT_JOB_NAME"))
     parser.add_argument("--device", type=int, default=int(os.environ.get("COTENANT_DEVICE", "0")))
     parser.add_argument("--iterations", type=int, default=0, help="exit after this many iterations run (0: never)")
     parser.add_argument("--hold-mib", type=int, default=64)
@@ -76,6 +78,9 @@ def main():
     parser.add_argument("--gpu-uuid", default=os.environ.get("SIMULATED_GPU_UUID"),
                         help="the GPU UUID to report (default: $SIMULATED_GPU_UUID, else none)")
     args = parser.parse_args()
+    if not args.role:
+        parser.error("--role is needed (or COTENANT_ROLE)")
+    args.control = args.control.replace("{name}", args.name or "job")
 
     try:
         registration = client.register(

@@ -16,7 +16,9 @@ from cotenant import cli
 from cotenant.coordinator import client
 from coordinator_harness import child_env, wait_until
 
-EXTRAS = {"matplotlib": "timeline", "prometheus_client": "metrics"}
+TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                      "traces", "jobs")
+EXTRAS = {"matplotlib": "timeline", "prometheus_client": "metrics", "ray": "cluster", "scipy": "cluster"}
 
 
 @pytest.fixture
@@ -40,7 +42,10 @@ def run_cli(env, *args, timeout=60):
 
 def test_importing_every_module_of_the_package_imports_no_extra_and_no_numpy():
     code = ("import sys, cotenant, cotenant.cli, cotenant.timeline, cotenant.coordinator.daemon; "
-            "print(sorted(m for m in ('matplotlib', 'prometheus_client', 'numpy') if m in sys.modules))")
+            "import cotenant.cluster.scheduler, cotenant.cluster.runtime, cotenant.cluster.allox; "
+            "cotenant.cli.build_parser(); "
+            "print(sorted(m for m in ('matplotlib', 'prometheus_client', 'numpy', 'ray', 'scipy') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, cwd="/",
                          timeout=60)
     assert out.returncode == 0, out.stderr
@@ -100,3 +105,18 @@ def test_version_option_prints_the_package_version(capsys):
         cli.main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out == f"cotenant {cotenant.__version__}\n"
+
+
+def test_cluster_commands_without_ray_name_the_cluster_extra(without_extras):
+    out = run_cli(without_extras, "cluster", "status")
+    assert out.returncode == 1
+    assert "cotenant cluster needs ray" in out.stderr and "pip install 'cotenant[cluster]'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_simulating_a_heterogeneous_cluster_without_scipy_names_the_cluster_extra(without_extras):
+    out = run_cli(without_extras, "simulate", "--trace", os.path.join(TRACES, "tiresias_60_job.csv"), "--nodes", "2",
+                  "--gpus", "4", "--slow-nodes", "1", "--placement", "allox", "--policy", "fifo")
+    assert out.returncode == 1
+    assert "needs scipy" in out.stderr and "pip install 'cotenant[cluster]'" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -8,7 +8,11 @@ running (or stopping) on a GPU are resident there. A job that could not fit
 even alone, or that needs more GPUs than the node has, is refused.
 
 `GpuBook` is the scratch ledger a policy fills while it builds a plan:
-which jobs are resident on each GPU, checked against that condition.
+which jobs are resident on each GPU, checked against that condition. On a
+cluster it also knows each GPU's node and type: `pick` gives a gang job GPUs
+of one node where one has enough (the fullest such node, so large holes stay
+whole), else of as few nodes as it can, and never GPUs of another type or
+node than the job is bound to.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ def fits_together(jobs: Sequence[JobView], gpu_memory_bytes: Optional[int]) -> b
 
 
 def refusal(job: JobView, gpu_count: int, gpu_memory_bytes: Optional[int]) -> Optional[str]:
-    """Why `job` can never run on this node, or None when it can."""
+    """Why `job` can never run on this node, or None when it can. (A cluster's GPU types and
+    bindings are not checked here: a job bound to a type waits for one.)"""
     if job.num_gpus > gpu_count:
         return (f"job {job.job_id} needs {job.num_gpus} GPUs and this node has {gpu_count}; "
                 "run it on a larger node or with fewer GPUs")
@@ -43,9 +48,12 @@ def refusal(job: JobView, gpu_count: int, gpu_memory_bytes: Optional[int]) -> Op
 
 
 def refusals(state: NodeState) -> Dict[int, str]:
+    memory = state.gpu_memory_bytes
+    if state.gpus and all(g.memory_bytes is not None for g in state.gpus):
+        memory = max(g.memory_bytes for g in state.gpus)  # a cluster: what its largest GPU holds
     found = {}
     for job in state.jobs:
-        reason = refusal(job, state.gpu_count, state.gpu_memory_bytes)
+        reason = refusal(job, state.gpu_count, memory)
         if reason:
             found[job.job_id] = reason
     return found
@@ -63,6 +71,7 @@ class GpuBook:
     def __init__(self, state: NodeState) -> None:
         self.gpu_count = state.gpu_count
         self.memory = state.gpu_memory_bytes
+        self.views = [state.gpu(g) for g in range(state.gpu_count)]
         self.residents: List[List[JobView]] = [[] for _ in range(state.gpu_count)]
         self.roles: Dict[int, str] = {}
         self.blocked = [False] * state.gpu_count  # a stopping job still holds it
@@ -85,8 +94,22 @@ class GpuBook:
     def is_empty(self, gpu: int) -> bool:
         return not self.residents[gpu]
 
+    def memory_of(self, gpu: int) -> Optional[int]:
+        measured = self.views[gpu].memory_bytes
+        return self.memory if measured is None else measured
+
     def admits(self, gpu: int, job: JobView) -> bool:
-        return fits_together(self.residents[gpu] + [job], self.memory)
+        return self.allowed(gpu, job) and fits_together(self.residents[gpu] + [job], self.memory_of(gpu))
+
+    def allowed(self, gpu: int, job: JobView) -> bool:
+        """Whether the job's GPU type and node bindings let it run on `gpu`."""
+        view = self.views[gpu]
+        return (job.gpu_type is None or view.gpu_type == job.gpu_type) and (job.node is None or view.node == job.node)
+
+    def measured_spare_bytes(self, gpu: int) -> int:
+        """Free memory on `gpu` as its node's agent measured it; 0 where nothing was measured."""
+        free = self.views[gpu].free_bytes
+        return 0 if free is None else free
 
     def guaranteed_on(self, gpu: int) -> Optional[JobView]:
         for j in self.residents[gpu]:
@@ -99,6 +122,29 @@ class GpuBook:
 
     def empty_gpus(self) -> List[int]:
         return [g for g in range(self.gpu_count) if self.is_empty(g) and not self.blocked[g]]
+
+    def pick(self, job: JobView, candidates: Sequence[int]) -> Optional[List[int]]:
+        """`job.num_gpus` of `candidates` (best first) that its bindings allow, topology first: all on
+        one node when a node has enough (of those, the one with the fewest candidates, then the
+        best-ranked), else from the nodes with the most candidates. None when too few."""
+        allowed = [g for g in candidates if self.allowed(g, job)]
+        need = job.num_gpus
+        if len(allowed) < need:
+            return None
+        by_node: Dict[str, List[int]] = {}
+        for gpu in allowed:
+            by_node.setdefault(self.views[gpu].node, []).append(gpu)
+        rank = {gpu: i for i, gpu in enumerate(allowed)}
+        whole = [gpus for gpus in by_node.values() if len(gpus) >= need]
+        if whole:
+            best = min(whole, key=lambda gpus: (len(gpus), sum(rank[g] for g in gpus[:need])))
+            return best[:need]
+        chosen: List[int] = []
+        for gpus in sorted(by_node.values(), key=lambda gpus: (-len(gpus), rank[gpus[0]])):
+            chosen += gpus[: need - len(chosen)]
+            if len(chosen) == need:
+                break
+        return sorted(chosen, key=rank.__getitem__)
 
     # --- changes -----------------------------------------------------------------
 
@@ -119,8 +165,8 @@ class GpuBook:
         return gpus
 
     def take_empty(self, job: JobView, role: str = GUARANTEED) -> Optional[Tuple[int, ...]]:
-        """`job.num_gpus` GPUs nobody holds (lowest indices first), or None."""
-        free = self.empty_gpus()
-        if len(free) < job.num_gpus:
+        """`job.num_gpus` GPUs nobody holds (one node first, then lowest indices), or None."""
+        gpus = self.pick(job, self.empty_gpus())
+        if gpus is None:
             return None
-        return self.place(job, free[: job.num_gpus], role)
+        return self.place(job, gpus, role)

@@ -1,4 +1,5 @@
-"""`cotenant simulate`: run job traces through the scheduling policies on a simulated node."""
+"""`cotenant simulate`: run job traces through the scheduling policies on a simulated node,
+or (--cluster) on a simulated cluster of nodes, with the same policy code."""
 
 from __future__ import annotations
 
@@ -51,7 +52,17 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
                    help="a job trace in Tiresias' CSV format (repeat for several); see docs/scheduling.md")
     p.add_argument("--policy", action="append", metavar="NAME",
                    help="fifo, las, timeslice, antman, or all (default); repeat or separate with commas")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs of the node")
+    p.add_argument("--gpus", type=int, help="GPUs of the node (or, with --nodes, of each node)")
+    p.add_argument("--cluster", metavar="FILE",
+                   help="simulate a cluster described by a Tiresias cluster file (e.g. 1 switch of 32 nodes of 4 "
+                        "GPUs) instead of one node; see docs/cluster.md")
+    p.add_argument("--nodes", type=int, help="simulate a cluster of this many nodes of --gpus GPUs each")
+    p.add_argument("--slow-nodes", type=int, default=0,
+                   help="cluster: this many nodes have a slower GPU type (a model-dependent speed, "
+                        "cotenant.cluster.topology); default 0")
+    p.add_argument("--placement", choices=["blind", "allox", "both"], default="both",
+                   help="cluster with slow nodes: place jobs on any free GPU (blind), bind them to GPU types by "
+                        "AlloX's matching (allox, needs scipy), or run both (default)")
     p.add_argument("--gpu-memory", type=_size, default="80GiB", help="memory of each GPU (default 80GiB)")
     p.add_argument("--pcie-bandwidth", type=_size, default="54GB", metavar="SIZE",
                    help="host<->device bytes per second per GPU that suspend and resume move at (default 54GB: "
@@ -85,10 +96,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     try:
         names = _policy_names(args.policy)
-        config = SimulationConfig(gpu_count=args.gpus, gpu_memory_bytes=args.gpu_memory,
-                                  pcie_bytes_per_s=float(args.pcie_bandwidth), default_utilization=args.utilization)
+        shape = cluster_shape(args)
+        topology = {}
+        if shape is not None:
+            from cotenant.cluster.topology import relative_speed
+
+            topology = {"gpus": shape.gpus(), "speed": relative_speed}
+        elif args.gpus is None:
+            raise ValueError("give the node's GPUs with --gpus N, or a cluster with --cluster FILE or --nodes N "
+                             "--gpus M")
+        config = SimulationConfig(gpu_count=shape.gpu_count if shape else args.gpus,
+                                  gpu_memory_bytes=args.gpu_memory, pcie_bytes_per_s=float(args.pcie_bandwidth),
+                                  default_utilization=args.utilization, **topology)
         options = policy_options(args)
         policies = [make_policy(name, **options.get(name, {})) for name in names]
+        if shape is not None and shape.slow_nodes:
+            policies = with_placements(policies, args.placement)
         traces = [(path, read_trace(path)) for path in args.trace]
     except ValueError as error:  # TraceError is one
         print(f"cotenant simulate: {error}", file=sys.stderr)
@@ -105,7 +128,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             runs.append(run_record(path, result))
             summaries.append(runs[-1]["summary"])
         refused = summaries[0]["refused"] if summaries else []
-        print(f"{path}: {len(trace)} jobs on {args.gpus} GPUs" +
+        where = shape.describe() if shape is not None else f"{args.gpus} GPUs"
+        print(f"{path}: {len(trace)} jobs on {where}" +
               (f" ({len(refused)} refused: they need more GPUs or memory than the node has)" if refused else ""))
         print(format_table(summaries))
         print()
@@ -122,8 +146,41 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cluster_shape(args: argparse.Namespace):
+    """The simulated cluster (--cluster FILE or --nodes N with --gpus M), or None for one node."""
+    from cotenant.cluster.topology import ClusterShape, read_cluster
+
+    if args.cluster and args.nodes:
+        raise ValueError("give the cluster either as --cluster FILE or as --nodes N --gpus M, not both")
+    if args.cluster:
+        return read_cluster(args.cluster, args.slow_nodes)
+    if args.nodes:
+        if args.gpus is None:
+            raise ValueError("--nodes needs --gpus: the GPUs of each node")
+        return ClusterShape(args.nodes, args.gpus, args.slow_nodes)
+    if args.slow_nodes:
+        raise ValueError("--slow-nodes needs a cluster: --cluster FILE or --nodes N --gpus M")
+    return None
+
+
+def with_placements(policies: List[Any], placement: str) -> List[Any]:
+    """Each policy type-blind, with AlloX's matching in front, or both."""
+    from cotenant.cluster.allox import TypeMatching
+
+    chosen: List[Any] = []
+    for policy in policies:
+        if placement in ("blind", "both"):
+            chosen.append(policy)
+        if placement in ("allox", "both"):
+            chosen.append(TypeMatching(policy))
+    return chosen
+
+
 def describe_config(args: argparse.Namespace, names: List[str]) -> Dict[str, Any]:
+    shape = cluster_shape(args)
     return {
-        "gpus": args.gpus, "gpu_memory_bytes": args.gpu_memory, "pcie_bytes_per_s": args.pcie_bandwidth,
+        "cluster": None if shape is None else {"nodes": shape.nodes, "gpus_per_node": shape.gpus_per_node,
+                                               "slow_nodes": shape.slow_nodes, "placement": args.placement},
+        "gpus": shape.gpu_count if shape else args.gpus, "gpu_memory_bytes": args.gpu_memory, "pcie_bytes_per_s": args.pcie_bandwidth,
         "default_utilization": args.utilization, "policies": names, "policy_options": policy_options(args),
     }

@@ -25,7 +25,11 @@ together. Then:
     other guaranteed job holds, and run at full speed. Opportunistic jobs (by
     role, or jobs still waiting for a guaranteed place) run meanwhile on an
     idle GPU, or packed next to a guaranteed job whose memory they fit beside,
-    at the compute share it leaves idle (the launch gate's idle slots).
+    at the compute share it leaves idle (the launch gate's idle slots), on
+    the GPUs with the most spare compute, then memory. With tenant quotas
+    (a cluster), a tenant's guaranteed jobs hold at most its quota of GPUs;
+    its jobs beyond that run as opportunistic and are upgraded in place
+    when its quota frees up.
 
 The policies never move a running job to other GPUs.
 """
@@ -267,7 +271,18 @@ class Packing:
         waiting: List[int] = []
         opportunistic: List[JobView] = []
 
-        # 1. Guaranteed jobs, strictly in submission order (AntMan's guaranteed quota is FIFO).
+        # Quota held by the guaranteed jobs that keep running, before anyone new is counted.
+        quota_left = dict(state.quotas) if state.quotas is not None else None
+        for job in jobs:
+            if quota_left is not None and job.status == RUNNING and job.running_role == GUARANTEED \
+                    and job.tenant is not None:
+                quota_left[job.tenant] = quota_left.get(job.tenant, 0) - job.num_gpus
+
+        def over_quota(job: JobView) -> bool:
+            return quota_left is not None and job.tenant is not None and quota_left.get(job.tenant, 0) < job.num_gpus
+
+        # 1. Guaranteed jobs, strictly in submission order (AntMan's guaranteed quota is FIFO);
+        #    a job beyond its tenant's quota runs as opportunistic and blocks no one.
         blocked = False
         for job in jobs:
             if job.role == OPPORTUNISTIC:
@@ -276,12 +291,17 @@ class Packing:
             if job.status == RUNNING and job.running_role == GUARANTEED:
                 placements[job.job_id] = Placement(job.gpus, 1.0, GUARANTEED)
                 continue
+            if over_quota(job):
+                opportunistic.append(job)
+                continue
             gpus = None if blocked else self._guaranteed_gpus(book, job)
             if gpus is None:
                 blocked = True
                 opportunistic.append(job)  # meanwhile it may run in the idle slots
             else:
                 placements[job.job_id] = Placement(gpus, 1.0, GUARANTEED)
+                if quota_left is not None and job.tenant is not None:
+                    quota_left[job.tenant] = quota_left.get(job.tenant, 0) - job.num_gpus
 
         # 2. Opportunistic jobs, in submission order, into what is left.
         for job in opportunistic:
@@ -302,17 +322,17 @@ class Packing:
             if not any(book.has_guaranteed(g) for g in job.gpus):
                 book.roles[job.job_id] = GUARANTEED  # promoted where it runs: its memory already fits there
                 return job.gpus
-            elsewhere = [g for g in range(book.gpu_count)
-                         if g not in job.gpus and not book.blocked[g] and not book.has_guaranteed(g)]
+            elsewhere = [g for g in range(book.gpu_count) if g not in job.gpus and not book.blocked[g]
+                         and not book.has_guaranteed(g) and book.allowed(g, job)]
             if len(elsewhere) >= job.num_gpus:
                 book.release(job)  # suspended now, resumed as guaranteed on GPUs of its own
             return None
         candidates = [g for g in range(book.gpu_count) if not book.blocked[g] and not book.has_guaranteed(g)]
         # Empty GPUs first, then those whose opportunistic residents it fits beside.
         candidates.sort(key=lambda g: (not book.is_empty(g), not book.admits(g, job), g))
-        if len(candidates) < job.num_gpus:
+        chosen = book.pick(job, candidates)
+        if chosen is None:
             return None
-        chosen = candidates[: job.num_gpus]
         for gpu in chosen:
             if not book.admits(gpu, job):
                 for other in book.opportunistic_on(gpu):
@@ -332,18 +352,21 @@ class Packing:
                 continue
             share = self._gpu_share(book, job, gpu)
             if share >= self.min_share:
-                usable.append((-share, gpu))
-        if len(usable) < job.num_gpus:
-            return None
-        usable.sort()
-        return book.place(job, [g for _, g in usable[: job.num_gpus]], OPPORTUNISTIC)
+                usable.append((-share, -book.measured_spare_bytes(gpu), gpu))
+        usable.sort()  # the most spare compute first, then the most spare memory measured
+        gpus = book.pick(job, [g for _, _, g in usable])
+        return None if gpus is None else book.place(job, gpus, OPPORTUNISTIC)
 
     @staticmethod
     def _gpu_share(book: GpuBook, job: JobView, gpu: int) -> float:
+        """The compute the GPU leaves idle for `job`: what its node measured, when it did and no
+        resident was placed since, else what the guaranteed resident declares."""
         guaranteed = book.guaranteed_on(gpu)
         if guaranteed is None:
             return 1.0
-        idle = max(0.0, 1.0 - guaranteed.utilization)
+        measured = book.views[gpu].utilization
+        busy = guaranteed.utilization if measured is None else measured
+        idle = max(0.0, 1.0 - busy)
         return min(1.0, idle / max(job.utilization, 1e-9))
 
     def _share(self, book: GpuBook, job: JobView, gpus: Sequence[int]) -> float:

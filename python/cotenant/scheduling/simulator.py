@@ -19,17 +19,22 @@ The model of a job:
     no restart;
   * attained service is GPU-seconds times the compute share, counted while the
     job computes.
+
+A cluster (cotenant.cluster.simulate) is the same simulation over every GPU
+of every node: `SimulationConfig.gpus` says each GPU's node and type, and
+`speed(job, gpu_type)` how fast a job runs on a type relative to the trace's
+duration (a gang job runs at the pace of its slowest GPU).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from cotenant.scheduling.admission import fits_together
 from cotenant.scheduling.state import (
-    GUARANTEED, RUNNING, STOPPING, SUSPENDED, WAITING, JobView, NodeState, Plan,
+    GUARANTEED, RUNNING, STOPPING, SUSPENDED, WAITING, GpuView, JobView, NodeState, Plan,
 )
 from cotenant.scheduling.trace import TraceJob
 
@@ -51,8 +56,12 @@ class SimulationConfig:
     # cudaMemcpy rate measured on an H100 (PCIe 5.0 x16) by benchmarks/bench_allocator.py.
     pcie_bytes_per_s: float = 54e9
     default_utilization: float = 1.0  # for trace jobs that give none
+    gpus: Tuple[GpuView, ...] = ()    # a cluster: each GPU's node and type (gpu_count of them)
+    speed: Optional[Callable[[TraceJob, str], float]] = None  # relative speed on a GPU type (default 1)
 
     def __post_init__(self) -> None:
+        if self.gpus and len(self.gpus) != self.gpu_count:
+            raise ValueError(f"gpus describes {len(self.gpus)} GPUs and gpu_count is {self.gpu_count}")
         if self.gpu_count < 1:
             raise ValueError(f"a node needs at least 1 GPU, not {self.gpu_count}")
         if not self.pcie_bytes_per_s > 0:
@@ -88,6 +97,9 @@ class _Job:
     def job_id(self) -> int:
         return self.spec.job_id
 
+    speed: float = 1.0                # on the GPUs it holds, relative to the trace's duration
+    speeds: Dict[str, float] = field(default_factory=dict)  # per GPU type of the cluster
+
     def view(self) -> JobView:
         s = self.spec
         return JobView(
@@ -96,13 +108,15 @@ class _Job:
             gpus=self.gpus, share=self.share, running_role=self.running_role, attained_service=self.attained,
             first_started_at=self.first_started_at, last_started_at=self.last_started_at,
             last_stopped_at=self.last_stopped_at, waited_s=self.waited_s, marks=dict(self.marks),
+            speeds=self.speeds, remaining_s=max(0.0, s.duration_s - self.done_s),
         )
 
     def computing_until(self, t: float) -> float:
         return min(t, self.boundary_at) if self.status == STOPPING else t
 
     def rate(self) -> float:
-        return self.share if self.status in (RUNNING, STOPPING) else 0.0
+        """Solo seconds of work done per second."""
+        return self.share * self.speed if self.status in (RUNNING, STOPPING) else 0.0
 
 
 @dataclass
@@ -173,8 +187,10 @@ class Simulator:
     def __init__(self, trace: Sequence[TraceJob], policy, config: SimulationConfig) -> None:
         self.policy = policy
         self.config = config
+        types = sorted({g.gpu_type for g in config.gpus})
         self.pending = sorted(
-            (_Job(spec, spec.utilization if spec.utilization is not None else config.default_utilization)
+            (_Job(spec, spec.utilization if spec.utilization is not None else config.default_utilization,
+                  speeds={t: self._speed(spec, t) for t in types} if len(types) > 1 else {})
              for spec in trace), key=lambda j: (j.spec.submit_time, j.job_id))
         self.active: Dict[int, _Job] = {}
         self.done: List[_Job] = []
@@ -185,6 +201,12 @@ class Simulator:
         self.busy_gpu_s = 0.0
         self.switch_s = 0.0
         self.plans = 0
+
+    def _speed(self, spec: TraceJob, gpu_type: str) -> float:
+        speed = 1.0 if self.config.speed is None else self.config.speed(spec, gpu_type)
+        if not speed > 0:
+            raise SimulationError(f"job {spec.job_id} has speed {speed} on GPU type {gpu_type!r}; it must be > 0")
+        return speed
 
     # --- the event loop ------------------------------------------------------------
 
@@ -223,7 +245,7 @@ class Simulator:
 
     def _state(self) -> NodeState:
         return NodeState(self.now, self.config.gpu_count, self.config.gpu_memory_bytes,
-                         tuple(j.view() for j in self.active.values()))
+                         tuple(j.view() for j in self.active.values()), gpus=self.config.gpus)
 
     def _decide(self) -> None:
         self.wake_at = None
@@ -272,6 +294,8 @@ class Simulator:
 
     def _start(self, job: _Job, placement) -> None:
         job.gpus, job.share, job.running_role = tuple(placement.gpus), placement.share, placement.role
+        if self.config.gpus:
+            job.speed = min(self._speed(job.spec, self.config.gpus[g].gpu_type) for g in job.gpus)
         copy_s = 0.0
         if job.status == SUSPENDED:
             copy_s = job.spec.persistent_bytes / self.config.pcie_bytes_per_s
@@ -348,8 +372,9 @@ class Simulator:
             work = min(computing * job.rate(), job.spec.duration_s - job.done_s)
             job.done_s += work
             if job.rate() > 0:
-                job.attained += job.spec.num_gpus * work  # work = seconds x share
-                self.busy_gpu_s += job.spec.num_gpus * job.utilization * work
+                held = work / job.speed  # seconds x share
+                job.attained += job.spec.num_gpus * held
+                self.busy_gpu_s += job.spec.num_gpus * job.utilization * held
         self.held_gpu_s += len(occupied) * span
         self.now = until
 

@@ -8,6 +8,12 @@ applies plans, the discrete-event simulator or the coordinator's queue, keeps
 the accounting every policy reads: attained service, when a job last started
 and stopped, how long it has waited.
 
+The same policies schedule a cluster (cotenant.cluster): the state then
+lists every GPU of every node in `NodeState.gpus` (its node, type and what the
+node's agent measured), jobs carry a tenant and may be bound to a GPU type or
+a node, and tenants have guaranteed-GPU quotas. A node's own state leaves all
+of that empty and nothing changes for it.
+
 Units: seconds for times, bytes for memory (per GPU), GPU-seconds for service.
 """
 
@@ -49,6 +55,11 @@ class JobView:
     last_stopped_at: Optional[float] = None
     waited_s: float = 0.0       # total time WAITING or SUSPENDED since submission
     marks: Mapping[str, float] = field(default_factory=dict)
+    tenant: Optional[str] = None    # whose quota a guaranteed run counts against (None: no quota applies)
+    gpu_type: Optional[str] = None  # runs only on GPUs of this type (None: any)
+    node: Optional[str] = None      # runs only on this node (a suspended job's memory is in its host memory)
+    speeds: Mapping[str, float] = field(default_factory=dict)  # relative throughput per GPU type (AlloX)
+    remaining_s: Optional[float] = None  # estimated solo seconds of work left; None: unknown
 
     @property
     def ephemeral_bytes(self) -> int:
@@ -68,17 +79,36 @@ class JobView:
 
 
 @dataclass(frozen=True)
+class GpuView:
+    """One GPU of a cluster, as its node's agent reports it (all optional)."""
+
+    node: str = ""                       # GPUs of one node share fast links: a gang job prefers one node
+    gpu_type: str = ""
+    memory_bytes: Optional[int] = None   # its total memory; None: NodeState.gpu_memory_bytes
+    free_bytes: Optional[int] = None     # measured free device memory
+    utilization: Optional[float] = None  # measured busy fraction in [0, 1]
+
+
+@dataclass(frozen=True)
 class NodeState:
     now: float
     gpu_count: int
     gpu_memory_bytes: Optional[int]  # per GPU; None: unknown, memory is not checked
     jobs: Tuple[JobView, ...]        # every unfinished job; order does not matter
+    gpus: Tuple[GpuView, ...] = ()   # per GPU, indexed like the plan's GPUs; empty: one node, one type
+    quotas: Optional[Mapping[str, int]] = None  # tenant -> GPUs it may hold as guaranteed; None: no quotas
+
+    def gpu(self, index: int) -> GpuView:
+        return self.gpus[index] if self.gpus else _ONE_NODE_GPU
 
     def job(self, job_id: int) -> JobView:
         for job in self.jobs:
             if job.job_id == job_id:
                 return job
         raise KeyError(job_id)
+
+
+_ONE_NODE_GPU = GpuView()
 
 
 @dataclass(frozen=True)

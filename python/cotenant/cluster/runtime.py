@@ -1,0 +1,482 @@
+"""The cluster scheduler on Ray: a node agent per node and one global scheduler, both Ray actors.
+
+  NodeAgent        pinned to its node (NodeAffinitySchedulingStrategy, not soft).
+                   Reports every GPU (UUID, type, memory, free memory,
+                   utilization: nvidia-smi where there is one, else the node's
+                   Ray labels and its coordinator's view) and every worker it
+                   runs, as the node's cotenant coordinator sees them; starts
+                   workers under `cotenant run`, and suspends, resumes,
+                   upgrades and stops them through the coordinator.
+  GlobalScheduler  holds ClusterScheduler (scheduler.py) and, every tick,
+                   collects the agents' reports, decides and carries out the
+                   actions. A guaranteed job's GPUs are reserved all at once
+                   by a Ray placement group whose bundles are pinned to the
+                   chosen nodes (label `ray.io/node-id`): the group is granted
+                   whole or not at all, and only then do its workers start.
+                   It starts the agent of every node with GPUs, and starts it
+                   again (after `agent_restart_s`) when it has died.
+
+Workers: a job of n GPUs has n workers, worker i on the i-th of its GPUs,
+named `<job>-w<i>` at the node's coordinator; each gets RANK, WORLD_SIZE,
+LOCAL_RANK and COTENANT_CLUSTER_JOB in its environment.
+
+Nodes declare their GPUs to Ray as usual (`ray start --num-gpus N`), and may
+label their type and memory where nvidia-smi cannot tell:
+`--labels cotenant.io/gpu-type=A100,cotenant.io/gpu-memory=80GiB`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from cotenant.cluster.scheduler import (
+    GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
+    JobSpec,
+)
+from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING
+
+NAMESPACE = "cotenant"
+SCHEDULER_NAME = "cotenant-scheduler"
+LABEL_GPU_TYPE = "cotenant.io/gpu-type"
+LABEL_GPU_MEMORY = "cotenant.io/gpu-memory"
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def ray_module():
+    from cotenant._extras import require
+
+    return require("ray", "cluster", "cotenant cluster")
+
+
+def agent_name(node_id: str) -> str:
+    return f"cotenant-agent-{node_id}"
+
+
+def worker_name(job: str, index: int) -> str:
+    return f"{job}-w{index}"
+
+
+# --- the node agent ------------------------------------------------------------------------
+
+
+class NodeAgent:
+    """One per node; every method is called by the global scheduler."""
+
+    def __init__(self, node_id: str, socket: Optional[str] = None, log_dir: Optional[str] = None) -> None:
+        self.node_id = node_id
+        self.socket = socket
+        self.log_dir = log_dir or os.path.join("/tmp", "cotenant-cluster")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.workers: Dict[str, subprocess.Popen] = {}
+        self.inventory = self._inventory()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _inventory(self) -> List[Dict[str, Any]]:
+        measured = _nvidia_smi(["index", "uuid", "name", "memory.total"])
+        if measured:
+            return [{"index": int(i), "uuid": u, "gpu_type": n, "memory_bytes": int(m) << 20} for i, u, n, m in measured]
+        ray = ray_module()
+        node = next(n for n in ray.nodes() if n["NodeID"] == self.node_id)
+        labels = node.get("Labels") or {}
+        memory = None
+        if labels.get(LABEL_GPU_MEMORY):
+            from cotenant._core import parse_size
+
+            memory = parse_size(labels[LABEL_GPU_MEMORY])
+        count = int(node["Resources"].get("GPU", 0))
+        gpu_type = labels.get(LABEL_GPU_TYPE, "gpu")
+        return [{"index": i, "uuid": f"{self.node_id[:16]}-gpu{i}", "gpu_type": gpu_type, "memory_bytes": memory}
+                for i in range(count)]
+
+    def report(self) -> Dict[str, Any]:
+        from cotenant.coordinator import client
+
+        try:
+            view = client.status(self.socket)
+            coordinator = "up"
+        except (client.CoordinatorError, client.CoordinatorUnavailable, OSError) as error:
+            view, coordinator = {"jobs": []}, f"unreachable: {error}"
+        jobs = view["jobs"]
+        used: Dict[int, int] = collections.defaultdict(int)
+        busy: Dict[int, float] = collections.defaultdict(float)
+        for job in jobs:
+            used[job["gpu"]] += job.get("device_bytes", 0)
+            if job.get("state") == "running":
+                busy[job["gpu"]] += 1.0 if job["role"] == GUARANTEED else job.get("share", 0.0)
+        utilization = {int(i): float(u) / 100 for i, u in _nvidia_smi(["index", "utilization.gpu"])}
+        # The coordinator knows the node's GPUs by UUID where NVML is there: its word wins.
+        uuids = {g["index"]: g["uuid"] for g in view.get("gpus", []) if g.get("uuid") and g.get("index") is not None}
+        gpus = []
+        for g in self.inventory:
+            memory = g["memory_bytes"]
+            free = None if memory is None else max(0, memory - used[g["index"]])
+            gpus.append({**g, "uuid": uuids.get(g["index"], g["uuid"]), "free_bytes": free,
+                         "utilization": utilization.get(g["index"], min(1.0, busy[g["index"]]))})
+        workers: Dict[str, Dict[str, Any]] = {}
+        for job in jobs:
+            workers[job["name"]] = {"state": job["state"], "pid": job["pid"], "gpu": job["gpu"], "exit": None}
+        for name, process in self.workers.items():
+            code = process.poll()
+            entry = workers.setdefault(name, {"state": "starting", "pid": process.pid, "gpu": None, "exit": None})
+            if code is not None:
+                entry.update(state="exited", exit=code)
+        return {"node": self.node_id, "pid": os.getpid(), "coordinator": coordinator, "gpus": gpus,
+                "workers": workers}
+
+    def start(self, worker: str, command: Sequence[str], gpu: int, role: str, env: Mapping[str, str]) -> int:
+        argv = [sys.executable, "-m", "cotenant.cli", "run", f"--{role}", "--device", str(gpu), "--name", worker]
+        if self.socket:
+            argv += ["--socket", self.socket]
+        log = open(os.path.join(self.log_dir, f"{worker}.log"), "ab")
+        process = subprocess.Popen(argv + ["--", *command], env={**os.environ, **env}, stdout=log,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.workers[worker] = process
+        return process.pid
+
+    def command(self, worker: str, command: str) -> bool:
+        """suspend or resume, through the coordinator; False when the worker is not registered (yet)."""
+        from cotenant.coordinator import client
+
+        try:
+            client.send_command(worker, command, self.socket)
+            return True
+        except client.CoordinatorError:
+            return False
+
+    def upgrade(self, worker: str) -> None:
+        """Guaranteed from now on: a full compute share, no memory cap."""
+        from cotenant.coordinator import client
+
+        client.set_share(worker, 1.0, self.socket)
+        client.set_cap(worker, None, self.socket)
+
+    def stop(self, worker: str, pid: Optional[int] = None) -> None:
+        process = self.workers.pop(worker, None)
+        target = process.pid if process is not None else pid
+        if target:
+            try:
+                os.killpg(target, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if process is not None:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def _nvidia_smi(fields: Sequence[str]) -> List[Tuple[str, ...]]:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = [tuple(part.strip() for part in line.split(",")) for line in out.strip().splitlines()]
+    return [r for r in rows if len(r) == len(fields)]
+
+
+# --- the global scheduler ---------------------------------------------------------------------
+
+
+class GlobalScheduler:
+    """AntMan's global scheduler; a threaded Ray actor whose own thread ticks."""
+
+    def __init__(self, policy: str = "antman", quotas: Optional[Mapping[str, int]] = None,
+                 socket: Optional[str] = None, node_sockets: Optional[Mapping[str, str]] = None,
+                 tick_s: float = 0.25, agent_timeout_s: float = 2.0, agent_restart_s: float = 5.0,
+                 gang_timeout_s: float = 10.0, log_dir: Optional[str] = None) -> None:
+        from cotenant.cluster.allox import TypeMatching
+        from cotenant.scheduling.policies import make_policy
+
+        self.core = ClusterScheduler(TypeMatching(make_policy(policy)), quotas)
+        self.policy_name = policy
+        self.socket, self.node_sockets = socket, dict(node_sockets or {})
+        self.tick_s, self.agent_timeout_s, self.agent_restart_s = tick_s, agent_timeout_s, agent_restart_s
+        self.gang_timeout_s, self.log_dir = gang_timeout_s, log_dir
+        self.agents: Dict[str, Any] = {}
+        self.agent_died_at: Dict[str, float] = {}
+        self.reports: Dict[str, Dict[str, Any]] = {}
+        self.groups: Dict[int, Any] = {}      # job_id -> its placement group
+        self.leaving: Dict[int, Dict[str, Tuple[GpuKey, bool]]] = {}  # shrink: worker -> (GPU, suspend sent)
+        self.events: collections.deque = collections.deque(maxlen=1000)
+        self.lock = threading.RLock()
+        self.started = time.monotonic()
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="cotenant-scheduler", daemon=True)
+        self.thread.start()
+
+    # --- requests ---------------------------------------------------------------------
+
+    def submit(self, specs: Sequence[JobSpec]) -> List[Dict[str, Any]]:
+        """Submits several jobs at once (they are matched together); returns their ids and names."""
+        with self.lock:
+            now = self._now()
+            jobs = [self.core.submit(spec, now) for spec in specs]
+            for job in jobs:
+                self._event("job submitted", job=job.name, tenant=job.spec.tenant,
+                            gpus=f"{job.spec.min_gpus}-{job.spec.max_gpus}", role=job.spec.role)
+            return [{"job_id": j.job_id, "name": j.name} for j in jobs]
+
+    def cancel(self, ref: str) -> Dict[str, Any]:
+        with self.lock:
+            job = self.core.find(ref)
+            if job is None:
+                raise ValueError(f"no cluster job named {ref!r}; `cotenant cluster status` lists them")
+            self._stop_workers(job)
+            self.core.ended(job, self._now(), reason="cancelled")
+            self._release_group(job)
+            self._event("job cancelled", job=job.name)
+            return {"job": job.name, "state": job.status}
+
+    def set_quota(self, tenant: str, gpus: int) -> None:
+        with self.lock:
+            if self.core.quotas is None:
+                self.core.quotas = {}
+            self.core.quotas[tenant] = gpus
+
+    def status(self) -> Dict[str, Any]:
+        with self.lock:
+            view = self.core.status()
+            view["policy"] = self.policy_name
+            view["events"] = list(self.events)[-50:]
+            return view
+
+    def history(self) -> List[Dict[str, Any]]:
+        with self.lock:
+            return list(self.events)
+
+    def shutdown(self) -> None:
+        self.running = False
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.monotonic() - self.started
+
+    def _event(self, event: str, **fields: Any) -> None:
+        self.events.append({"t": round(self._now(), 3), "event": event, **fields})
+
+    def _loop(self) -> None:
+        while self.running:
+            try:
+                self.tick()
+            except Exception as error:  # the loop must outlive one bad tick; the event says what failed
+                self._event("tick failed", error=f"{type(error).__name__}: {error}")
+            time.sleep(self.tick_s)
+
+    def tick(self) -> None:
+        ray = ray_module()
+        self._ensure_agents(ray)
+        refs = {node: agent.report.remote() for node, agent in self.agents.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.agent_timeout_s) \
+            if refs else ([], [])
+        reports: Dict[str, Dict[str, Any]] = {}
+        failed: List[str] = []
+        for node, ref in refs.items():
+            if ref not in ready:
+                failed.append(node)
+                continue
+            try:
+                reports[node] = ray.get(ref)
+            except Exception:  # the actor died (kill -9) or is restarting
+                failed.append(node)
+        with self.lock:
+            now = self._now()
+            for node in failed:
+                if self.core.node_lost(node):
+                    self._event("node lost", node=node, reason="its agent did not answer")
+                self.agents.pop(node, None)
+                self.agent_died_at.setdefault(node, time.monotonic())
+            for node, report in reports.items():
+                gpus = [Gpu(node=node, index=g["index"], uuid=g["uuid"], gpu_type=g["gpu_type"],
+                            memory_bytes=g["memory_bytes"], free_bytes=g["free_bytes"],
+                            utilization=g["utilization"]) for g in report["gpus"]]
+                if self.core.node_reported(node, gpus):
+                    self._event("node joined", node=node, gpus=len(gpus), agent_pid=report["pid"])
+                self.reports[node] = report
+            self._follow_workers(now)
+            for action in self.core.decide(now):
+                self._carry_out(action, ray)
+
+    def _ensure_agents(self, ray) -> None:
+        """An agent on every live node with GPUs: started when missing, again a while after it died."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for node in ray.nodes():
+            node_id = node["NodeID"]
+            if not node.get("Alive") or not node["Resources"].get("GPU") or node_id in self.agents:
+                continue
+            died = self.agent_died_at.get(node_id)
+            if died is not None and time.monotonic() - died < self.agent_restart_s:
+                continue
+            try:
+                agent = ray.get_actor(agent_name(node_id), namespace=NAMESPACE)
+                ray.get(agent.pid.remote(), timeout=self.agent_timeout_s)
+            except Exception:
+                agent = ray.remote(NodeAgent).options(
+                    name=agent_name(node_id), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+                    max_restarts=0, get_if_exists=True,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(node_id, self.node_sockets.get(node_id, self.socket), self.log_dir)
+            self.agents[node_id] = agent
+            self.agent_died_at.pop(node_id, None)
+
+    # --- what the workers did -------------------------------------------------------------
+
+    def _worker(self, job: ClusterJob, index: int, key: GpuKey) -> Optional[Dict[str, Any]]:
+        report = self.reports.get(key[0])
+        if report is None:
+            return None
+        return report["workers"].get(worker_name(job.name, index), {"state": "gone", "exit": None})
+
+    def _follow_workers(self, now: float) -> None:
+        for job in list(self.core.jobs.values()):
+            if job.status not in (RUNNING, STOPPING) or any(g[0] not in self.core.nodes for g in job.gpus):
+                continue
+            states = [self._worker(job, i, key) for i, key in enumerate(job.gpus)]
+            if any(s is None for s in states):
+                continue
+            if all(s["state"] in ("exited", "gone") for s in states):
+                codes = [s["exit"] for s in states if s["exit"] not in (None, 0)]
+                self._release_group(job)
+                self.core.ended(job, now, failed=bool(codes), reason=f"exit status {codes[0]}" if codes else "")
+                self._event("job ended", job=job.name, state=job.status, reason=job.reason)
+            elif job.status == STOPPING and all(s["state"] == "suspended" for s in states):
+                self.core.stopped(job, now)
+                self._event("job evicted", job=job.name, node=job.node)
+        for job_id, leaving in list(self.leaving.items()):
+            job = self.core.jobs[job_id]
+            for worker, (key, _) in list(leaving.items()):
+                state = (self.reports.get(key[0]) or {}).get("workers", {}).get(worker, {"state": "gone"})
+                if state["state"] == "suspended" or state["state"] in ("exited", "gone"):
+                    self.agents[key[0]].stop.remote(worker, state.get("pid"))
+                    del leaving[worker]
+                    self.core.workers_left(job, [key])
+                    self._event("worker left", job=job.name, worker=worker, node=key[0])
+            if not leaving:
+                del self.leaving[job_id]
+
+    # --- actions ------------------------------------------------------------------------
+
+    def _carry_out(self, action: Action, ray) -> None:
+        job = action.job
+        if action.kind == START:
+            if job.role == GUARANTEED and not self._reserve(job, job.gpus, ray):
+                return
+            self._start_workers(job, list(enumerate(job.gpus)), ray)
+            self._event("job started", job=job.name, role=job.role, gpus=[list(g) for g in job.gpus])
+        elif action.kind == RESUME:
+            if job.role == GUARANTEED and not self._reserve(job, job.gpus, ray):
+                return
+            self._each_worker(job, lambda agent, w: agent.command.remote(w, "resume"))
+            self._event("job resumed", job=job.name, gpus=[list(g) for g in job.gpus])
+        elif action.kind == SUSPEND:
+            self._release_group(job)
+            self._each_worker(job, lambda agent, w: agent.command.remote(w, "suspend"))
+            self._event("job evicting", job=job.name, reason="a guaranteed job needs its GPUs")
+        elif action.kind == UPGRADE:
+            if not self._reserve(job, job.gpus, ray):
+                job.role = OPPORTUNISTIC
+                return
+            self._each_worker(job, lambda agent, w: agent.upgrade.remote(w))
+            self._event("job upgraded", job=job.name, tenant=job.spec.tenant)
+        elif action.kind == GROW:
+            first = len(job.gpus) - len(action.gpus)
+            self._start_workers(job, [(first + i, key) for i, key in enumerate(action.gpus)], ray)
+            self._event("job grew", job=job.name, workers=len(job.gpus))
+        elif action.kind == SHRINK:
+            leaving = self.leaving.setdefault(job.job_id, {})
+            first = len(job.gpus)
+            for i, key in enumerate(action.gpus):
+                worker = worker_name(job.name, first + i)
+                leaving[worker] = (key, True)
+                self.agents[key[0]].command.remote(worker, "suspend")  # at its next iteration boundary
+            self._event("job shrinking", job=job.name, workers=len(job.gpus))
+
+    def _reserve(self, job: ClusterJob, gpus: Sequence[GpuKey], ray) -> bool:
+        """A placement group of the job's GPUs, one bundle per node pinned to it; all or nothing."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        per_node: Dict[str, int] = collections.Counter(node for node, _ in gpus)
+        nodes = sorted(per_node)
+        group = placement_group([{"GPU": float(per_node[n])} for n in nodes], strategy="PACK",
+                                bundle_label_selector=[{NODE_ID_LABEL: n} for n in nodes],
+                                name=f"cotenant-{job.name}-{job.job_id}")
+        if not group.wait(timeout_seconds=self.gang_timeout_s):
+            remove_placement_group(group)
+            self.core.unplace(job)
+            self._event("gang not granted", job=job.name, gpus=[list(g) for g in gpus],
+                        reason="Ray could not reserve every GPU at once; it waits")
+            return False
+        self._release_group(job)
+        self.groups[job.job_id] = group
+        return True
+
+    def _release_group(self, job: ClusterJob) -> None:
+        group = self.groups.pop(job.job_id, None)
+        if group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(group)
+
+    def _start_workers(self, job: ClusterJob, workers: Sequence[Tuple[int, GpuKey]], ray) -> None:
+        world = len(job.gpus)
+        local: Dict[str, int] = collections.Counter()
+        calls = []
+        for index, (node, gpu) in workers:
+            env = {**job.spec.env, "RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local[node]),
+                   "COTENANT_CLUSTER_JOB": job.name}
+            local[node] += 1
+            calls.append(self.agents[node].start.remote(worker_name(job.name, index), list(job.spec.command), gpu,
+                                                        job.role or job.spec.role, env))
+        ray.get(calls)
+
+    def _each_worker(self, job: ClusterJob, call) -> None:
+        for i, (node, _) in enumerate(job.gpus):
+            agent = self.agents.get(node)
+            if agent is not None:
+                call(agent, worker_name(job.name, i))
+
+    def _stop_workers(self, job: ClusterJob) -> None:
+        for i, (node, _) in enumerate(job.gpus + job.stopping):
+            agent = self.agents.get(node)
+            if agent is not None:
+                agent.stop.remote(worker_name(job.name, i))
+
+
+# --- connecting -----------------------------------------------------------------------------
+
+
+def connect(address: Optional[str] = None):
+    """Joins the running Ray cluster (address, else RAY_ADDRESS, else the local one)."""
+    ray = ray_module()
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+                 logging_level="warning", log_to_driver=False)
+    return ray
+
+
+def scheduler_handle(ray):
+    try:
+        return ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        raise LookupError("no cotenant scheduler runs on this Ray cluster; start one with `cotenant cluster up`") \
+            from None
+
+
+def start_scheduler(ray, **options: Any):
+    """The global scheduler, detached (it outlives the command that started it); an existing one is kept."""
+    return ray.remote(GlobalScheduler).options(
+        name=SCHEDULER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=8,
+        get_if_exists=True,
+    ).remote(**options)

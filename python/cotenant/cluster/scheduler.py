@@ -1,0 +1,303 @@
+"""The global scheduler's decisions, without Ray: AntMan's cluster policy over the node agents' reports.
+
+`ClusterScheduler` keeps the cluster's jobs and the GPUs its node agents
+report, and turns them into a NodeState over every GPU of every live node
+(GPU i of the plan is `gpus[i]`, in node order), with each tenant's quota.
+The scheduling policy (any of cotenant.scheduling.policies, by default
+AntMan's packing, behind AlloX's matching where GPU types differ) returns a
+plan; Amoeba's resizing (`elastic.resize`) follows; `decide` returns what
+the runtime must do:
+
+  start    place a waiting job's workers, one per GPU (guaranteed: gang-placed
+           through a Ray placement group first, all or nothing)
+  suspend  an opportunistic job is evicted: its workers suspend at their
+           iteration boundary (memory to the host) and it waits again, bound
+           to the node that holds its memory
+  resume   a suspended job comes back on that node
+  upgrade  an opportunistic job becomes guaranteed where it runs (its tenant's
+           quota freed up)
+  grow / shrink   an elastic job gains or gives back workers
+
+No I/O and no clock (`now` comes in, seconds). Invariants: a job is in
+exactly one state; a job whose workers are stopping holds its GPUs until
+every worker reports itself suspended or stopped; jobs on a node whose agent
+is lost are left alone (their coordinator and workers run on) and the
+node's GPUs are out of every plan until its agent reports again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from cotenant.cluster.elastic import WorkerRange, resize
+from cotenant.scheduling.state import (
+    GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, GpuView, JobView, NodeState,
+)
+
+FINISHED = "finished"
+FAILED = "failed"
+
+START, SUSPEND, RESUME, UPGRADE, GROW, SHRINK = "start", "suspend", "resume", "upgrade", "grow", "shrink"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as its node's agent reports it."""
+
+    node: str
+    index: int
+    uuid: str
+    gpu_type: str
+    memory_bytes: Optional[int]
+    free_bytes: Optional[int] = None
+    utilization: Optional[float] = None
+
+
+GpuKey = Tuple[str, int]  # (node, GPU index on that node)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a user submits: `cotenant cluster submit`."""
+
+    name: str
+    command: Tuple[str, ...]
+    tenant: str = "default"
+    min_gpus: int = 1
+    max_gpus: int = 1                 # above min_gpus: an elastic job
+    gpu_type: Optional[str] = None    # run only on this GPU type
+    role: str = GUARANTEED            # asked for; beyond the tenant's quota it runs opportunistic
+    speeds: Mapping[str, float] = field(default_factory=dict)  # relative throughput per GPU type
+    persistent_bytes: int = 0         # per GPU
+    peak_bytes: int = 0               # per GPU
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        WorkerRange(self.min_gpus, self.max_gpus)  # checks the range
+        if self.role not in (GUARANTEED, OPPORTUNISTIC):
+            raise ValueError(f"a job's role is guaranteed or opportunistic, not {self.role!r}")
+        if not self.command:
+            raise ValueError(f"job {self.name!r} has no command")
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_gpus > self.min_gpus
+
+
+@dataclass
+class ClusterJob:
+    job_id: int
+    spec: JobSpec
+    submitted_at: float
+    status: str = WAITING
+    gpus: Tuple[GpuKey, ...] = ()     # worker i runs on gpus[i]
+    role: Optional[str] = None        # the role it runs in now
+    share: float = 1.0
+    node: Optional[str] = None        # a suspended job's memory is on this node
+    attained_service: float = 0.0
+    first_started_at: Optional[float] = None
+    last_started_at: Optional[float] = None
+    last_stopped_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    waited_s: float = 0.0
+    marks: Dict[str, float] = field(default_factory=dict)
+    stopping: Tuple[GpuKey, ...] = ()  # workers leaving (shrink), holding their GPUs until they stop
+    evictions: int = 0
+    reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    job: ClusterJob
+    gpus: Tuple[GpuKey, ...] = ()  # start, resume: all its GPUs; grow: the new ones; shrink: the leaving ones
+
+
+class ClusterScheduler:
+    def __init__(self, policy, quotas: Optional[Mapping[str, int]] = None) -> None:
+        self.policy = policy
+        self.quotas: Optional[Dict[str, int]] = dict(quotas) if quotas is not None else None
+        self.jobs: Dict[int, ClusterJob] = {}
+        self.nodes: Dict[str, List[Gpu]] = {}   # live nodes and their GPUs
+        self.lost: Dict[str, List[Gpu]] = {}    # nodes whose agent stopped answering
+        self.next_id = 1
+        self._accounted_at: Optional[float] = None
+
+    # --- nodes ---------------------------------------------------------------------
+
+    def node_reported(self, node: str, gpus: Sequence[Gpu]) -> bool:
+        """An agent's report; True when the node (re)joins."""
+        joined = node not in self.nodes
+        self.nodes[node] = sorted(gpus, key=lambda g: g.index)
+        self.lost.pop(node, None)
+        return joined
+
+    def node_lost(self, node: str) -> bool:
+        """The node's agent did not answer; True when the node was live until now."""
+        gpus = self.nodes.pop(node, None)
+        if gpus is None:
+            return False
+        self.lost[node] = gpus
+        return True
+
+    # --- jobs ----------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec, now: float) -> ClusterJob:
+        if any(j.name == spec.name for j in self.jobs.values() if j.status not in (FINISHED, FAILED)):
+            raise ValueError(f"a job named {spec.name!r} is already in the cluster; choose another --name")
+        self.advance(now)
+        job = ClusterJob(self.next_id, spec, now)
+        self.next_id += 1
+        self.jobs[job.job_id] = job
+        return job
+
+    def find(self, ref: str) -> Optional[ClusterJob]:
+        for job in sorted(self.jobs.values(), key=lambda j: -j.job_id):
+            if job.name == ref or str(job.job_id) == ref:
+                return job
+        return None
+
+    def ended(self, job: ClusterJob, now: float, failed: bool = False, reason: str = "") -> None:
+        """Every worker of the job exited (or it was cancelled)."""
+        self.advance(now)
+        job.status, job.finished_at, job.reason = (FAILED if failed else FINISHED), now, reason
+        job.gpus, job.stopping = (), ()
+
+    def stopped(self, job: ClusterJob, now: float) -> None:
+        """Every worker of an evicted job reports itself suspended: its GPUs are free."""
+        if job.status == STOPPING:
+            self.advance(now)
+            job.node = job.gpus[0][0] if job.gpus else None
+            job.status, job.gpus, job.role, job.last_stopped_at = SUSPENDED, (), None, now
+
+    def workers_left(self, job: ClusterJob, gpus: Sequence[GpuKey]) -> None:
+        """Workers a shrink stopped have exited: their GPUs are free."""
+        job.stopping = tuple(g for g in job.stopping if g not in gpus)
+
+    def unplace(self, job: ClusterJob) -> None:
+        """A start the runtime could not carry out (its placement group was not granted): it waits again."""
+        job.status, job.gpus, job.role = (SUSPENDED if job.first_started_at and job.node else WAITING), (), None
+
+    # --- accounting ----------------------------------------------------------------
+
+    def advance(self, now: float) -> None:
+        if self._accounted_at is None:
+            self._accounted_at = now
+        span = max(0.0, now - self._accounted_at)
+        self._accounted_at = now
+        for job in self.jobs.values():
+            if job.status in (WAITING, SUSPENDED):
+                job.waited_s += span
+            elif job.status in (RUNNING, STOPPING):
+                job.attained_service += span * len(job.gpus) * job.share
+
+    # --- decisions -----------------------------------------------------------------
+
+    def gpu_keys(self) -> List[GpuKey]:
+        return [(node, g.index) for node in sorted(self.nodes) for g in self.nodes[node]]
+
+    def state(self, now: float) -> NodeState:
+        keys = self.gpu_keys()
+        gpus = tuple(GpuView(node=g.node, gpu_type=g.gpu_type, memory_bytes=g.memory_bytes, free_bytes=g.free_bytes,
+                             utilization=g.utilization) for node in sorted(self.nodes) for g in self.nodes[node])
+        slot = {key: i for i, key in enumerate(keys)}
+        views = tuple(self._view(job, slot) for job in self._schedulable())
+        # Workers a shrink is stopping hold their GPUs until they have stopped: a stopping
+        # stand-in (negative id) blocks them for the policy.
+        views += tuple(JobView(job_id=-job.job_id, num_gpus=len(job.stopping), status=STOPPING,
+                               gpus=tuple(slot[g] for g in job.stopping), running_role=job.role)
+                       for job in self._schedulable() if job.stopping)
+        memories = [g.memory_bytes for g in gpus]
+        memory = min(memories) if memories and all(m is not None for m in memories) else None
+        return NodeState(now, len(keys), memory, views, gpus=gpus, quotas=self.quotas)
+
+    def _schedulable(self) -> List[ClusterJob]:
+        """Unfinished jobs none of whose GPUs is on a lost node."""
+        live = set(self.nodes)
+        return [j for j in self.jobs.values() if j.status not in (FINISHED, FAILED)
+                and all(node in live for node, _ in j.gpus + j.stopping)
+                and (j.status != SUSPENDED or j.node in live or j.node is None)]
+
+    def _view(self, job: ClusterJob, slot: Dict[GpuKey, int]) -> JobView:
+        s = job.spec
+        running = job.status in (RUNNING, STOPPING)
+        return JobView(
+            job_id=job.job_id, num_gpus=len(job.gpus) if running else s.min_gpus, submit_time=job.submitted_at,
+            persistent_bytes=s.persistent_bytes, peak_bytes=max(s.peak_bytes, s.persistent_bytes),
+            role=OPPORTUNISTIC if s.role == OPPORTUNISTIC else None, status=job.status,
+            gpus=tuple(slot[g] for g in job.gpus), share=job.share, running_role=job.role,
+            attained_service=job.attained_service, first_started_at=job.first_started_at,
+            last_started_at=job.last_started_at, last_stopped_at=job.last_stopped_at, waited_s=job.waited_s,
+            marks=dict(job.marks), tenant=s.tenant if s.role == GUARANTEED else None, gpu_type=s.gpu_type,
+            node=job.node if job.status == SUSPENDED else None, speeds=dict(s.speeds),
+        )
+
+    def decide(self, now: float) -> List[Action]:
+        """Asks the policy, then Amoeba's resizing; applies both and returns what the runtime must do."""
+        self.advance(now)
+        keys = self.gpu_keys()
+        state = self.state(now)
+        if not state.gpu_count:
+            return []
+        plan = self.policy.plan(state)
+        actions: List[Action] = []
+        for job_id, reason in plan.refused.items():
+            job = self.jobs[job_id]
+            self.ended(job, now, failed=True, reason=reason)
+        for job_id, marks in plan.marks.items():
+            self.jobs[job_id].marks = dict(marks)
+        for view in state.jobs:
+            job = self.jobs.get(view.job_id)
+            if job is not None and job.status == RUNNING and job.job_id not in plan.placements:
+                job.status = STOPPING
+                job.evictions += 1
+                actions.append(Action(SUSPEND, job))
+        for job_id, placement in plan.placements.items():
+            job = self.jobs[job_id]
+            gpus = tuple(keys[i] for i in placement.gpus)
+            if job.status in (WAITING, SUSPENDED):
+                kind = START if job.status == WAITING else RESUME
+                job.status, job.gpus, job.last_started_at = RUNNING, gpus, now
+                job.role, job.share = placement.role, placement.share
+                if job.first_started_at is None:
+                    job.first_started_at = now
+                actions.append(Action(kind, job, gpus))
+            elif job.status == RUNNING:
+                if job.role == OPPORTUNISTIC and placement.role == GUARANTEED:
+                    actions.append(Action(UPGRADE, job))
+                job.role, job.share = placement.role, placement.share
+        ranges = {j.job_id: WorkerRange(j.spec.min_gpus, j.spec.max_gpus) for j in self.jobs.values()
+                  if j.spec.elastic and not j.stopping}
+        for job_id, indices in resize(state, plan, ranges).items():
+            job = self.jobs[job_id]
+            new = tuple(keys[i] for i in indices)
+            if len(new) > len(job.gpus):
+                actions.append(Action(GROW, job, new[len(job.gpus):]))
+            else:
+                job.stopping = job.gpus[len(new):]
+                actions.append(Action(SHRINK, job, job.stopping))
+            job.gpus = new
+        return actions
+
+    # --- status --------------------------------------------------------------------
+
+    def status(self) -> Dict[str, object]:
+        nodes = []
+        for node, gpus in sorted(list(self.nodes.items()) + [(n, g) for n, g in self.lost.items()]):
+            nodes.append({"node": node, "live": node in self.nodes, "gpus": [g.__dict__ for g in gpus]})
+        jobs = []
+        for job in sorted(self.jobs.values(), key=lambda j: j.job_id):
+            jobs.append({
+                "job_id": job.job_id, "name": job.name, "tenant": job.spec.tenant, "state": job.status,
+                "role": job.role or job.spec.role, "asked_role": job.spec.role,
+                "gpus": [list(g) for g in job.gpus], "workers": len(job.gpus),
+                "range": [job.spec.min_gpus, job.spec.max_gpus], "gpu_type": job.spec.gpu_type,
+                "node": job.node, "evictions": job.evictions, "reason": job.reason,
+                "attained_gpu_s": round(job.attained_service, 3), "waited_s": round(job.waited_s, 3),
+            })
+        return {"nodes": nodes, "jobs": jobs, "quotas": self.quotas}

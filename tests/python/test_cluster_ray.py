@@ -1,0 +1,244 @@
+"""The cluster scheduler on real Ray: a ray.cluster_utils.Cluster of three GPU nodes on this
+machine (2 GPUs each, declared as Ray resources; two of type fast, one slow), each running its
+own cotenant coordinator in its own socket directory, and simulated jobs as the workers (real
+client, shared memory, CachingAllocator on the SimulatedBackend). One cluster for the module:
+Ray's start-up is paid once. Select with `-m ray`."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from coordinator_harness import HERE, MiB, Node, child_env, wait_until
+
+ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'cotenant[cluster]'")
+pytest.importorskip("scipy", reason="the cluster tests need scipy: pip install 'cotenant[cluster]'")
+
+from cotenant.cluster import runtime  # noqa: E402
+from cotenant.cluster.allox import match  # noqa: E402
+from cotenant.cluster.scheduler import JobSpec  # noqa: E402
+from cotenant.scheduling.state import JobView  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+GPU_TYPES = ("fast", "fast", "slow")
+TIMEOUT = 60
+
+
+class Cluster:
+    def __init__(self, ray_cluster, nodes, coordinators, scheduler, directory):
+        self.ray_cluster, self.nodes, self.coordinators = ray_cluster, nodes, coordinators
+        self.scheduler, self.directory = scheduler, directory
+
+    def status(self):
+        return ray.get(self.scheduler.status.remote())
+
+    def job(self, name):
+        return next((j for j in reversed(self.status()["jobs"]) if j["name"] == name), None)
+
+    def node_of(self, node_id):
+        return self.coordinators[[n.node_id for n in self.nodes].index(node_id)]
+
+    def submit(self, *specs):
+        return ray.get(self.scheduler.submit.remote(list(specs)))
+
+    def worker(self, job, index):
+        """The registered worker at its node's coordinator, or None."""
+        state = self.job(job)
+        if not state or index >= len(state["gpus"]):
+            return None
+        coordinator = self.node_of(state["gpus"][index][0])
+        return coordinator.job(runtime.worker_name(job, index))
+
+    def events(self, kind, job=None):
+        return [e for e in ray.get(self.scheduler.history.remote())
+                if e["event"] == kind and (job is None or e.get("job") == job)]
+
+    def workers_running(self):
+        return sum(len(c.status()["jobs"]) for c in self.coordinators)
+
+
+def spec(name, **fields):
+    control = os.path.join(fields.pop("control_dir"), "{name}") if "control_dir" in fields else ""
+    env = child_env()
+    env["COTENANT_DISABLE"] = "1"  # the start-up hook would look for a GPU; the simulated job registers itself
+    command = (sys.executable, os.path.join(HERE, "simulated_job.py"), "--hold-mib", str(fields.pop("hold_mib", 32)),
+               "--iteration-us", "20000", *(["--control", control] if control else []))
+    return JobSpec(name=name, command=command, env=env, **fields)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster as RayCluster
+
+    directory = tmp_path_factory.mktemp("cluster")
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "COTENANT_DISABLE")}
+    os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]  # Ray's workers import cotenant from this checkout
+    os.environ["COTENANT_DISABLE"] = "1"  # workers submitted from the CLI: no GPU here for the start-up hook
+    small = dict(num_cpus=1, object_store_memory=80 * MiB)
+    ray_cluster = RayCluster(initialize_head=True, head_node_args=dict(num_gpus=0, include_dashboard=False, **small))
+    nodes = [ray_cluster.add_node(num_gpus=2, labels={runtime.LABEL_GPU_TYPE: t, runtime.LABEL_GPU_MEMORY: "1GiB"},
+                                  **small) for t in GPU_TYPES]
+    coordinators = []
+    try:
+        ray.init(address=ray_cluster.address, namespace=runtime.NAMESPACE, log_to_driver=False,
+                 logging_level="warning")
+        ray_cluster.wait_for_nodes()
+        for _ in nodes:
+            coordinator = Node(gpu_memory="1GiB", extra_args=("--gpus", "0,1"))
+            coordinator.start_coordinator()
+            coordinators.append(coordinator)
+        scheduler = runtime.start_scheduler(
+            ray, policy="antman", node_sockets={n.node_id: c.socket for n, c in zip(nodes, coordinators)},
+            tick_s=0.2, agent_restart_s=3.0, log_dir=str(directory))
+        c = Cluster(ray_cluster, nodes, coordinators, scheduler, str(directory))
+        assert wait_until(lambda: sum(n["live"] for n in c.status()["nodes"]) == 3, timeout=TIMEOUT), c.status()
+        yield c
+    finally:
+        ray.shutdown()
+        ray_cluster.shutdown()
+        for coordinator in coordinators:
+            coordinator.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def clean(cluster):
+    """Cancels every job a test left, and waits until no worker runs anywhere."""
+    yield cluster
+    for job in cluster.status()["jobs"]:
+        if job["state"] not in ("finished", "failed"):
+            ray.get(cluster.scheduler.cancel.remote(job["name"]))
+    assert wait_until(lambda: cluster.workers_running() == 0, timeout=TIMEOUT)
+    ray.get(cluster.scheduler.set_quota.remote("default", 6))
+
+
+def test_gang_placement_is_all_or_nothing_and_prefers_one_node(clean):
+    c = clean
+    c.submit(spec("filler"))
+    assert wait_until(lambda: c.worker("filler", 0), timeout=TIMEOUT), c.status()
+    c.submit(spec("gang", min_gpus=6, max_gpus=6))
+    # Five GPUs are free, it needs six: none of its workers starts anywhere, and Ray holds no
+    # placement group for it.
+    assert not wait_until(lambda: c.workers_running() > 1, timeout=3)
+    assert c.job("gang")["state"] == "waiting"
+    assert not any(g["name"].startswith("cotenant-gang") and g["state"] == "CREATED"
+                   for g in ray.util.placement_group_table().values())
+    ray.get(c.scheduler.cancel.remote("filler"))
+    assert wait_until(lambda: all(c.worker("gang", i) for i in range(6)), timeout=TIMEOUT), c.status()
+    assert len({tuple(g) for g in c.job("gang")["gpus"]}) == 6
+    assert len(c.events("job started", "gang")) == 1  # one start, for all six
+    ray.get(c.scheduler.cancel.remote("gang"))
+    assert wait_until(lambda: c.workers_running() == 0, timeout=TIMEOUT)
+    c.submit(spec("pair", min_gpus=2, max_gpus=2, gpu_type="fast"))
+    assert wait_until(lambda: c.worker("pair", 1), timeout=TIMEOUT)
+    assert len({node for node, _ in c.job("pair")["gpus"]}) == 1  # both on one node
+
+
+def test_a_tenant_over_quota_runs_opportunistic_is_evicted_for_a_guaranteed_job_and_upgraded_later(clean):
+    c = clean
+    ray.get(c.scheduler.set_quota.remote("alice", 1))
+    ray.get(c.scheduler.set_quota.remote("bob", 6))
+    heavy = 600 * MiB  # two such jobs do not fit on one 1 GiB GPU
+    c.submit(spec("a1", tenant="alice", persistent_bytes=heavy))
+    assert wait_until(lambda: c.worker("a1", 0), timeout=TIMEOUT)
+    c.submit(spec("a2", tenant="alice", persistent_bytes=heavy, control_dir=c.directory))
+    assert wait_until(lambda: c.worker("a2", 0), timeout=TIMEOUT)
+    assert c.job("a1")["role"] == "guaranteed"
+    assert c.job("a2")["role"] == "opportunistic" and c.worker("a2", 0)["role"] == "opportunistic"
+
+    c.submit(spec("b", tenant="bob", min_gpus=5, max_gpus=5, persistent_bytes=heavy))
+    assert wait_until(lambda: (c.job("a2") or {}).get("state") == "suspended", timeout=TIMEOUT), c.status()
+    suspended = c.worker("a2", 0) or c.node_of(c.job("a2")["node"]).job("a2-w0")
+    assert suspended["state"] == "suspended" and suspended["device_bytes"] == 0  # its memory is on the host
+    assert wait_until(lambda: c.worker("b", 4), timeout=TIMEOUT), c.status()
+
+    ray.get(c.scheduler.cancel.remote("b"))  # a2 comes back where its memory is, intact
+    assert wait_until(lambda: (c.worker("a2", 0) or {}).get("state") == "running", timeout=TIMEOUT), c.status()
+    assert wait_until(lambda: os.path.exists(os.path.join(c.directory, "a2-w0.resumes")), timeout=TIMEOUT)
+    assert not os.path.exists(os.path.join(c.directory, "a2-w0.corrupt"))
+
+    ray.get(c.scheduler.cancel.remote("a1"))  # alice's quota frees up: a2 becomes guaranteed where it runs
+    assert wait_until(lambda: c.job("a2")["role"] == "guaranteed", timeout=TIMEOUT), c.status()
+    assert wait_until(lambda: (c.worker("a2", 0) or {}).get("share_pinned"), timeout=TIMEOUT)
+    assert c.events("job upgraded", "a2")
+
+
+def test_heterogeneous_placement_follows_the_matching(clean):
+    c = clean
+    speeds = {"insensitive": {"fast": 1.0, "slow": 1.0}, "sensitive": {"fast": 1.0, "slow": 0.2}}
+    names = ["insensitive", "insensitive2", "sensitive", "sensitive2"]
+    c.submit(*[spec(n, speeds=speeds[n.rstrip("2")]) for n in names])  # matched together
+    assert wait_until(lambda: all(c.worker(n, 0) for n in names), timeout=TIMEOUT), c.status()
+    types = {n["node"]: n["gpus"][0]["gpu_type"] for n in c.status()["nodes"]}
+    placed = {n: types[c.job(n)["gpus"][0][0]] for n in names}
+    views = [JobView(i, speeds=speeds[n.rstrip("2")]) for i, n in enumerate(names)]
+    expected = match(views, {"fast": 4, "slow": 2})
+    assert placed == {n: expected[i] for i, n in enumerate(names)}
+    assert set(placed.values()) == {"fast", "slow"}
+    assert placed["sensitive"] == placed["sensitive2"] == "fast"
+
+
+def test_an_elastic_job_scales_out_and_back_in_without_losing_its_state(clean):
+    c = clean
+    c.submit(spec("elastic", min_gpus=1, max_gpus=3, control_dir=c.directory))
+    assert wait_until(lambda: c.worker("elastic", 0), timeout=TIMEOUT)
+    first = c.worker("elastic", 0)
+    assert wait_until(lambda: c.job("elastic")["workers"] == 3 and c.worker("elastic", 2), timeout=TIMEOUT), \
+        c.status()
+    iterations = c.worker("elastic", 0)["iteration_count"]
+
+    c.submit(spec("needy", min_gpus=5, max_gpus=5))
+    assert wait_until(lambda: c.job("elastic")["workers"] == 1, timeout=TIMEOUT), c.status()
+    assert wait_until(lambda: c.worker("needy", 4), timeout=TIMEOUT), c.status()
+    assert len(c.events("worker left", "elastic")) == 2
+    # The first worker was never stopped: the same process and registration, its iterations
+    # went on counting, its memory untouched.
+    now = c.worker("elastic", 0)
+    assert (now["pid"], now["job_id"]) == (first["pid"], first["job_id"])
+    assert now["state"] == "running" and now["iteration_count"] > iterations
+    assert not os.path.exists(os.path.join(c.directory, "elastic-w0.corrupt"))
+
+
+def test_a_killed_node_agent_leaves_the_rest_served_and_its_node_rejoins(clean):
+    c = clean
+    victim = c.nodes[2].node_id
+    agent = ray.get_actor(runtime.agent_name(victim), namespace=runtime.NAMESPACE)
+    os.kill(ray.get(agent.pid.remote()), signal.SIGKILL)
+    assert wait_until(lambda: not next(n for n in c.status()["nodes"] if n["node"] == victim)["live"],
+                      timeout=TIMEOUT), c.status()
+    c.submit(spec("meanwhile", min_gpus=4, max_gpus=4))
+    assert wait_until(lambda: c.worker("meanwhile", 3), timeout=TIMEOUT), c.status()
+    assert victim not in {node for node, _ in c.job("meanwhile")["gpus"]}
+    assert wait_until(lambda: next(n for n in c.status()["nodes"] if n["node"] == victim)["live"],
+                      timeout=TIMEOUT), c.status()
+    assert len(c.events("node joined")) >= 4  # three at start, the victim again
+    c.submit(spec("after", min_gpus=2, max_gpus=2))
+    assert wait_until(lambda: c.worker("after", 1), timeout=TIMEOUT), c.status()
+    assert {node for node, _ in c.job("after")["gpus"]} == {victim}  # the only free GPUs are the rejoined node's
+
+
+def test_cli_submits_a_job_and_status_shows_it_on_the_nodes_gpus(clean):
+    c = clean
+
+    def cli(verb, *args):
+        return subprocess.run([sys.executable, "-m", "cotenant.cli", "cluster", verb, "--address",
+                               c.ray_cluster.address, *args], env=child_env(), capture_output=True, text=True,
+                              timeout=120)
+
+    done = cli("submit", "--tenant", "cli", "--gpus", "2", "--gpu-type", "fast", "--guaranteed", "--name", "viacli",
+               "--", sys.executable, os.path.join(HERE, "simulated_job.py"), "--hold-mib", "16")
+    assert done.returncode == 0 and "viacli: submitted as job" in done.stdout, done.stderr
+    assert wait_until(lambda: c.worker("viacli", 1), timeout=TIMEOUT), c.status()
+    shown = cli("status")
+    assert shown.returncode == 0, shown.stderr
+    assert "viacli" in shown.stdout and "running" in shown.stdout and "guaranteed" in shown.stdout
+    assert shown.stdout.count("slow") == 2 and shown.stdout.count("fast") == 4  # every GPU, with its type
+    refused = cli("submit", "--gpus", "0", "--guaranteed", "--", "true")
+    assert refused.returncode == 2 and "--gpus takes a count" in refused.stderr and "Traceback" not in refused.stderr

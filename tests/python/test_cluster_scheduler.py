@@ -1,0 +1,172 @@
+"""The cluster scheduler's decisions without Ray: gang placement with topology, tenant quotas,
+eviction and upgrade, AlloX's matching across GPU types, Amoeba's resizing, and the cluster
+simulation, all on the node's own policy code."""
+
+import pytest
+
+from cotenant.cluster.allox import TypeMatching, match
+from cotenant.cluster.scheduler import (
+    GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, ClusterScheduler, Gpu, JobSpec,
+)
+from cotenant.cluster.topology import ClusterShape, read_cluster, relative_speed
+from cotenant.scheduling.policies import Fifo, Packing, make_policy
+from cotenant.scheduling.simulator import SimulationConfig, simulate
+from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, JobView
+from cotenant.scheduling.trace import TraceJob, read_trace
+
+GiB = 1 << 30
+CMD = ("true",)
+
+
+def cluster(policy=None, quotas=None, nodes=(("a", 2, "fast"), ("b", 2, "fast"), ("c", 2, "slow"))):
+    scheduler = ClusterScheduler(policy or TypeMatching(Packing()), quotas)
+    for node, count, gpu_type in nodes:
+        scheduler.node_reported(node, [Gpu(node, i, f"{node}{i}", gpu_type, GiB) for i in range(count)])
+    return scheduler
+
+
+def kinds(actions):
+    return [(a.kind, a.job.name) for a in actions]
+
+
+def test_gang_job_waits_whole_until_all_its_gpus_are_free_then_starts_all_at_once():
+    s = cluster()
+    s.submit(JobSpec("small", CMD, min_gpus=1, max_gpus=1), 0.0)
+    first = s.decide(0.0)
+    assert kinds(first) == [(START, "small")]
+    wide = s.submit(JobSpec("wide", CMD, min_gpus=6, max_gpus=6), 1.0)
+    assert [a for a in s.decide(1.0) if a.job is wide] == []  # 5 free of 6: nothing of it starts
+    assert wide.status == WAITING and wide.gpus == ()
+    s.ended(s.find("small"), 2.0)
+    started = s.decide(2.0)
+    assert kinds(started) == [(START, "wide")] and len(started[0].gpus) == 6
+
+
+def test_a_gang_job_that_fits_on_one_node_gets_one_node_the_fullest_that_fits():
+    s = cluster(policy=Packing())
+    s.submit(JobSpec("one", CMD), 0.0)
+    s.decide(0.0)  # node a now has one GPU free
+    s.submit(JobSpec("pair", CMD, min_gpus=2, max_gpus=2), 1.0)
+    action = s.decide(1.0)[0]
+    assert {node for node, _ in action.gpus} == {"b"}  # not a's last GPU plus one of b
+    s.submit(JobSpec("three", CMD, min_gpus=3, max_gpus=3), 2.0)
+    spread = s.decide(2.0)[0]
+    assert len({node for node, _ in spread.gpus}) == 2  # no node has 3: as few nodes as it can
+
+
+def test_a_tenant_over_quota_runs_opportunistic_and_is_upgraded_when_its_quota_frees():
+    s = cluster(quotas={"alice": 2, "bob": 4})
+    s.submit(JobSpec("a1", CMD, tenant="alice", min_gpus=2, max_gpus=2, peak_bytes=GiB // 2), 0.0)
+    s.submit(JobSpec("a2", CMD, tenant="alice", peak_bytes=GiB // 2), 0.0)
+    s.decide(0.0)
+    a1, a2 = s.find("a1"), s.find("a2")
+    assert (a1.role, a2.role) == (GUARANTEED, OPPORTUNISTIC)
+    s.ended(a1, 5.0)
+    assert kinds(s.decide(5.0)) == [(UPGRADE, "a2")]
+    assert a2.role == GUARANTEED and a2.status == RUNNING
+
+
+def test_a_guaranteed_job_evicts_an_opportunistic_one_whose_memory_does_not_fit_beside_it():
+    s = cluster(quotas={"alice": 0, "bob": 6})
+    s.submit(JobSpec("opp", CMD, tenant="alice", persistent_bytes=GiB * 3 // 4), 0.0)
+    s.decide(0.0)
+    opp = s.find("opp")
+    assert opp.role == OPPORTUNISTIC
+    s.submit(JobSpec("big", CMD, tenant="bob", min_gpus=6, max_gpus=6, persistent_bytes=GiB * 3 // 4), 1.0)
+    assert kinds(s.decide(1.0)) == [(SUSPEND, "opp")]
+    assert opp.status == STOPPING and s.find("big").status == WAITING
+    s.stopped(opp, 2.0)
+    assert opp.status == SUSPENDED and opp.node == "a"
+    assert kinds(s.decide(2.0)) == [(START, "big")]
+    s.ended(s.find("big"), 3.0)
+    resumed = s.decide(3.0)
+    assert kinds(resumed) == [(RESUME, "opp")] and resumed[0].gpus[0][0] == "a"  # where its memory is
+
+
+def test_allox_matching_gives_the_fast_gpu_to_the_job_that_gains_most_from_it():
+    jobs = [JobView(1, speeds={"fast": 1.0, "slow": 0.9}, remaining_s=100),
+            JobView(2, speeds={"fast": 1.0, "slow": 0.2}, remaining_s=100)]
+    assert match(jobs, {"fast": 1, "slow": 1}) == {1: "slow", 2: "fast"}
+    s = cluster(nodes=(("a", 1, "fast"), ("c", 1, "slow")))
+    for name, slow in (("insensitive", 0.9), ("sensitive", 0.2)):
+        s.submit(JobSpec(name, CMD, speeds={"fast": 1.0, "slow": slow}), 0.0)
+    placed = {a.job.name: a.gpus[0][0] for a in s.decide(0.0)}
+    assert placed == {"insensitive": "c", "sensitive": "a"}
+
+
+def test_matching_puts_short_jobs_first_and_respects_a_type_the_user_asked_for():
+    jobs = [JobView(1, remaining_s=10, gpu_type="slow"), JobView(2, remaining_s=10), JobView(3, remaining_s=1000)]
+    types = match(jobs, {"fast": 1, "slow": 1})
+    assert types[1] == "slow"
+    assert types == {1: "slow", 2: "fast", 3: "fast"} or types == {1: "slow", 2: "fast", 3: "slow"}
+
+
+def test_an_elastic_job_grows_into_idle_gpus_and_shrinks_for_a_waiting_job_keeping_its_first_worker():
+    s = cluster(policy=Packing())
+    s.submit(JobSpec("elastic", CMD, min_gpus=1, max_gpus=4), 0.0)
+    assert kinds(s.decide(0.0)) == [(START, "elastic")]
+    grown = s.decide(1.0)
+    assert kinds(grown) == [(GROW, "elastic")]
+    job = s.find("elastic")
+    first = job.gpus[0]
+    assert len(job.gpus) == 4 and {n for n, _ in job.gpus[:2]} == {first[0]}  # its own node first
+    s.submit(JobSpec("wide", CMD, min_gpus=4, max_gpus=4), 2.0)
+    shrunk = s.decide(2.0)
+    assert kinds(shrunk) == [(SHRINK, "elastic")] and len(shrunk[0].gpus) == 2
+    assert job.gpus[0] == first and len(job.gpus) == 2
+    assert s.decide(2.5) == []  # the leaving workers still hold their GPUs
+    s.workers_left(job, shrunk[0].gpus)
+    assert kinds(s.decide(3.0)) == [(START, "wide")]
+
+
+def test_a_lost_node_leaves_its_jobs_alone_and_the_rest_is_scheduled_until_it_rejoins():
+    s = cluster(policy=Fifo())
+    s.submit(JobSpec("on_c", CMD, gpu_type="slow", min_gpus=2, max_gpus=2), 0.0)
+    s.decide(0.0)
+    gpus_c = s.nodes["c"]
+    assert s.node_lost("c")
+    s.submit(JobSpec("later", CMD, min_gpus=4, max_gpus=4), 1.0)
+    assert kinds(s.decide(1.0)) == [(START, "later")]
+    assert s.find("on_c").status == RUNNING
+    assert s.node_reported("c", gpus_c)
+    assert s.status()["nodes"][2]["live"]
+
+
+def test_cluster_simulation_runs_every_policy_on_the_trace_and_its_cluster_with_slow_nodes():
+    shape = read_cluster("benchmarks/traces/jobs/tiresias_cluster_n32g4.csv", slow_nodes=16)
+    assert (shape.nodes, shape.gpus_per_node, shape.gpu_count) == (32, 4, 128)
+    assert [g.gpu_type for g in shape.gpus()[::4]][:4] == ["fast", "slow", "fast", "slow"]
+    trace = read_trace("benchmarks/traces/jobs/tiresias_60_job.csv")
+    config = SimulationConfig(gpu_count=128, gpus=shape.gpus(), speed=relative_speed)
+    blind = simulate(trace, make_policy("fifo"), config).summary()
+    allox = simulate(trace, TypeMatching(make_policy("fifo")), config).summary()
+    assert blind["jobs"] == allox["jobs"] == 60
+    assert allox["avg_jct_s"] < blind["avg_jct_s"]
+
+
+def test_a_slow_gpu_stretches_a_jobs_run_time_by_its_speed():
+    job = TraceJob(job_id=1, num_gpus=1, submit_time=0.0, iterations=10, model_name="vgg16", duration_s=100.0,
+                   persistent_bytes=0, peak_bytes=0)
+    shape = ClusterShape(nodes=1, gpus_per_node=1, slow_nodes=1)
+    config = SimulationConfig(gpu_count=1, gpus=shape.gpus(), speed=relative_speed)
+    result = simulate([job], Fifo(), config)
+    assert result.jobs[0].jct_s == pytest.approx(100.0 / 0.30)
+
+
+def test_opportunistic_jobs_go_to_the_gpus_with_the_most_spare_compute_then_memory_as_measured():
+    s = cluster(policy=Packing(), nodes=())
+    s.node_reported("a", [Gpu("a", 0, "a0", "fast", GiB, free_bytes=GiB // 8), Gpu("a", 1, "a1", "fast", GiB,
+                                                                                   free_bytes=GiB // 2)])
+    s.submit(JobSpec("roomy", CMD, role=OPPORTUNISTIC), 0.0)
+    assert s.decide(0.0)[0].gpus == (("a", 1),)  # both idle: the one with more free memory
+    s.ended(s.find("roomy"), 1.0)
+    for i in (0, 1):
+        s.submit(JobSpec(f"g{i}", CMD), 1.0)
+    s.decide(1.0)
+    on = {s.find(f"g{i}").gpus[0]: f"g{i}" for i in (0, 1)}
+    s.node_reported("a", [Gpu("a", 0, "a0", "fast", GiB, free_bytes=GiB // 2, utilization=0.9),
+                          Gpu("a", 1, "a1", "fast", GiB, free_bytes=GiB // 2, utilization=0.3)])
+    s.submit(JobSpec("packed", CMD, role=OPPORTUNISTIC), 2.0)
+    action = s.decide(2.0)[0]
+    assert action.gpus == (("a", 1),) and action.job.share == pytest.approx(0.7)  # the idler guaranteed job
+    assert on[("a", 1)] in ("g0", "g1")
