@@ -53,6 +53,7 @@ class Node:
         self.socket = os.path.join(self.directory, "c.sock")
         self.args = ["--gpu-memory", gpu_memory, "--headroom", headroom, *extra_args]
         self.coordinator = None
+        self.coordinators = []  # every one started: close() stops those a test replaced too
         self.jobs = []
         self.log = open(os.path.join(self.directory, "coordinator.log"), "ab")
 
@@ -63,6 +64,7 @@ class Node:
             [*prefix, sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", self.socket, *self.args],
             env={**child_env(), **(env or {})}, stdout=self.log, stderr=self.log,
         )
+        self.coordinators.append(self.coordinator)
         if wait:
             assert wait_until(self.answers, timeout=10), "the coordinator did not start: " + self.read_log()
         return self.coordinator
@@ -128,9 +130,10 @@ class Node:
     def close(self):
         for job in self.jobs:
             job.kill()
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            self.coordinator.send_signal(signal.SIGKILL)
-            self.coordinator.wait()
+        for coordinator in self.coordinators:
+            if coordinator.poll() is None:
+                coordinator.send_signal(signal.SIGKILL)
+                coordinator.wait()
         for name in self.blocks():
             try:
                 os.unlink(os.path.join("/dev/shm", name))

@@ -533,7 +533,7 @@ def _small_dev_shm_prefix():
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return None
     script = ("mount --make-rprivate / && mount -t tmpfs -o size=64k tmpfs /dev/shm && "
-              "(head -c 1M /dev/zero > /dev/shm/filler 2>/dev/null; exec \"$@\")")
+              "{ head -c 1M /dev/zero > /dev/shm/filler 2>/dev/null; exec \"$@\"; }")  # no subshell: the command is the pid
     probe = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", "true"], capture_output=True)
     return ["unshare", "-m", "sh", "-c", script, "sh"] if probe.returncode == 0 else None
 
