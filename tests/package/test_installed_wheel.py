@@ -85,7 +85,8 @@ def test_only_torch_is_required_and_the_rest_are_extras():
     assert extras["metrics"] == {"prometheus-client"}
     assert extras["timeline"] == {"matplotlib"}
     assert extras["nvml"] == {"nvidia-ml-py"}
-    assert extras["all"] == {"prometheus-client", "matplotlib", "nvidia-ml-py"}
+    assert extras["cluster"] == {"ray", "scipy"}
+    assert extras["all"] == {"prometheus-client", "matplotlib", "nvidia-ml-py", "ray", "scipy"}
 
 
 def test_python_requirement_matches_torch():
