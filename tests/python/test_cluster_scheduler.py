@@ -14,6 +14,10 @@ from cotenant.scheduling.simulator import SimulationConfig, simulate
 from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, JobView
 from cotenant.scheduling.trace import TraceJob, read_trace
 
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
 GiB = 1 << 30
 CMD = ("true",)
 
@@ -133,10 +137,10 @@ def test_a_lost_node_leaves_its_jobs_alone_and_the_rest_is_scheduled_until_it_re
 
 
 def test_cluster_simulation_runs_every_policy_on_the_trace_and_its_cluster_with_slow_nodes():
-    shape = read_cluster("benchmarks/traces/jobs/tiresias_cluster_n32g4.csv", slow_nodes=16)
+    shape = read_cluster(str(REPO / "benchmarks/traces/jobs/tiresias_cluster_n32g4.csv"), slow_nodes=16)
     assert (shape.nodes, shape.gpus_per_node, shape.gpu_count) == (32, 4, 128)
     assert [g.gpu_type for g in shape.gpus()[::4]][:4] == ["fast", "slow", "fast", "slow"]
-    trace = read_trace("benchmarks/traces/jobs/tiresias_60_job.csv")
+    trace = read_trace(str(REPO / "benchmarks/traces/jobs/tiresias_60_job.csv"))
     config = SimulationConfig(gpu_count=128, gpus=shape.gpus(), speed=relative_speed)
     blind = simulate(trace, make_policy("fifo"), config).summary()
     allox = simulate(trace, TypeMatching(make_policy("fifo")), config).summary()

@@ -55,7 +55,8 @@ def add_cluster_command(subparsers) -> None:
         q.add_argument("--address", help="the Ray cluster (default: $RAY_ADDRESS, else the one this machine runs)")
         return q
 
-    q = with_address(sub.add_parser("up", help="start Ray (or attach to a running Ray) and the global scheduler"))
+    q = with_address(sub.add_parser("up", help="start Ray (or attach to a running Ray) and the global scheduler",
+                                        description="Start Ray (or attach to a running Ray) and the global scheduler."))
     q.add_argument("--policy", default="antman", help="the scheduling policy: antman (default), fifo, las, timeslice")
     q.add_argument("--quota", type=_quota, action="append", default=[], metavar="TENANT=GPUS",
                    help="GPUs a tenant may hold as guaranteed; beyond it its jobs run opportunistic (repeat)")
@@ -63,7 +64,8 @@ def add_cluster_command(subparsers) -> None:
                                     "default, /run/cotenant/coordinator.sock)")
     q.set_defaults(func=cmd_up)
 
-    q = with_address(sub.add_parser("submit", help="submit a job to the cluster"))
+    q = with_address(sub.add_parser("submit", help="submit a job to the cluster",
+                                        description="Submit a job to the cluster."))
     role = q.add_mutually_exclusive_group(required=True)
     role.add_argument("--guaranteed", action="store_true", help="within the tenant's quota: gang-placed, never evicted")
     role.add_argument("--opportunistic", action="store_true", help="runs on spare capacity; may be evicted")
@@ -80,7 +82,8 @@ def add_cluster_command(subparsers) -> None:
     q.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
     q.set_defaults(func=cmd_submit)
 
-    q = with_address(sub.add_parser("status", help="nodes, GPUs and jobs as the global scheduler sees them"))
+    q = with_address(sub.add_parser("status", help="nodes, GPUs and jobs as the global scheduler sees them",
+                                        description="Nodes, GPUs and jobs as the global scheduler sees them."))
     q.add_argument("--json", action="store_true", help="print the scheduler's view as JSON")
     q.set_defaults(func=cmd_status)
 
