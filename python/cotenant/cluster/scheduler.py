@@ -32,7 +32,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster.elastic import WorkerRange, resize
 from cotenant.scheduling.state import (
-    GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, GpuView, JobView, NodeState,
+    GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, GpuView, JobView, NodeState, TimeAccount,
 )
 
 FINISHED = "finished"
@@ -126,7 +126,7 @@ class ClusterScheduler:
         self.nodes: Dict[str, List[Gpu]] = {}   # live nodes and their GPUs
         self.lost: Dict[str, List[Gpu]] = {}    # nodes whose agent stopped answering
         self.next_id = 1
-        self._accounted_at: Optional[float] = None
+        self._time = TimeAccount()
 
     # --- nodes ---------------------------------------------------------------------
 
@@ -186,15 +186,7 @@ class ClusterScheduler:
     # --- accounting ----------------------------------------------------------------
 
     def advance(self, now: float) -> None:
-        if self._accounted_at is None:
-            self._accounted_at = now
-        span = max(0.0, now - self._accounted_at)
-        self._accounted_at = now
-        for job in self.jobs.values():
-            if job.status in (WAITING, SUSPENDED):
-                job.waited_s += span
-            elif job.status in (RUNNING, STOPPING):
-                job.attained_service += span * len(job.gpus) * job.share
+        self._time.advance(now, self.jobs.values(), lambda job: len(job.gpus) * job.share)
 
     # --- decisions -----------------------------------------------------------------
 

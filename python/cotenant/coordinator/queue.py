@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cotenant.scheduling.state import (
-    RUNNING, STOPPING, SUSPENDED, WAITING, JobView, NodeState, Plan,
+    RUNNING, STOPPING, SUSPENDED, WAITING, JobView, NodeState, Plan, TimeAccount,
 )
 
 ADMIT = "admit"
@@ -72,7 +72,7 @@ class JobQueue:
         self.jobs: Dict[int, QueuedJob] = {}
         self.next_ticket = 1
         self.last_plan: Optional[Plan] = None
-        self._accounted_at: Optional[float] = None
+        self._time = TimeAccount()
 
     # --- membership -----------------------------------------------------------------
 
@@ -114,16 +114,8 @@ class JobQueue:
     def advance(self, now: float, shares: Optional[Dict[int, float]] = None) -> None:
         """Accounts the time since the last call: service while running, waiting while not.
         shares: the compute share each running job actually had (default: its planned share)."""
-        if self._accounted_at is None:
-            self._accounted_at = now
-        span = max(0.0, now - self._accounted_at)
-        self._accounted_at = now
-        for job in self.jobs.values():
-            if job.status in (WAITING, SUSPENDED):
-                job.waited_s += span
-            elif job.status in (RUNNING, STOPPING):
-                share = (shares or {}).get(job.ticket, job.share)
-                job.attained_service += span * job.num_gpus * share
+        self._time.advance(now, self.jobs.values(),
+                           lambda job: job.num_gpus * (shares or {}).get(job.ticket, job.share))
 
     # --- decisions ------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ Units: seconds for times, bytes for memory (per GPU), GPU-seconds for service.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple
+from typing import Any, Callable, Iterable, Mapping, Optional, Tuple
 
 from cotenant.coordinator.policy import GUARANTEED, OPPORTUNISTIC
 
@@ -33,6 +33,27 @@ SUSPENDED = "suspended"  # ran before; its memory is on the host and it holds no
 
 ROLES = (GUARANTEED, OPPORTUNISTIC)
 
+
+
+class TimeAccount:
+    """Accounts the time between calls, for a queue of jobs: waiting time
+    while a job waits or is suspended, attained service (GPU-seconds at its
+    share) while it runs. One rule for the node's queue and the cluster's."""
+
+    def __init__(self) -> None:
+        self._at: Optional[float] = None
+
+    def advance(self, now: float, jobs: Iterable[Any], service_rate: Callable[[Any], float]) -> None:
+        """service_rate(job): GPUs times compute share of a running job."""
+        if self._at is None:
+            self._at = now
+        span = max(0.0, now - self._at)
+        self._at = now
+        for job in jobs:
+            if job.status in (WAITING, SUSPENDED):
+                job.waited_s += span
+            elif job.status in (RUNNING, STOPPING):
+                job.attained_service += span * service_rate(job)
 
 @dataclass(frozen=True)
 class JobView:
