@@ -120,9 +120,6 @@ def clean(cluster):
     ray.get(cluster.scheduler.set_quota.remote("default", 6))
 
 
-@pytest.mark.xfail(strict=False, reason="known, depends on timing: under the antman policy with no quotas a guaranteed "
-                   "gang that does not fit sometimes starts at once as opportunistic on every GPU instead of waiting "
-                   "(docs/cluster.md, Limits)")
 def test_gang_placement_is_all_or_nothing_and_prefers_one_node(clean):
     c = clean
     c.submit(spec("filler"))

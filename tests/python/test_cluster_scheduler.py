@@ -148,6 +148,29 @@ def test_cluster_simulation_runs_every_policy_on_the_trace_and_its_cluster_with_
     assert allox["avg_jct_s"] < blind["avg_jct_s"]
 
 
+def test_a_measurement_taken_before_a_placed_worker_ran_is_not_used():
+    # A guaranteed job is placed on GPU 0, then its node reports GPU 0 idle, measured before
+    # that worker was running there. Trusting it, a gang waiting for its guarantee would start
+    # opportunistically on both GPUs at full share; the job's declared load says GPU 0 is busy.
+    s = cluster(policy=Packing(), nodes=())
+    s.node_reported("a", [Gpu("a", i, f"a{i}", "fast", GiB, free_bytes=GiB, utilization=0.0,
+                              running=frozenset()) for i in (0, 1)])
+    s.submit(JobSpec("filler", CMD), 0.0)
+    assert kinds(s.decide(0.0)) == [(START, "filler")]
+    on = s.find("filler").gpus[0][1]
+    s.submit(JobSpec("gang", CMD, min_gpus=2, max_gpus=2), 1.0)
+    assert s.decide(1.0) == [] and s.find("gang").status == WAITING
+    assert s.state(1.0).gpu(on).utilization is None and s.state(1.0).gpu(1 - on).utilization == 0.0
+
+    # Once the report covers the worker, its measurement is used: it leaves 70% idle.
+    s.node_reported("a", [Gpu("a", i, f"a{i}", "fast", GiB, free_bytes=GiB // 2, utilization=0.3 if i == on else 0.0,
+                              running=frozenset({"filler-w0"} if i == on else ())) for i in (0, 1)])
+    assert s.state(2.0).gpu(on).utilization == 0.3
+    action = s.decide(2.0)[0]
+    assert (action.kind, action.job.name, action.job.role) == (START, "gang", OPPORTUNISTIC)
+    assert action.job.share == pytest.approx(0.7)
+
+
 def test_a_slow_gpu_stretches_a_jobs_run_time_by_its_speed():
     job = TraceJob(job_id=1, num_gpus=1, submit_time=0.0, iterations=10, model_name="vgg16", duration_s=100.0,
                    persistent_bytes=0, peak_bytes=0)

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster.scheduler import (
     GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
-    JobSpec,
+    JobSpec, worker_name,
 )
 from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING
 
@@ -57,10 +57,6 @@ def ray_module():
 
 def agent_name(node_id: str) -> str:
     return f"cotenant-agent-{node_id}"
-
-
-def worker_name(job: str, index: int) -> str:
-    return f"{job}-w{index}"
 
 
 # --- the node agent ------------------------------------------------------------------------
@@ -108,10 +104,12 @@ class NodeAgent:
         jobs = view["jobs"]
         used: Dict[int, int] = collections.defaultdict(int)
         busy: Dict[int, float] = collections.defaultdict(float)
+        running: Dict[int, List[str]] = collections.defaultdict(list)  # what the measurement covers
         for job in jobs:
             used[job["gpu"]] += job.get("device_bytes", 0)
             if job.get("state") == "running":
                 busy[job["gpu"]] += 1.0 if job["role"] == GUARANTEED else job.get("share", 0.0)
+                running[job["gpu"]].append(job["name"])
         utilization = {int(i): float(u) / 100 for i, u in _nvidia_smi(["index", "utilization.gpu"])}
         # The coordinator knows the node's GPUs by UUID where NVML is there: its word wins.
         uuids = {g["index"]: g["uuid"] for g in view.get("gpus", []) if g.get("uuid") and g.get("index") is not None}
@@ -120,7 +118,8 @@ class NodeAgent:
             memory = g["memory_bytes"]
             free = None if memory is None else max(0, memory - used[g["index"]])
             gpus.append({**g, "uuid": uuids.get(g["index"], g["uuid"]), "free_bytes": free,
-                         "utilization": utilization.get(g["index"], min(1.0, busy[g["index"]]))})
+                         "utilization": utilization.get(g["index"], min(1.0, busy[g["index"]])),
+                         "running": sorted(running[g["index"]])})
         workers: Dict[str, Dict[str, Any]] = {}
         for job in jobs:
             workers[job["name"]] = {"state": job["state"], "pid": job["pid"], "gpu": job["gpu"], "exit": None}
@@ -300,7 +299,8 @@ class GlobalScheduler:
             for node, report in reports.items():
                 gpus = [Gpu(node=node, index=g["index"], uuid=g["uuid"], gpu_type=g["gpu_type"],
                             memory_bytes=g["memory_bytes"], free_bytes=g["free_bytes"],
-                            utilization=g["utilization"]) for g in report["gpus"]]
+                            utilization=g["utilization"], running=frozenset(g["running"]))
+                        for g in report["gpus"]]
                 if self.core.node_reported(node, gpus):
                     self._event("node joined", node=node, gpus=len(gpus), agent_pid=report["pid"])
                 self.reports[node] = report

@@ -28,7 +28,7 @@ node's GPUs are out of every plan until its agent reports again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster.elastic import WorkerRange, resize
 from cotenant.scheduling.state import (
@@ -52,9 +52,17 @@ class Gpu:
     memory_bytes: Optional[int]
     free_bytes: Optional[int] = None
     utilization: Optional[float] = None
+    # The workers (worker_name) its agent saw running on it when it measured; None: not said.
+    # A measurement that misses a worker the scheduler placed there is stale: it is not used.
+    running: Optional[FrozenSet[str]] = None
 
 
 GpuKey = Tuple[str, int]  # (node, GPU index on that node)
+
+
+def worker_name(job: str, index: int) -> str:
+    """Worker `index` of cluster job `job`, as its node's coordinator knows it."""
+    return f"{job}-w{index}"
 
 
 @dataclass(frozen=True)
@@ -195,8 +203,20 @@ class ClusterScheduler:
 
     def state(self, now: float) -> NodeState:
         keys = self.gpu_keys()
-        gpus = tuple(GpuView(node=g.node, gpu_type=g.gpu_type, memory_bytes=g.memory_bytes, free_bytes=g.free_bytes,
-                             utilization=g.utilization) for node in sorted(self.nodes) for g in self.nodes[node])
+        placed: Dict[GpuKey, List[str]] = {}
+        for job in self.jobs.values():
+            if job.status == RUNNING:
+                for index, key in enumerate(job.gpus):
+                    placed.setdefault(key, []).append(worker_name(job.name, index))
+
+        def view(g: Gpu) -> GpuView:
+            # Measured before a worker placed on it was running there: the measurement says
+            # nothing about that worker, so the policy goes by what the jobs declare.
+            stale = g.running is not None and not set(placed.get((g.node, g.index), ())) <= g.running
+            return GpuView(node=g.node, gpu_type=g.gpu_type, memory_bytes=g.memory_bytes,
+                           free_bytes=None if stale else g.free_bytes, utilization=None if stale else g.utilization)
+
+        gpus = tuple(view(g) for node in sorted(self.nodes) for g in self.nodes[node])
         slot = {key: i for i, key in enumerate(keys)}
         views = tuple(self._view(job, slot) for job in self._schedulable())
         # Workers a shrink is stopping hold their GPUs until they have stopped: a stopping
@@ -281,7 +301,7 @@ class ClusterScheduler:
     def status(self) -> Dict[str, object]:
         nodes = []
         for node, gpus in sorted(list(self.nodes.items()) + [(n, g) for n, g in self.lost.items()]):
-            nodes.append({"node": node, "live": node in self.nodes, "gpus": [g.__dict__ for g in gpus]})
+            nodes.append({"node": node, "live": node in self.nodes, "gpus": [_gpu_status(g) for g in gpus]})
         jobs = []
         for job in sorted(self.jobs.values(), key=lambda j: j.job_id):
             jobs.append({
@@ -293,3 +313,10 @@ class ClusterScheduler:
                 "attained_gpu_s": round(job.attained_service, 3), "waited_s": round(job.waited_s, 3),
             })
         return {"nodes": nodes, "jobs": jobs, "quotas": self.quotas}
+
+
+def _gpu_status(gpu: Gpu) -> Dict[str, object]:
+    fields = dict(gpu.__dict__)
+    if gpu.running is not None:
+        fields["running"] = sorted(gpu.running)
+    return fields
