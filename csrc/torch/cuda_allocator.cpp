@@ -285,12 +285,13 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
       observers = oom_observers_;
     }
     if (!observers.empty()) {
-      AllocatorStats s = target->stats();
+      // As PyTorch's allocator calls them: the size that failed, the memory
+      // the process may use (the cap where one is set), the device's free.
+      const std::uint64_t cap = target->memory_cap();
       std::size_t total = d.backend->device_total_bytes();
+      if (cap != kNoCap) total = static_cast<std::size_t>(std::min<std::uint64_t>(cap, total));
       std::size_t free = d.backend->device_free_bytes();
-      for (auto& observer : observers) {
-        observer(device, static_cast<size_t>(s.allocated_bytes.all.current), total, free);
-      }
+      for (auto& observer : observers) observer(device, nbytes, total, free);
     }
     TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
   } catch (const Error& e) {

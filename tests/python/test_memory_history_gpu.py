@@ -153,6 +153,7 @@ def test_an_out_of_memory_observer_sees_the_history_up_to_the_oom(tmp_path):
         before = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")  # MARK-before
         seen = {}
         def observer(device, alloc, device_alloc, device_free):
+            seen["args"] = [alloc, device_alloc, device_free]
             snap = torch.cuda.memory._snapshot()
             trace = snap["device_traces"][device]
             seen["actions"] = [e["action"] for e in trace]
@@ -172,4 +173,7 @@ def test_an_out_of_memory_observer_sees_the_history_up_to_the_oom(tmp_path):
     assert "oom" in out["actions"] and "alloc" in out["actions"]
     assert out["actions"].index("alloc") < out["actions"].index("oom")
     assert out["oom_size"] == 1 << 50
+    # As PyTorch calls it: the size that failed, the memory the process may use, the free memory.
+    alloc, allowed, free = out["args"]
+    assert alloc == 1 << 50 and 0 < free <= allowed
     assert [script, line_of(script, "MARK-before")] in out["before_frames"]
