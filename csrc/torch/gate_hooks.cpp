@@ -190,6 +190,26 @@ void launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* 
   }
 }
 
+// An explicit op (a CUDA graph replay, a Triton launch) outside any ATen op
+// has enqueued its work: the same as an outermost ATen op's exit, for
+// either role. Without it an admitted explicit op stayed open until the next
+// ATen op left, and the explicit ops in between passed ungated.
+void launched_at_explicit_op_exit(void* context) {
+  if (exit_depth != 0) return;  // inside an ATen op: its exit counts
+  auto* state = static_cast<ProcessGate*>(context);
+  try {
+    if (state->activation.role == GateRole::kOpportunistic) {
+      if (!admitted_op) return;
+      admitted_op = false;
+      state->gate->launched();
+    } else if (state->busy_tracker && !state->stopping.load(std::memory_order_acquire) &&
+               !in_forked_child.load(std::memory_order_relaxed)) {
+      state->busy_tracker->on_op_launched();
+    }
+  } catch (const std::exception&) {
+  }
+}
+
 // The exit half for the guaranteed role: when a thread's outermost op
 // returns, its kernels are on the stream, and that is when the job keeps the
 // GPU busy (at op entry only the op's CPU work has started).
@@ -301,6 +321,7 @@ void activate_gate(const GateActivation& activation) {
           .needsIds(false)
           .scopes({at::RecordScope::FUNCTION}));
   if (opportunistic) raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw);
+  set_explicit_op_exit_hook(&launched_at_explicit_op_exit, raw);
   raw->pulse = std::thread(pulse_loop, raw);
 }
 
@@ -318,6 +339,7 @@ void deactivate_gate() {
     state->gate->set_share(1.0);
     state->segment->release_opportunistic(state->opportunistic_slot, pid);
   } else {
+    set_explicit_op_exit_hook(nullptr, nullptr);
     if (state->exit_callback) at::removeCallback(*state->exit_callback);
     state->exit_callback.reset();
     state->segment->release_guaranteed(pid);

@@ -70,6 +70,9 @@ void notify_drain_waiter() {
   ops_drained.notify_all();
 }
 
+std::atomic<ExplicitOpExitHook> explicit_exit_hook{nullptr};
+std::atomic<void*> explicit_exit_context{nullptr};
+
 // Entry and exit of any op, ATen's or an explicit one: only a thread's
 // outermost op runs the hooks and counts as in flight.
 void enter_op(const char* name) {
@@ -138,7 +141,19 @@ void remove_op_entry_hook(int id) {
 
 void begin_explicit_op(const char* name) { enter_op(name); }
 
-void end_explicit_op() { exit_op(); }
+void end_explicit_op() {
+  const bool outermost = op_depth == 1 && !running_hooks;
+  exit_op();
+  if (!outermost) return;
+  if (ExplicitOpExitHook hook = explicit_exit_hook.load(std::memory_order_acquire)) {
+    hook(explicit_exit_context.load(std::memory_order_acquire));
+  }
+}
+
+void set_explicit_op_exit_hook(ExplicitOpExitHook hook, void* context) {
+  explicit_exit_context.store(context, std::memory_order_release);
+  explicit_exit_hook.store(hook, std::memory_order_release);
+}
 
 std::int64_t ops_in_flight() { return outermost_ops.load(std::memory_order_acquire); }
 

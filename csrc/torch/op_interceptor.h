@@ -56,6 +56,12 @@ void remove_op_entry_hook(int id);
 void begin_explicit_op(const char* name);
 void end_explicit_op();
 
+// Called when an outermost explicit op ends (its work is enqueued), on its
+// thread; ATen ops' exits are seen through RecordFunction instead. One hook
+// per process (the launch gate's); null removes it. Must not throw.
+using ExplicitOpExitHook = void (*)(void* context);
+void set_explicit_op_exit_hook(ExplicitOpExitHook hook, void* context);
+
 // Number of outermost ops currently running in this process (all threads).
 std::int64_t ops_in_flight();
 

@@ -128,6 +128,12 @@ def test_explicit_gate_and_graph_replay_are_admitted_as_one_op():
         before = cotenant.gate.stats()["admitted_ops"]
         g.replay()
         assert cotenant.gate.stats()["admitted_ops"] == before + 1, cotenant.gate.stats()
+        # Replays back to back, no ATen op between them: each is its own admission (the
+        # first one's work is enqueued when it returns, not at the next ATen op's exit).
+        before = cotenant.gate.stats()["admitted_ops"]
+        for _ in range(3):
+            g.replay()
+        assert cotenant.gate.stats()["admitted_ops"] == before + 3, cotenant.gate.stats()
         print("ok")
     """)
     from cotenant import _core as core
