@@ -208,6 +208,64 @@ def test_an_elastic_job_scales_out_and_back_in_without_losing_its_state(clean):
     assert not os.path.exists(os.path.join(c.directory, "elastic-w0.corrupt"))
 
 
+def training_log(path):
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def latest_world(path):
+    rows = training_log(path)
+    return rows[-1]["world"] if rows else None
+
+
+def test_a_torchrun_job_re_forms_its_world_as_it_scales_out_and_in_and_resumes_from_its_checkpoint(clean):
+    c = clean
+    log, checkpoint = os.path.join(c.directory, "trainer.jsonl"), os.path.join(c.directory, "trainer.pt")
+    c.submit(spec("holder", min_gpus=5, max_gpus=5))
+    assert wait_until(lambda: c.worker("holder", 4), timeout=TIMEOUT), c.status()
+    env = {**child_env(), "COTENANT_DISABLE": "1"}  # the script registers itself, as the hook would
+    c.submit(JobSpec("trainer", (sys.executable, os.path.join(HERE, "elastic_train.py"), checkpoint, log),
+                     min_gpus=1, max_gpus=3, launcher="torchrun", env=env))
+    assert wait_until(lambda: len(training_log(log)) >= 3, timeout=TIMEOUT, interval=0.2), c.status()
+
+    ray.get(c.scheduler.cancel.remote("holder"))  # idle GPUs: two more agents join the running rendezvous
+    assert wait_until(lambda: latest_world(log) == 3, timeout=TIMEOUT, interval=0.2), \
+        (c.status(), training_log(log)[-3:])
+    assert c.job("trainer")["workers"] == 3
+    assert wait_until(lambda: all(c.worker("trainer", i) for i in range(3)), timeout=TIMEOUT), c.status()
+    grown = len(training_log(log))
+
+    c.submit(spec("needy", min_gpus=5, max_gpus=5))  # guaranteed: the trainer gives back two GPUs
+    assert wait_until(lambda: c.worker("needy", 4), timeout=TIMEOUT), c.status()
+    assert c.job("trainer")["workers"] == 1
+    assert wait_until(lambda: latest_world(log) == 1 and len(training_log(log)) > grown + 5, timeout=TIMEOUT,
+                      interval=0.2), (c.status(), training_log(log)[-3:])
+
+    rows = training_log(log)
+    worlds = [r["world"] for r in rows]
+    assert worlds[0] == 1 and worlds[-1] == 1 and 3 in worlds
+    # Every start (a rendezvous round) resumed from the checkpoint as rank 0 last saved it:
+    # no round began behind a step rank 0 had finished (and saved) before it.
+    saved = 0
+    for pid in dict.fromkeys(r["pid"] for r in rows):  # each process, in the order it first logged
+        mine = [r for r in rows if r["pid"] == pid]
+        assert mine[0]["resumed"] >= saved, (pid, mine[0], saved)
+        saved = max([saved] + [r["step"] for r in mine if r["rank"] == 0])
+    assert rows[-1]["resumed"] > 0
+    # Each restarted process registered again under its worker's name, never a stand-in.
+    assert {r["registered"] for r in rows} <= {"trainer-w0", "trainer-w1", "trainer-w2"}
+    latest = c.worker("trainer", 0)
+    assert latest["pid"] == rows[-1]["pid"]  # the process training now is the one registered
+    # Never failed, never killed, never evicted: resized only.
+    state = c.job("trainer")
+    assert state["state"] == "running" and state["evictions"] == 0
+    assert not c.events("job ended", "trainer")
+    assert len(c.events("worker left", "trainer")) == 2
+
+
 def test_a_killed_node_agent_leaves_the_rest_served_and_its_node_rejoins(clean):
     c = clean
     victim = c.nodes[2].node_id

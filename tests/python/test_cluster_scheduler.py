@@ -197,3 +197,31 @@ def test_opportunistic_jobs_go_to_the_gpus_with_the_most_spare_compute_then_memo
     action = s.decide(2.0)[0]
     assert action.gpus == (("a", 1),) and action.job.share == pytest.approx(0.7)  # the idler guaranteed job
     assert on[("a", 1)] in ("g0", "g1")
+
+
+def test_a_torchrun_worker_is_an_agent_of_the_jobs_rendezvous_whose_child_is_cotenant_run():
+    run = pytest.importorskip("torch.distributed.run")
+    from cotenant.cluster import torchrun
+
+    child = ["python3", "-m", "cotenant.cli", "run", "--guaranteed", "--device", "1", "--name", "t-w2", "--",
+             "python3", "train.py", "--lr", "0.1"]
+    argv = torchrun.agent_command(child, min_nodes=1, max_nodes=3, endpoint="10.0.0.5:29411", rdzv_id="t-7",
+                                  hosts_store=False, local_addr="10.0.0.6")
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    args = run.parse_args(argv[3:])  # torch's own parser: every option is one it knows
+    assert run.parse_min_max_nnodes(args.nnodes) == (1, 3) and args.nproc_per_node == "1"
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "10.0.0.5:29411", "t-7")
+    assert args.no_python and [args.training_script, *args.training_script_args] == child
+    assert args.local_addr == "10.0.0.6" and args.max_restarts == torchrun.MAX_RESTARTS
+    conf = dict(pair.split("=") for pair in args.rdzv_conf.split(","))
+    assert conf["is_host"] == "0" and float(conf["last_call_timeout"]) == torchrun.LAST_CALL_S
+    host = torchrun.agent_command(child, min_nodes=1, max_nodes=3, endpoint="10.0.0.5:29411", rdzv_id="t-7",
+                                  hosts_store=True, local_addr="10.0.0.5")
+    assert "is_host=1" in [a for a in host if a.startswith("--rdzv-conf=")][0]
+    assert torchrun.agent_env() == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def test_a_job_names_a_launcher_it_has():
+    assert JobSpec("t", CMD, min_gpus=1, max_gpus=3, launcher="torchrun").launcher == "torchrun"
+    with pytest.raises(ValueError, match="launcher is one of plain, torchrun"):
+        JobSpec("t", CMD, launcher="mpirun")

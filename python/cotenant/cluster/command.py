@@ -11,6 +11,8 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from cotenant.cluster.torchrun import LAUNCHERS, PLAIN
+
 EXIT_USAGE = 2
 
 
@@ -79,6 +81,10 @@ def add_cluster_command(subparsers) -> None:
     q.add_argument("--persistent", help="memory each worker holds for life, e.g. 10GiB")
     q.add_argument("--peak", help="each worker's peak memory, e.g. 30GiB")
     q.add_argument("--name", help="the job's name (default: the program's name and a number)")
+    q.add_argument("--launcher", choices=LAUNCHERS, default=PLAIN,
+                   help="plain (default): each worker runs the command, told its RANK and WORLD_SIZE at start; "
+                        "torchrun: each worker is a torchrun agent of one elastic rendezvous, and a resize "
+                        "restarts the command on every worker with the new world (it resumes from its checkpoint)")
     q.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
     q.set_defaults(func=cmd_submit)
 
@@ -189,7 +195,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                    max_gpus=args.gpus[1], gpu_type=args.gpu_type,
                    role="guaranteed" if args.guaranteed else "opportunistic", speeds=dict(args.speed),
                    persistent_bytes=sizes.get("persistent", 0), peak_bytes=sizes.get("peak", 0),
-                   env={"PWD": os.getcwd()})
+                   env={"PWD": os.getcwd()}, launcher=args.launcher)
     ray, scheduler = _scheduler(args.address)
     submitted = ray.get(scheduler.submit.remote([spec]))[0]
     print(f"{submitted['name']}: submitted as job {submitted['job_id']}")

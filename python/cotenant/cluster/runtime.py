@@ -17,8 +17,11 @@
                    again (after `agent_restart_s`) when it has died.
 
 Workers: a job of n GPUs has n workers, worker i on the i-th of its GPUs,
-named `<job>-w<i>` at the node's coordinator; each gets RANK, WORLD_SIZE,
-LOCAL_RANK and COTENANT_CLUSTER_JOB in its environment.
+named `<job>-w<i>` at the node's coordinator; each gets COTENANT_CLUSTER_JOB
+in its environment, and RANK, WORLD_SIZE and LOCAL_RANK as of its start. A job
+launched through torchrun (cluster/torchrun.py) has a torchrun agent as each
+worker, whose child is the job at the coordinator; torchrun sets the ranks, and
+sets them again in every rendezvous round.
 
 Nodes declare their GPUs to Ray as usual (`ray start --num-gpus N`), and may
 label their type and memory where nvidia-smi cannot tell:
@@ -36,6 +39,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from cotenant.cluster import torchrun
 from cotenant.cluster.scheduler import (
     GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
     JobSpec, worker_name,
@@ -47,6 +51,7 @@ SCHEDULER_NAME = "cotenant-scheduler"
 LABEL_GPU_TYPE = "cotenant.io/gpu-type"
 LABEL_GPU_MEMORY = "cotenant.io/gpu-memory"
 NODE_ID_LABEL = "ray.io/node-id"
+STOP_GRACE_S = 5.0  # a stopped worker's SIGTERM, then SIGKILL
 
 
 def ray_module():
@@ -131,12 +136,27 @@ class NodeAgent:
         return {"node": self.node_id, "pid": os.getpid(), "coordinator": coordinator, "gpus": gpus,
                 "workers": workers}
 
-    def start(self, worker: str, command: Sequence[str], gpu: int, role: str, env: Mapping[str, str]) -> int:
+    def address(self) -> str:
+        """This node's address, as Ray knows it."""
+        return ray_module().util.get_node_ip_address()
+
+    def rendezvous_endpoint(self) -> str:
+        """host:port for a torchrun job's rendezvous store, hosted by its worker 0 here."""
+        return torchrun.free_endpoint(self.address())
+
+    def start(self, worker: str, command: Sequence[str], gpu: int, role: str, env: Mapping[str, str],
+              rendezvous: Optional[Mapping[str, Any]] = None) -> int:
+        """Starts `cotenant run ... -- command`; with `rendezvous` (torchrun.agent_command's options), a
+        torchrun agent whose child that is."""
         argv = [sys.executable, "-m", "cotenant.cli", "run", f"--{role}", "--device", str(gpu), "--name", worker]
         if self.socket:
             argv += ["--socket", self.socket]
+        argv += ["--", *command]
+        if rendezvous is not None:
+            argv = torchrun.agent_command(argv, local_addr=self.address(), **rendezvous)
+            env = {**env, **torchrun.agent_env()}
         log = open(os.path.join(self.log_dir, f"{worker}.log"), "ab")
-        process = subprocess.Popen(argv + ["--", *command], env={**os.environ, **env}, stdout=log,
+        process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.workers[worker] = process
@@ -160,18 +180,44 @@ class NodeAgent:
         client.set_cap(worker, None, self.socket)
 
     def stop(self, worker: str, pid: Optional[int] = None) -> None:
+        """SIGTERM to the worker's process group; SIGKILL to it and its children's groups (a torchrun
+        agent's child leads its own) after STOP_GRACE_S, on a thread: the agent goes on reporting."""
         process = self.workers.pop(worker, None)
         target = process.pid if process is not None else pid
-        if target:
-            try:
-                os.killpg(target, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if not target:
+            return
+        children = _children(target)
+        _signal_groups([target], signal.SIGTERM)
         if process is not None:
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+            threading.Thread(target=_reap, args=(process, [target, *children]), daemon=True,
+                             name=f"stop-{worker}").start()
+
+
+def _children(pid: int) -> List[int]:
+    found: List[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _signal_groups(groups: Sequence[int], sig: int) -> None:
+    for group in groups:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _reap(process: subprocess.Popen, groups: Sequence[int]) -> None:
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _signal_groups(groups, signal.SIGKILL)
+        process.wait()
 
 
 def _nvidia_smi(fields: Sequence[str]) -> List[Tuple[str, ...]]:
@@ -206,6 +252,7 @@ class GlobalScheduler:
         self.agent_died_at: Dict[str, float] = {}
         self.reports: Dict[str, Dict[str, Any]] = {}
         self.groups: Dict[int, Any] = {}      # job_id -> its placement group
+        self.rendezvous: Dict[int, str] = {}  # job_id -> a torchrun job's rendezvous endpoint (host:port)
         self.leaving: Dict[int, Dict[str, Tuple[GpuKey, bool]]] = {}  # shrink: worker -> (GPU, suspend sent)
         self.events: collections.deque = collections.deque(maxlen=1000)
         self.lock = threading.RLock()
@@ -234,6 +281,7 @@ class GlobalScheduler:
             self._stop_workers(job)
             self.core.ended(job, self._now(), reason="cancelled")
             self._release_group(job)
+            self.rendezvous.pop(job.job_id, None)
             self._event("job cancelled", job=job.name)
             return {"job": job.name, "state": job.status}
 
@@ -349,6 +397,7 @@ class GlobalScheduler:
             if all(s["state"] in ("exited", "gone") for s in states):
                 codes = [s["exit"] for s in states if s["exit"] not in (None, 0)]
                 self._release_group(job)
+                self.rendezvous.pop(job.job_id, None)
                 self.core.ended(job, now, failed=bool(codes), reason=f"exit status {codes[0]}" if codes else "")
                 self._event("job ended", job=job.name, state=job.status, reason=job.reason)
             elif job.status == STOPPING and all(s["state"] == "suspended" for s in states):
@@ -400,7 +449,11 @@ class GlobalScheduler:
             for i, key in enumerate(action.gpus):
                 worker = worker_name(job.name, first + i)
                 leaving[worker] = (key, True)
-                self.agents[key[0]].command.remote(worker, "suspend")  # at its next iteration boundary
+                if job.spec.launcher == torchrun.TORCHRUN:
+                    # Its agent stops its child and leaves; the staying agents re-form without it.
+                    self.agents[key[0]].stop.remote(worker)
+                else:
+                    self.agents[key[0]].command.remote(worker, "suspend")  # at its next iteration boundary
             self._event("job shrinking", job=job.name, workers=len(job.gpus))
 
     def _reserve(self, job: ClusterJob, gpus: Sequence[GpuKey], ray) -> bool:
@@ -432,14 +485,26 @@ class GlobalScheduler:
     def _start_workers(self, job: ClusterJob, workers: Sequence[Tuple[int, GpuKey]], ray) -> None:
         world = len(job.gpus)
         local: Dict[str, int] = collections.Counter()
+        rendezvous = self._rendezvous(job, ray) if job.spec.launcher == torchrun.TORCHRUN else None
         calls = []
         for index, (node, gpu) in workers:
-            env = {**job.spec.env, "RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local[node]),
-                   "COTENANT_CLUSTER_JOB": job.name}
+            env = {**job.spec.env, "COTENANT_CLUSTER_JOB": job.name}
+            options = None
+            if rendezvous is None:
+                env.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(local[node]))
+            else:  # torchrun sets the ranks, in every round
+                options = {**rendezvous, "hosts_store": index == 0}
             local[node] += 1
             calls.append(self.agents[node].start.remote(worker_name(job.name, index), list(job.spec.command), gpu,
-                                                        job.role or job.spec.role, env))
+                                                        job.role or job.spec.role, env, options))
         ray.get(calls)
+
+    def _rendezvous(self, job: ClusterJob, ray) -> Dict[str, Any]:
+        """A torchrun job's rendezvous: its store on worker 0's node, on a port chosen at its start."""
+        if job.job_id not in self.rendezvous:
+            self.rendezvous[job.job_id] = ray.get(self.agents[job.gpus[0][0]].rendezvous_endpoint.remote())
+        return {"min_nodes": job.spec.min_gpus, "max_nodes": job.spec.max_gpus,
+                "endpoint": self.rendezvous[job.job_id], "rdzv_id": torchrun.run_id(job.name, job.job_id)}
 
     def _each_worker(self, job: ClusterJob, call) -> None:
         for i, (node, _) in enumerate(job.gpus):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster.elastic import WorkerRange, resize
+from cotenant.cluster.torchrun import LAUNCHERS, PLAIN
 from cotenant.scheduling.state import (
     GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, GpuView, JobView, NodeState, TimeAccount,
 )
@@ -80,9 +81,14 @@ class JobSpec:
     persistent_bytes: int = 0         # per GPU
     peak_bytes: int = 0               # per GPU
     env: Mapping[str, str] = field(default_factory=dict)
+    # plain: each worker is the command, told its RANK and WORLD_SIZE at start;
+    # torchrun: each worker is a torchrun agent of one elastic rendezvous (cluster/torchrun.py)
+    launcher: str = PLAIN
 
     def __post_init__(self) -> None:
         WorkerRange(self.min_gpus, self.max_gpus)  # checks the range
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"a job's launcher is one of {', '.join(LAUNCHERS)}, not {self.launcher!r}")
         if self.role not in (GUARANTEED, OPPORTUNISTIC):
             raise ValueError(f"a job's role is guaranteed or opportunistic, not {self.role!r}")
         if not self.command:
@@ -309,6 +315,7 @@ class ClusterScheduler:
                 "role": job.role or job.spec.role, "asked_role": job.spec.role,
                 "gpus": [list(g) for g in job.gpus], "workers": len(job.gpus),
                 "range": [job.spec.min_gpus, job.spec.max_gpus], "gpu_type": job.spec.gpu_type,
+                "launcher": job.spec.launcher,
                 "node": job.node, "evictions": job.evictions, "reason": job.reason,
                 "attained_gpu_s": round(job.attained_service, 3), "waited_s": round(job.waited_s, 3),
             })
