@@ -6,7 +6,8 @@ Nothing in it knows about resizing: torchrun restarts it with a new world.
     elastic_train.py CHECKPOINT LOG [--steps N] [--step-s S]
 
 Each rank appends one JSON line per step to LOG: step, rank, world, pid, the step it resumed
-from, torchrun's restart count, and the name it registered at its node's coordinator.
+from, torchrun's restart count, the name it registered at its node's coordinator, and the
+time (seconds since the epoch).
 """
 
 import argparse
@@ -67,7 +68,8 @@ def main():
         if rank == 0:
             save(args.checkpoint, model, optimizer, step)
         line = {"step": step, "rank": rank, "world": world, "pid": os.getpid(), "resumed": resumed,
-                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "registered": registered}
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "registered": registered,
+                "t": time.time()}
         with open(args.log, "a") as f:
             f.write(json.dumps(line) + "\n")
         time.sleep(args.step_s)
