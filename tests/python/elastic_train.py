@@ -6,8 +6,8 @@ Nothing in it knows about resizing: torchrun restarts it with a new world.
     elastic_train.py CHECKPOINT LOG [--steps N] [--step-s S]
 
 Each rank appends one JSON line per step to LOG: step, rank, world, pid, the step it resumed
-from, torchrun's restart count, the name it registered at its node's coordinator, and the
-time (seconds since the epoch).
+from and when it had loaded it, torchrun's restart count, the name it registered at its
+node's coordinator, and the time (seconds since the epoch).
 """
 
 import argparse
@@ -57,8 +57,8 @@ def main():
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-    resumed = step
-    ddp = DistributedDataParallel(model)
+    resumed, loaded_at = step, time.time()
+    ddp = DistributedDataParallel(model)  # a collective: no rank trains (and saves) before every rank has loaded
     while not args.steps or step < args.steps:
         loss = ddp(torch.randn(16, 8)).pow(2).mean()
         optimizer.zero_grad()
@@ -68,8 +68,8 @@ def main():
         if rank == 0:
             save(args.checkpoint, model, optimizer, step)
         line = {"step": step, "rank": rank, "world": world, "pid": os.getpid(), "resumed": resumed,
-                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "registered": registered,
-                "t": time.time()}
+                "loaded_at": loaded_at, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                "registered": registered, "t": time.time()}
         with open(args.log, "a") as f:
             f.write(json.dumps(line) + "\n")
         time.sleep(args.step_s)
