@@ -123,6 +123,23 @@ def test_an_elastic_job_grows_into_idle_gpus_and_shrinks_for_a_waiting_job_keepi
     assert kinds(s.decide(3.0)) == [(START, "wide")]
 
 
+def test_an_elastic_job_evicted_while_grown_resumes_with_every_worker_it_suspended():
+    s = cluster(quotas={"alice": 0, "bob": 6}, nodes=(("a", 2, "fast"), ("b", 2, "fast")))
+    s.submit(JobSpec("elastic", CMD, tenant="alice", min_gpus=1, max_gpus=2, persistent_bytes=GiB * 3 // 4), 0.0)
+    s.decide(0.0)
+    assert kinds(s.decide(1.0)) == [(GROW, "elastic")]
+    job = s.find("elastic")
+    assert len(job.gpus) == 2 and job.role == OPPORTUNISTIC
+    s.submit(JobSpec("big", CMD, tenant="bob", min_gpus=4, max_gpus=4, persistent_bytes=GiB * 3 // 4), 2.0)
+    assert kinds(s.decide(2.0)) == [(SUSPEND, "elastic")]
+    s.stopped(job, 3.0)
+    assert kinds(s.decide(3.0)) == [(START, "big")]
+    s.ended(s.find("big"), 4.0)
+    resumed = s.decide(4.0)
+    assert kinds(resumed) == [(RESUME, "elastic")]
+    assert len(resumed[0].gpus) == 2 and {node for node, _ in resumed[0].gpus} == {job.node}
+
+
 def test_a_lost_node_leaves_its_jobs_alone_and_the_rest_is_scheduled_until_it_rejoins():
     s = cluster(policy=Fifo())
     s.submit(JobSpec("on_c", CMD, gpu_type="slow", min_gpus=2, max_gpus=2), 0.0)

@@ -119,6 +119,7 @@ class ClusterJob:
     stopping: Tuple[GpuKey, ...] = ()  # workers leaving (shrink), holding their GPUs until they stop
     evictions: int = 0
     reason: str = ""
+    suspended_width: int = 0          # workers a suspended job has: it resumes with all of them
 
     @property
     def name(self) -> str:
@@ -187,6 +188,7 @@ class ClusterScheduler:
         if job.status == STOPPING:
             self.advance(now)
             job.node = job.gpus[0][0] if job.gpus else None
+            job.suspended_width = len(job.gpus)
             job.status, job.gpus, job.role, job.last_stopped_at = SUSPENDED, (), None, now
 
     def workers_left(self, job: ClusterJob, gpus: Sequence[GpuKey]) -> None:
@@ -244,8 +246,12 @@ class ClusterScheduler:
     def _view(self, job: ClusterJob, slot: Dict[GpuKey, int]) -> JobView:
         s = job.spec
         running = job.status in (RUNNING, STOPPING)
+        # An elastic job suspended while wider than its minimum comes back as wide: every one of its
+        # workers is suspended and waits to be resumed.
+        width = len(job.gpus) if running else (job.suspended_width or s.min_gpus) if job.status == SUSPENDED \
+            else s.min_gpus
         return JobView(
-            job_id=job.job_id, num_gpus=len(job.gpus) if running else s.min_gpus, submit_time=job.submitted_at,
+            job_id=job.job_id, num_gpus=width, submit_time=job.submitted_at,
             persistent_bytes=s.persistent_bytes, peak_bytes=max(s.peak_bytes, s.persistent_bytes),
             role=OPPORTUNISTIC if s.role == OPPORTUNISTIC else None, status=job.status,
             gpus=tuple(slot[g] for g in job.gpus), share=job.share, running_role=job.role,
