@@ -193,3 +193,28 @@ def test_queue_suspends_holds_gpus_until_stopped_then_resumes():
     queue.remove(b.ticket)
     assert [(x.kind, x.job.name) for x in queue.decide(3.0, [0], None)] == [(RESUME, "a")]
     assert a.attained_service == pytest.approx(2.2)  # it computes until it has stopped, at 2.2
+
+
+def test_a_suspended_job_resumes_on_the_gpu_its_process_stays_on():
+    # Two GPUs: a runs on GPU 1, is suspended for b, and GPU 0 frees up first. a's process
+    # (and its CUDA context) is on GPU 1: it resumes only when GPU 1 is free, and there.
+    queue = JobQueue(DiscretizedLas(thresholds_gpu_s=(1.0,), starvation_factor=0))
+    filler = queue.submit(0.0, "filler", pid=9, uid=0)
+    a = queue.submit(0.0, "a", pid=10, uid=0)
+    queue.decide(0.0, [0, 1], None)
+    assert filler.gpus == (0,) and a.gpus == (1,)
+    queue.advance(2.0)  # both past the threshold; the newcomer preempts the later one
+    b = queue.submit(2.0, "b", pid=11, uid=0)
+    suspended = [x.job.name for x in queue.decide(2.0, [0, 1], None) if x.kind == SUSPEND]
+    victim = a if suspended == ["a"] else filler
+    held = victim.gpus
+    queue.stopped(victim.ticket, 2.2)
+    queue.decide(2.2, [0, 1], None)
+    assert b.gpus == held
+    other = filler if victim is a else a
+    queue.remove(other.ticket)  # the victim's GPU is still b's: it waits
+    assert [(x.kind, x.job.name) for x in queue.decide(3.0, [0, 1], None)] == []
+    queue.remove(b.ticket)
+    assert [(x.kind, x.job.name) for x in queue.decide(4.0, [0, 1], None)] == [(RESUME, victim.name)]
+    assert victim.gpus == held
+

@@ -12,8 +12,9 @@ the runtime must do:
            through a Ray placement group first, all or nothing)
   suspend  an opportunistic job is evicted: its workers suspend at their
            iteration boundary (memory to the host) and it waits again, bound
-           to the node that holds its memory
-  resume   a suspended job comes back on that node
+           to the GPUs its workers stay on (their memory is in that node's
+           host memory)
+  resume   a suspended job comes back on those GPUs, with all its workers
   upgrade  an opportunistic job becomes guaranteed where it runs (its tenant's
            quota freed up)
   grow / shrink   an elastic job gains or gives back workers
@@ -119,7 +120,7 @@ class ClusterJob:
     stopping: Tuple[GpuKey, ...] = ()  # workers leaving (shrink), holding their GPUs until they stop
     evictions: int = 0
     reason: str = ""
-    suspended_width: int = 0          # workers a suspended job has: it resumes with all of them
+    suspended_on: Tuple[GpuKey, ...] = ()  # a suspended job's workers stay on these GPUs: it resumes there
 
     @property
     def name(self) -> str:
@@ -188,7 +189,7 @@ class ClusterScheduler:
         if job.status == STOPPING:
             self.advance(now)
             job.node = job.gpus[0][0] if job.gpus else None
-            job.suspended_width = len(job.gpus)
+            job.suspended_on = job.gpus
             job.status, job.gpus, job.role, job.last_stopped_at = SUSPENDED, (), None, now
 
     def workers_left(self, job: ClusterJob, gpus: Sequence[GpuKey]) -> None:
@@ -241,15 +242,16 @@ class ClusterScheduler:
         live = set(self.nodes)
         return [j for j in self.jobs.values() if j.status not in (FINISHED, FAILED)
                 and all(node in live for node, _ in j.gpus + j.stopping)
-                and (j.status != SUSPENDED or j.node in live or j.node is None)]
+                and (j.status != SUSPENDED or (j.node in live or j.node is None)
+                     and all(node in live for node, _ in j.suspended_on))]
 
     def _view(self, job: ClusterJob, slot: Dict[GpuKey, int]) -> JobView:
         s = job.spec
         running = job.status in (RUNNING, STOPPING)
-        # An elastic job suspended while wider than its minimum comes back as wide: every one of its
-        # workers is suspended and waits to be resumed.
-        width = len(job.gpus) if running else (job.suspended_width or s.min_gpus) if job.status == SUSPENDED \
-            else s.min_gpus
+        # A suspended job comes back on the GPUs its workers stay on (their memory is in that node's
+        # host memory, their processes on those devices), with all of them: an elastic job too.
+        bound = job.suspended_on if job.status == SUSPENDED else ()
+        width = len(job.gpus) if running else len(bound) or s.min_gpus
         return JobView(
             job_id=job.job_id, num_gpus=width, submit_time=job.submitted_at,
             persistent_bytes=s.persistent_bytes, peak_bytes=max(s.peak_bytes, s.persistent_bytes),
@@ -258,7 +260,8 @@ class ClusterScheduler:
             attained_service=job.attained_service, first_started_at=job.first_started_at,
             last_started_at=job.last_started_at, last_stopped_at=job.last_stopped_at, waited_s=job.waited_s,
             marks=dict(job.marks), tenant=s.tenant if s.role == GUARANTEED else None, gpu_type=s.gpu_type,
-            node=job.node if job.status == SUSPENDED else None, speeds=dict(s.speeds),
+            node=job.node if job.status == SUSPENDED and not bound else None, speeds=dict(s.speeds),
+            bound_gpus=tuple(slot.get(g, -1) for g in bound),
         )
 
     def decide(self, now: float) -> List[Action]:
@@ -286,6 +289,8 @@ class ClusterScheduler:
             gpus = tuple(keys[i] for i in placement.gpus)
             if job.status in (WAITING, SUSPENDED):
                 kind = START if job.status == WAITING else RESUME
+                if kind == RESUME and sorted(gpus) == sorted(job.suspended_on):
+                    gpus = job.suspended_on  # worker i where it was
                 job.status, job.gpus, job.last_started_at = RUNNING, gpus, now
                 job.role, job.share = placement.role, placement.share
                 if job.first_started_at is None:

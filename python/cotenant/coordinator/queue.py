@@ -57,6 +57,7 @@ class QueuedJob:
     marks: Dict[str, float] = field(default_factory=dict)
     refused: str = ""
     suspensions: int = 0
+    suspended_on: Tuple[int, ...] = ()  # the GPUs a suspended job's process stays on: it resumes there
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class JobQueue:
         job = self.jobs.get(ticket)
         if job is not None and job.status == STOPPING:
             self.advance(now)
+            job.suspended_on = job.gpus
             job.status, job.gpus, job.running_role, job.last_stopped_at = SUSPENDED, (), None, now
 
     # --- accounting -----------------------------------------------------------------
@@ -161,6 +163,7 @@ class JobQueue:
             attained_service=job.attained_service, first_started_at=job.first_started_at,
             last_started_at=job.last_started_at, last_stopped_at=job.last_stopped_at, waited_s=job.waited_s,
             marks=dict(job.marks),
+            bound_gpus=tuple(slot.get(g, -1) for g in job.suspended_on) if job.status == SUSPENDED else (),
         )
 
     def wake_at(self) -> Optional[float]:

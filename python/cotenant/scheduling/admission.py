@@ -104,7 +104,8 @@ class GpuBook:
     def allowed(self, gpu: int, job: JobView) -> bool:
         """Whether the job's GPU type and node bindings let it run on `gpu`."""
         view = self.views[gpu]
-        return (job.gpu_type is None or view.gpu_type == job.gpu_type) and (job.node is None or view.node == job.node)
+        return (job.gpu_type is None or view.gpu_type == job.gpu_type) and (job.node is None or view.node == job.node) \
+            and (not job.bound_gpus or gpu in job.bound_gpus)
 
     def measured_spare_bytes(self, gpu: int) -> int:
         """Free memory on `gpu` as its node's agent measured it; 0 where nothing was measured."""

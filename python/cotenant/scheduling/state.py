@@ -79,6 +79,7 @@ class JobView:
     tenant: Optional[str] = None    # whose quota a guaranteed run counts against (None: no quota applies)
     gpu_type: Optional[str] = None  # runs only on GPUs of this type (None: any)
     node: Optional[str] = None      # runs only on this node (a suspended job's memory is in its host memory)
+    bound_gpus: Tuple[int, ...] = ()  # resumes only on these (a suspended job's processes stay on their GPUs)
     speeds: Mapping[str, float] = field(default_factory=dict)  # relative throughput per GPU type (AlloX)
     remaining_s: Optional[float] = None  # estimated solo seconds of work left; None: unknown
 
