@@ -484,15 +484,17 @@ struct CachingAllocator::State {
     make_free(block);
   }
 
-  // Gives back every cached pinned fallback segment. The backend waits for
-  // work that may still read it before freeing pinned memory.
+  // Gives back every cached pinned fallback segment, after one wait for the
+  // work that may still read them (none is given back while the device
+  // cannot synchronize: a graph capture).
   void release_pinned_cache() {
+    if (pinned_free.empty() || !backend.synchronize_for_unmap()) return;
     for (auto it = segments.begin(); it != segments.end();) {
       Segment& segment = *it->second;
       ++it;
       if (!segment.pinned_fallback || !segment.first->in_pool) continue;
       pinned_free.erase(segment.first);
-      backend.free_pinned_host(segment.base, segment.size);
+      backend.free_pinned_host_synchronized(segment.base, segment.size);
       emit(AllocatorEvent::Kind::kSegmentFreed, segment.base, segment.size, segment.stream, Residency::kHost);
       const auto bytes = static_cast<std::int64_t>(segment.size);
       stats.host_resident_bytes.decrease(bytes);
@@ -795,15 +797,23 @@ struct CachingAllocator::State {
   void release_everything() {
     synchronize_waiting();
     release_spill_targets();
+    // One wait covers every page and pinned segment (none is possible during
+    // a graph capture: then each release waits as it can).
+    const bool synchronized = !segments.empty() && backend.synchronize_for_unmap();
     for (auto& [base, segment] : segments) {
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
         if (segment->pages[i].handle) {
-          backend.unmap(segment->base + i * page_bytes);
+          if (synchronized) backend.unmap_synchronized(segment->base + i * page_bytes);
+          else backend.unmap(segment->base + i * page_bytes);
           backend.release_page(segment->pages[i].handle);
         }
       }
-      if (segment->pinned_fallback) backend.free_pinned_host(segment->base, segment->size);
-      else backend.release(segment->base, segment->size);
+      if (segment->pinned_fallback) {
+        if (synchronized) backend.free_pinned_host_synchronized(segment->base, segment->size);
+        else backend.free_pinned_host(segment->base, segment->size);
+      } else {
+        backend.release(segment->base, segment->size);
+      }
       for (Block* block = segment->first; block;) {
         Block* next = block->next;
         delete block;

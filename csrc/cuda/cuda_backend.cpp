@@ -365,7 +365,13 @@ DevicePtr CudaBackend::allocate_pinned_host(std::size_t bytes) {
   return static_cast<DevicePtr>(device_address);
 }
 
-void CudaBackend::free_pinned_host(DevicePtr address, std::size_t /*bytes*/) {
+void CudaBackend::free_pinned_host(DevicePtr address, std::size_t bytes) {
+  // Kernels launched before the block was freed may still read it.
+  wait_for_launched_work("cudaDeviceSynchronize before freeing pinned host memory");
+  free_pinned_host_synchronized(address, bytes);
+}
+
+void CudaBackend::free_pinned_host_synchronized(DevicePtr address, std::size_t /*bytes*/) {
   void* host = nullptr;
   {
     std::lock_guard<std::mutex> lock(pinned_mutex_);
@@ -376,8 +382,6 @@ void CudaBackend::free_pinned_host(DevicePtr address, std::size_t /*bytes*/) {
     host = it->second;
     pinned_host_.erase(it);
   }
-  // Kernels launched before the block was freed may still read it.
-  wait_for_launched_work("cudaDeviceSynchronize before freeing pinned host memory");
   check_driver(driver().cuMemFreeHost(host), "cuMemFreeHost");
 }
 

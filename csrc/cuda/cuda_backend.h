@@ -88,6 +88,7 @@ class CudaBackend final : public Backend {
 
   DevicePtr allocate_pinned_host(std::size_t bytes) override;
   void free_pinned_host(DevicePtr address, std::size_t bytes) override;
+  void free_pinned_host_synchronized(DevicePtr address, std::size_t bytes) override;
 
   EventHandle create_event() override;
   void destroy_event(EventHandle event) override;

@@ -105,9 +105,15 @@ class Backend {
 
   // Fallback spill path (no host VMM): `bytes` of pinned host memory that
   // kernels reach through the returned device address. Returns 0 when host
-  // memory is exhausted.
+  // memory is exhausted. free_pinned_host() first waits until no kernel
+  // launched so far can touch it (a device synchronize on a GPU);
+  // free_pinned_host_synchronized() does not wait again, for a batch the
+  // caller covered with one synchronize_for_unmap().
   virtual DevicePtr allocate_pinned_host(std::size_t bytes) = 0;
   virtual void free_pinned_host(DevicePtr address, std::size_t bytes) = 0;
+  virtual void free_pinned_host_synchronized(DevicePtr address, std::size_t bytes) {
+    free_pinned_host(address, bytes);
+  }
 
   // Events: record on a stream, poll, wait. An event recorded on a stream
   // completes when all work submitted to that stream before it is done.

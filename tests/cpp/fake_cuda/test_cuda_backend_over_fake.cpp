@@ -232,3 +232,54 @@ TEST_CASE("cuda_backend_over_fake_pinned_memory_is_freed_only_after_work_on_it_i
   }
   device.check_clean();  // no cuMemFreeHost raced the copy
 }
+
+TEST_CASE("cuda_backend_over_fake_pinned_cache_goes_back_after_one_synchronize_and_never_during_capture",
+          "[fake_cuda][backend]") {
+  DeviceSpec spec;
+  spec.host_mappable = false;
+  FakeCudaDevice device(spec);
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(2 * kMiB);
+    const DevicePtr on_device = allocator.allocate(2 * kMiB, 0);
+    std::vector<DevicePtr> pinned;
+    for (int i = 0; i < 5; ++i) pinned.push_back(allocator.allocate((2 + 2 * i) * kMiB, 0));  // five sizes: no reuse
+    REQUIRE(fake_cuda::calls("cuMemHostAlloc") == 5);
+    for (DevicePtr p : pinned) allocator.free(p);  // kept pinned, as cache
+
+    // During a capture the device cannot synchronize: the cache stays.
+    device.cuda_backend().set_graph_capture(true);
+    const std::uint64_t before_capture = fake_cuda::calls("cudaDeviceSynchronize");
+    allocator.empty_cache();
+    CHECK(fake_cuda::calls("cudaDeviceSynchronize") == before_capture);
+    CHECK(fake_cuda::calls("cuMemFreeHost") == 0);
+    CHECK(allocator.stats().pinned_fallback_bytes.current > 0);
+    device.cuda_backend().set_graph_capture(false);
+
+    // After it, one synchronize covers all five.
+    const std::uint64_t before = fake_cuda::calls("cudaDeviceSynchronize");
+    allocator.empty_cache();
+    CHECK(fake_cuda::calls("cudaDeviceSynchronize") - before == 1);
+    CHECK(fake_cuda::calls("cuMemFreeHost") == 5);
+    CHECK(allocator.stats().pinned_fallback_bytes.current == 0);
+    allocator.free(on_device);
+  }
+  device.check_clean();
+}
+
+TEST_CASE("cuda_backend_over_fake_an_allocator_going_away_synchronizes_once", "[fake_cuda][backend]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    for (int i = 0; i < 8; ++i) allocator.allocate(4 * kMiB, 0);  // 16 pages, left live
+    const std::uint64_t before = fake_cuda::calls("cudaDeviceSynchronize");
+    const std::uint64_t unmaps = fake_cuda::calls("cuMemUnmap");
+    {
+      CachingAllocator doomed(device.backend());
+      for (int i = 0; i < 8; ++i) doomed.allocate(4 * kMiB, 0);
+    }
+    CHECK(fake_cuda::calls("cudaDeviceSynchronize") - before == 1);
+    CHECK(fake_cuda::calls("cuMemUnmap") - unmaps == 16);
+  }
+  device.check_clean();
+}
