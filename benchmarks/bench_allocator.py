@@ -70,6 +70,19 @@ def size_sequence(count: int, seed: int = 0) -> List[int]:
     return rng.choices(sizes, weights=weights, k=count)
 
 
+def driver_time_table(times: Dict[str, Dict[str, int]], pages: int) -> List[str]:
+    """Lines of a table of where a page move's time went, from _C._driver_call_times():
+    per kind of driver call, its calls, total ms, microseconds per call and per page
+    moved, busiest first; kinds never called are left out."""
+    rows = sorted(((name, t["calls"], t["ns"]) for name, t in times.items() if t["calls"] > 0),
+                  key=lambda row: -row[2])
+    lines = [f"{'driver call':<20} {'calls':>7} {'ms':>9} {'us/call':>9} {'us/page':>9}"]
+    for name, calls, ns in rows:
+        per_page = f"{ns / 1e3 / pages:9.1f}" if pages > 0 else f"{'-':>9}"
+        lines.append(f"{name:<20} {calls:>7} {ns / 1e6:9.2f} {ns / 1e3 / calls:9.1f} {per_page}")
+    return lines
+
+
 def compute_figures(measured: Dict[str, Dict]) -> Dict[str, Optional[float]]:
     """The result file's figures from the workers' raw measurements."""
     figures: Dict[str, Optional[float]] = {}
@@ -222,15 +235,24 @@ def worker_moves(allocator: str, args) -> Dict:
     mode = cotenant.memory_stats()["mode"]
     if mode != "remap":
         return {"memcpy_d2h_gbps": d2h, "memcpy_h2d_gbps": h2d, "mode": mode}
+    from cotenant import _C
+
+    device = torch.cuda.current_device()
+    _C._reset_driver_call_times(device)
     start = time.perf_counter()
     moved_out = cotenant.spill_all()
     spill = moved_out / (time.perf_counter() - start) / 1e9
+    spill_calls = _C._driver_call_times(device)
+    _C._reset_driver_call_times(device)
     start = time.perf_counter()
     moved_in = cotenant.restore_all()
     restore = moved_in / (time.perf_counter() - start) / 1e9
+    restore_calls = _C._driver_call_times(device)
     intact = bool((x[:: 1 << 20] == 7).all().item())
     return {"memcpy_d2h_gbps": d2h, "memcpy_h2d_gbps": h2d, "spill_gbps": spill, "restore_gbps": restore,
-            "moved_out": moved_out, "moved_in": moved_in, "data_intact": intact, "mode": mode}
+            "moved_out": moved_out, "moved_in": moved_in, "data_intact": intact, "mode": mode,
+            "page_bytes": _C._page_bytes(device),
+            "spill_driver_calls": spill_calls, "restore_driver_calls": restore_calls}
 
 
 def worker_shrink(allocator: str, args) -> Dict:
@@ -336,6 +358,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     path = result_base(args.out, "allocator", result["device"]) + ".json"
     write_json(result, path)
     print(json.dumps(result["figures"], indent=2))
+    moves = measured["moves"]
+    for direction, moved in (("spill", "moved_out"), ("restore", "moved_in")):
+        if f"{direction}_driver_calls" in moves:
+            print(f"\n{direction}: where the time of {moves[moved] / GIB:.2f} GiB of page moves went")
+            pages = moves[moved] // moves["page_bytes"]
+            print("\n".join(driver_time_table(moves[f"{direction}_driver_calls"], pages)))
     print(f"wrote {path}")
     return 0
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 
@@ -179,6 +180,57 @@ void CudaBackend::release(DevicePtr base, std::size_t bytes) {
   check_driver(driver().cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes), "cuMemAddressFree");
 }
 
+// ---- driver call times ------------------------------------------------------------------
+
+class CudaBackend::Timed {
+ public:
+  Timed(CudaBackend& backend, DriverCall call)
+      : times_(backend.times_[static_cast<std::size_t>(call)]), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_);
+    times_.calls.fetch_add(1, std::memory_order_relaxed);
+    times_.ns.fetch_add(static_cast<std::uint64_t>(ns.count()), std::memory_order_relaxed);
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  CallTimes& times_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+const char* CudaBackend::driver_call_name(DriverCall call) {
+  switch (call) {
+    case DriverCall::kCreateDevicePage: return "create_device_page";
+    case DriverCall::kCreateHostPage: return "create_host_page";
+    case DriverCall::kReleaseDevicePage: return "release_device_page";
+    case DriverCall::kReleaseHostPage: return "release_host_page";
+    case DriverCall::kMap: return "map";
+    case DriverCall::kSetAccess: return "set_access";
+    case DriverCall::kUnmap: return "unmap";
+    case DriverCall::kCopyIssue: return "copy_issue";
+    case DriverCall::kCopyWait: return "copy_wait";
+    case DriverCall::kDeviceSynchronize: return "device_synchronize";
+    case DriverCall::kZero: return "zero";
+    case DriverCall::kCount: break;
+  }
+  return "unknown";
+}
+
+CudaBackend::DriverCallTime CudaBackend::driver_call_time(DriverCall call) const {
+  const CallTimes& times = times_.at(static_cast<std::size_t>(call));
+  return {times.calls.load(std::memory_order_relaxed), times.ns.load(std::memory_order_relaxed)};
+}
+
+void CudaBackend::reset_driver_call_times() {
+  for (CallTimes& times : times_) {
+    times.calls.store(0, std::memory_order_relaxed);
+    times.ns.store(0, std::memory_order_relaxed);
+  }
+}
+
+// ---- pages ------------------------------------------------------------------------------
+
 PageHandle CudaBackend::create_page(Residency where) {
   CUmemAllocationProp prop{};
   if (where == Residency::kDevice) {
@@ -191,7 +243,11 @@ PageHandle CudaBackend::create_page(Residency where) {
     return {};  // no host VMM: the caller uses allocate_pinned_host
   }
   CUmemGenericAllocationHandle handle = 0;
-  CUresult r = driver().cuMemCreate(&handle, granularity_, &prop, 0);
+  CUresult r;
+  {
+    Timed timed(*this, where == Residency::kDevice ? DriverCall::kCreateDevicePage : DriverCall::kCreateHostPage);
+    r = driver().cuMemCreate(&handle, granularity_, &prop, 0);
+  }
   if (r == CUDA_ERROR_OUT_OF_MEMORY) return {};
   check_driver(r, where == Residency::kDevice ? "cuMemCreate (device page)" : "cuMemCreate (host page)");
   PageHandle page;
@@ -201,6 +257,7 @@ PageHandle CudaBackend::create_page(Residency where) {
 }
 
 void CudaBackend::release_page(PageHandle page) {
+  Timed timed(*this, page.where == Residency::kDevice ? DriverCall::kReleaseDevicePage : DriverCall::kReleaseHostPage);
   check_driver(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page.id)),
                "cuMemRelease");
 }
@@ -221,6 +278,7 @@ CUmemAccessDesc read_write_for(int device) {
 void CudaBackend::set_device_access(DevicePtr address, std::size_t bytes) {
   std::vector<CUmemAccessDesc> access{read_write_for(device_)};
   for (int peer : peers_) access.push_back(read_write_for(peer));
+  Timed timed(*this, DriverCall::kSetAccess);
   check_driver(driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, access.data(), access.size()),
                "cuMemSetAccess");
 }
@@ -238,9 +296,12 @@ void CudaBackend::grant_access(int peer) {
 
 void CudaBackend::map(DevicePtr address, PageHandle page) {
   std::lock_guard<std::mutex> lock(access_mutex_);
-  check_driver(driver().cuMemMap(static_cast<CUdeviceptr>(address), granularity_, 0,
-                                 static_cast<CUmemGenericAllocationHandle>(page.id), 0),
-               "cuMemMap");
+  {
+    Timed timed(*this, DriverCall::kMap);
+    check_driver(driver().cuMemMap(static_cast<CUdeviceptr>(address), granularity_, 0,
+                                   static_cast<CUmemGenericAllocationHandle>(page.id), 0),
+                 "cuMemMap");
+  }
   try {
     set_device_access(address, granularity_);
     mapped_.insert(address);
@@ -253,6 +314,7 @@ void CudaBackend::map(DevicePtr address, PageHandle page) {
 void CudaBackend::wait_for_launched_work(const char* why) {
   if (quiescent_.load(std::memory_order_acquire)) return;  // the safe point synchronized already
   CurrentDevice current(device_);
+  Timed timed(*this, DriverCall::kDeviceSynchronize);
   check_runtime(cudaDeviceSynchronize(), why);
 }
 
@@ -276,13 +338,18 @@ void CudaBackend::unmap_now(DevicePtr address) {
     std::lock_guard<std::mutex> lock(access_mutex_);
     mapped_.erase(address);
   }
+  Timed timed(*this, DriverCall::kUnmap);
   check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
 }
 
 void CudaBackend::retire(StagingSlot& slot) {
   if (!slot.busy) return;
   slot.busy = false;
-  cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
+  cudaError_t err;
+  {
+    Timed timed(*this, DriverCall::kCopyWait);
+    err = cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
+  }
   unmap_now(slot.base + granularity_);
   unmap_now(slot.base);
   check_runtime(err, "copying a page between device and host");
@@ -308,16 +375,22 @@ void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
     throw;
   }
   auto stream = static_cast<cudaStream_t>(copy_stream_);
-  cudaError_t err = cudaMemcpyAsync(reinterpret_cast<void*>(dst_va), reinterpret_cast<void*>(src_va),
-                                    granularity_, cudaMemcpyDefault, stream);
-  if (err == cudaSuccess && quiescent_.load(std::memory_order_acquire)) {
-    err = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream);
-    if (err == cudaSuccess) {
-      slot.busy = true;  // finish_copies() or the slot's next use waits for it
-      return;
-    }
+  const bool pipelined = quiescent_.load(std::memory_order_acquire);
+  cudaError_t err;
+  {
+    Timed timed(*this, DriverCall::kCopyIssue);
+    err = cudaMemcpyAsync(reinterpret_cast<void*>(dst_va), reinterpret_cast<void*>(src_va), granularity_,
+                          cudaMemcpyDefault, stream);
+    if (err == cudaSuccess && pipelined) err = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream);
   }
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  if (err == cudaSuccess && pipelined) {
+    slot.busy = true;  // finish_copies() or the slot's next use waits for it
+    return;
+  }
+  if (err == cudaSuccess) {
+    Timed timed(*this, DriverCall::kCopyWait);
+    err = cudaStreamSynchronize(stream);
+  }
   unmap_now(dst_va);  // the copy finished or failed: nothing uses the staging mappings
   unmap_now(src_va);
   check_runtime(err, "copying a page between device and host");
@@ -329,6 +402,7 @@ void CudaBackend::zero(DevicePtr address, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(staging_mutex_);
   CurrentDevice current(device_);
   auto stream = static_cast<cudaStream_t>(copy_stream_);
+  Timed timed(*this, DriverCall::kZero);
   cudaError_t err = cudaMemsetAsync(reinterpret_cast<void*>(address), 0, bytes, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   check_runtime(err, "zeroing a page");
@@ -419,6 +493,7 @@ void CudaBackend::synchronize_event(EventHandle event) {
 
 void CudaBackend::synchronize_device() {
   CurrentDevice current(device_);
+  Timed timed(*this, DriverCall::kDeviceSynchronize);
   check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 

@@ -24,8 +24,10 @@
 // guarded by a mutex; everything else is stateless or the driver's.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -64,6 +66,31 @@ class CudaBackend final : public Backend {
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
   const char* host_page_kind() const;
 
+  // Time spent in each kind of driver call since construction or the last
+  // reset: where a page move's time goes (bench_allocator.py prints it).
+  // Counting costs two clock reads per call, against microseconds of driver.
+  enum class DriverCall {
+    kCreateDevicePage,   // cuMemCreate on the device
+    kCreateHostPage,     // cuMemCreate on the host (pins host memory)
+    kReleaseDevicePage,  // cuMemRelease
+    kReleaseHostPage,
+    kMap,                // cuMemMap
+    kSetAccess,          // cuMemSetAccess
+    kUnmap,              // cuMemUnmap
+    kCopyIssue,          // cudaMemcpyAsync (and its event) for a page copy
+    kCopyWait,           // waiting for page copies to finish
+    kDeviceSynchronize,  // cudaDeviceSynchronize before unmapping or freeing
+    kZero,               // cudaMemsetAsync and its wait
+    kCount
+  };
+  static const char* driver_call_name(DriverCall call);
+  struct DriverCallTime {
+    std::uint64_t calls = 0;
+    std::uint64_t ns = 0;
+  };
+  DriverCallTime driver_call_time(DriverCall call) const;
+  void reset_driver_call_times();
+
   // Kernels running on device `peer` may read and write this device's pages:
   // every page mapped now and every page mapped later (cuMemSetAccess for
   // the peer; PyTorch's enablePeerAccess(peer, this device)).
@@ -99,6 +126,13 @@ class CudaBackend final : public Backend {
 
  private:
   enum class HostLocation { kNone, kHost, kHostNuma };
+
+  class Timed;  // adds a call's duration to times_ when it goes out of scope
+  struct CallTimes {
+    std::atomic<std::uint64_t> calls{0};
+    std::atomic<std::uint64_t> ns{0};
+  };
+  std::array<CallTimes, static_cast<std::size_t>(DriverCall::kCount)> times_;
 
   void set_device_access(DevicePtr address, std::size_t bytes);
   void unmap_now(DevicePtr address);  // no synchronization: the caller knows the page is idle

@@ -116,6 +116,27 @@ COTENANT_TORCH_BINDINGS(allocator) {
     return py::int_(cap);
   }, py::arg("device"), "The cap in bytes, or None.");
 
+  m.def("_driver_call_times", [](int device) {
+    using Call = cuda::CudaBackend::DriverCall;
+    const cuda::CudaBackend& backend = *installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend;
+    py::dict times;
+    for (int i = 0; i < static_cast<int>(Call::kCount); ++i) {
+      const auto call = static_cast<Call>(i);
+      const cuda::CudaBackend::DriverCallTime time = backend.driver_call_time(call);
+      py::dict entry;
+      entry["calls"] = time.calls;
+      entry["ns"] = time.ns;
+      times[cuda::CudaBackend::driver_call_name(call)] = entry;
+    }
+    return times;
+  }, py::arg("device"), "Calls and nanoseconds per kind of driver call since the last reset (benchmarks).");
+  m.def("_page_bytes", [](int device) {
+    return installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend->granularity();
+  }, py::arg("device"), "Bytes per page (the driver's granularity).");
+  m.def("_reset_driver_call_times", [](int device) {
+    installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend->reset_driver_call_times();
+  }, py::arg("device"));
+
   m.def("device_total_bytes", [](int device) {
     return installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend->device_total_bytes();
   }, py::arg("device"));

@@ -775,3 +775,15 @@ def test_the_extension_refuses_to_pause_a_region_when_cotenant_is_not_installed(
     _C = _extension_or_skip()
     with pytest.raises(RuntimeError, match=r"cannot pause region 'kv_cache'.*cotenant.enable\(\) first"):
         _C.pause_region("kv_cache", True)
+
+
+def test_allocator_benchmark_shows_where_page_move_time_went_busiest_first():
+    bench = _load_benchmark_module()
+    times = {"map": {"calls": 1024, "ns": 5_000_000}, "unmap": {"calls": 0, "ns": 0},
+             "create_host_page": {"calls": 512, "ns": 400_000_000}}
+    lines = bench.driver_time_table(times, pages=512)
+    assert lines[0].split() == ["driver", "call", "calls", "ms", "us/call", "us/page"]
+    assert [line.split()[0] for line in lines[1:]] == ["create_host_page", "map"]  # unmap never called: left out
+    assert lines[1].split()[1:] == ["512", "400.00", "781.2", "781.2"]
+    assert lines[2].split()[1:] == ["1024", "5.00", "4.9", "9.8"]
+    assert bench.driver_time_table(times, pages=0)[1].split()[-1] == "-"

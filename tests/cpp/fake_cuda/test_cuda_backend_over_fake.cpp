@@ -283,3 +283,47 @@ TEST_CASE("cuda_backend_over_fake_an_allocator_going_away_synchronizes_once", "[
   }
   device.check_clean();
 }
+
+TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_spill_and_a_restore",
+          "[fake_cuda][backend]") {
+  using Call = cuda::CudaBackend::DriverCall;
+  FakeCudaDevice device;
+  const std::size_t kPageBytes = 2 * kMiB;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  {
+    CachingAllocator allocator(device.backend());
+    const DevicePtr block = allocator.allocate(4 * kPageBytes, 0);
+    device.fill(block, 5, 4 * kPageBytes);
+    fake_cuda::set_delay(std::chrono::milliseconds(2));  // each page copy takes 2 ms on its stream
+    backend.reset_driver_call_times();
+    allocator.spill_all();
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 4 * kPageBytes);
+
+    CHECK(backend.driver_call_time(Call::kCreateHostPage).calls == 4);
+    CHECK(backend.driver_call_time(Call::kCreateDevicePage).calls == 0);
+    CHECK(backend.driver_call_time(Call::kReleaseDevicePage).calls == 4);
+    CHECK(backend.driver_call_time(Call::kCopyIssue).calls == 4);
+    // Two staging maps per copy and the host page's map at the block's address.
+    CHECK(backend.driver_call_time(Call::kMap).calls == 12);
+    CHECK(backend.driver_call_time(Call::kSetAccess).calls == 12);
+    CHECK(backend.driver_call_time(Call::kUnmap).calls == 12);
+    // The copies run one after another on the copy stream (8 ms in all) and are
+    // issued in microseconds, so the waits cover much of them; 2 ms leaves room
+    // for a loaded machine descheduling the issuing thread.
+    CHECK(backend.driver_call_time(Call::kCopyWait).ns >= 2'000'000);
+
+    backend.reset_driver_call_times();
+    CHECK(backend.driver_call_time(Call::kCopyWait).calls == 0);
+    allocator.restore_all();
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 4 * kPageBytes);
+    CHECK(backend.driver_call_time(Call::kCreateDevicePage).calls == 4);
+    CHECK(backend.driver_call_time(Call::kReleaseHostPage).calls == 4);
+    CHECK(device.holds(block, 5, 4 * kPageBytes));
+    fake_cuda::set_delay(std::chrono::microseconds(0));
+    allocator.free(block);
+  }
+  for (auto call = 0; call < static_cast<int>(Call::kCount); ++call) {
+    CHECK(std::string(cuda::CudaBackend::driver_call_name(static_cast<Call>(call))) != "unknown");
+  }
+  device.check_clean();
+}
