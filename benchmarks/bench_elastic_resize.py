@@ -13,7 +13,6 @@ first at the new one (the time the job trained nothing). Writes elastic_resize.j
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -26,28 +25,22 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))  # elastic_train.py: the script and its log's reader
 
 from cotenant.cluster import torchrun  # noqa: E402
 from cotenant.scheduling.report import write_json  # noqa: E402
+from elastic_train import read_log  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "tests", "python", "elastic_train.py")
 MAX = 3
 TIMEOUT_S = 120.0
 
 
-def rows(log):
-    try:
-        with open(log) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
-
-
 def wait_for_world(log, world, since):
     """(time of the last step at another size, time of the first step at `world`), both after `since`."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        seen = [r for r in rows(log) if r["t"] >= since]
+        seen = [r for r in read_log(log) if r["t"] >= since]
         first = next((i for i, r in enumerate(seen) if r["world"] == world), None)
         if first is not None:
             before = [r["t"] for r in seen[:first] if r["world"] != world]

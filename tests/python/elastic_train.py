@@ -20,6 +20,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
+def read_log(path):
+    """The complete lines of LOG so far, each a dict; [] before the first step."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
 def register():
     """What cotenant's start-up hook does in a job on a GPU (the cluster tests run without one, with
     COTENANT_DISABLE=1): registers under the name `cotenant run` gave, for as long as it lives."""

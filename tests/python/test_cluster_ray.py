@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from coordinator_harness import HERE, MiB, Node, child_env, wait_until
+from elastic_train import read_log
 
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray: pip install 'cotenant[cluster]'")
 pytest.importorskip("scipy", reason="the cluster tests need scipy: pip install 'cotenant[cluster]'")
@@ -208,16 +209,8 @@ def test_an_elastic_job_scales_out_and_back_in_without_losing_its_state(clean):
     assert not os.path.exists(os.path.join(c.directory, "elastic-w0.corrupt"))
 
 
-def training_log(path):
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
-
-
 def latest_world(path):
-    rows = training_log(path)
+    rows = read_log(path)
     return rows[-1]["world"] if rows else None
 
 
@@ -229,22 +222,22 @@ def test_a_torchrun_job_re_forms_its_world_as_it_scales_out_and_in_and_resumes_f
     env = {**child_env(), "COTENANT_DISABLE": "1"}  # the script registers itself, as the hook would
     c.submit(JobSpec("trainer", (sys.executable, os.path.join(HERE, "elastic_train.py"), checkpoint, log),
                      min_gpus=1, max_gpus=3, launcher="torchrun", env=env))
-    assert wait_until(lambda: len(training_log(log)) >= 3, timeout=TIMEOUT, interval=0.2), c.status()
+    assert wait_until(lambda: len(read_log(log)) >= 3, timeout=TIMEOUT, interval=0.2), c.status()
 
     ray.get(c.scheduler.cancel.remote("holder"))  # idle GPUs: two more agents join the running rendezvous
     assert wait_until(lambda: latest_world(log) == 3, timeout=TIMEOUT, interval=0.2), \
-        (c.status(), training_log(log)[-3:])
+        (c.status(), read_log(log)[-3:])
     assert c.job("trainer")["workers"] == 3
     assert wait_until(lambda: all(c.worker("trainer", i) for i in range(3)), timeout=TIMEOUT), c.status()
-    grown = len(training_log(log))
+    grown = len(read_log(log))
 
     c.submit(spec("needy", min_gpus=5, max_gpus=5))  # guaranteed: the trainer gives back two GPUs
     assert wait_until(lambda: c.worker("needy", 4), timeout=TIMEOUT), c.status()
     assert c.job("trainer")["workers"] == 1
-    assert wait_until(lambda: latest_world(log) == 1 and len(training_log(log)) > grown + 5, timeout=TIMEOUT,
-                      interval=0.2), (c.status(), training_log(log)[-3:])
+    assert wait_until(lambda: latest_world(log) == 1 and len(read_log(log)) > grown + 5, timeout=TIMEOUT,
+                      interval=0.2), (c.status(), read_log(log)[-3:])
 
-    rows = training_log(log)
+    rows = read_log(log)
     worlds = [r["world"] for r in rows]
     assert worlds[0] == 1 and worlds[-1] == 1 and 3 in worlds
     # Every process (torchrun started one per worker in each round) resumed from the latest
