@@ -54,6 +54,10 @@ CachingAllocator& main_allocator(int device) {
   return *installed_allocator().on(static_cast<c10::DeviceIndex>(device)).main;
 }
 
+cuda::CudaBackend& device_backend(int device) {
+  return *installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend;
+}
+
 // Counts op entries, for tests of the interception point.
 std::atomic<std::int64_t> counted_op_entries{0};
 int counting_hook_id = -1;
@@ -118,7 +122,7 @@ COTENANT_TORCH_BINDINGS(allocator) {
 
   m.def("_driver_call_times", [](int device) {
     using Call = cuda::CudaBackend::DriverCall;
-    const cuda::CudaBackend& backend = *installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend;
+    const cuda::CudaBackend& backend = device_backend(device);
     py::dict times;
     for (int i = 0; i < static_cast<int>(Call::kCount); ++i) {
       const auto call = static_cast<Call>(i);
@@ -131,14 +135,14 @@ COTENANT_TORCH_BINDINGS(allocator) {
     return times;
   }, py::arg("device"), "Calls and nanoseconds per kind of driver call since the last reset (benchmarks).");
   m.def("_page_bytes", [](int device) {
-    return installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend->granularity();
+    return device_backend(device).granularity();
   }, py::arg("device"), "Bytes per page (the driver's granularity).");
   m.def("_reset_driver_call_times", [](int device) {
-    installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend->reset_driver_call_times();
+    device_backend(device).reset_driver_call_times();
   }, py::arg("device"));
 
   m.def("device_total_bytes", [](int device) {
-    return installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend->device_total_bytes();
+    return device_backend(device).device_total_bytes();
   }, py::arg("device"));
 
   m.def("stats", [](int device) {
