@@ -179,12 +179,14 @@ struct CachingAllocator::State {
   // Releases mapped pages no live block touches, on `where` (or both when
   // null), at least `limit` bytes of them where there are (the coldest), all
   // by default. Address ranges stay reserved. Returns the bytes released.
-  // One device synchronize covers the whole batch; none when the device
-  // cannot synchronize now (graph capture): then nothing is released.
-  std::size_t release_cached_pages(const Residency* where, std::size_t limit = SIZE_MAX) {
+  // One device synchronize covers the whole batch (none when the caller
+  // already ran it: `synchronized`); when the device cannot synchronize now
+  // (graph capture) nothing is released.
+  std::size_t release_cached_pages(const Residency* where, std::size_t limit = SIZE_MAX,
+                                   bool synchronized = false) {
     const std::size_t available = where ? cached_of(*where) : cached_bytes[0] + cached_bytes[1];
     if (available == 0 || limit == 0) return 0;
-    if (!backend.synchronize_for_unmap()) return 0;
+    if (!synchronized && !backend.synchronize_for_unmap()) return 0;
     std::size_t released = 0;
     if (limit >= available) {
       for (auto& [base, segment] : segments) {
@@ -485,10 +487,11 @@ struct CachingAllocator::State {
   }
 
   // Gives back every cached pinned fallback segment, after one wait for the
-  // work that may still read them (none is given back while the device
-  // cannot synchronize: a graph capture).
-  void release_pinned_cache() {
-    if (pinned_free.empty() || !backend.synchronize_for_unmap()) return;
+  // work that may still read them (none when the caller already ran it:
+  // `synchronized`; nothing is given back while the device cannot
+  // synchronize: a graph capture).
+  void release_pinned_cache(bool synchronized = false) {
+    if (pinned_free.empty() || (!synchronized && !backend.synchronize_for_unmap())) return;
     for (auto it = segments.begin(); it != segments.end();) {
       Segment& segment = *it->second;
       ++it;
@@ -962,9 +965,13 @@ void CachingAllocator::empty_cache() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.synchronize_waiting();
-  s.release_cached_pages(nullptr);
+  // One wait covers the cached pages and the cached pinned segments.
+  const bool any_cache = s.cached_bytes[0] + s.cached_bytes[1] > 0 || !s.pinned_free.empty();
+  if (any_cache && s.backend.synchronize_for_unmap()) {
+    s.release_cached_pages(nullptr, SIZE_MAX, /*synchronized=*/true);
+    s.release_pinned_cache(/*synchronized=*/true);
+  }
   s.trim_spill_targets();
-  s.release_pinned_cache();
   // Whole free segments give their address range back too.
   for (auto it = s.segments.begin(); it != s.segments.end();) {
     Segment& segment = *it->second;

@@ -317,6 +317,29 @@ TEST_CASE("pinned_fallback_mode_serves_over_cap_allocations_from_pinned_host_mem
   allocator.free(on_device);
 }
 
+TEST_CASE("empty_cache_waits_for_the_device_once_for_cached_pages_and_pinned_blocks", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB, true, /*host_mappable=*/false));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(4 * kMiB);
+  const DevicePtr on_device = allocator.allocate(4 * kMiB, 0);
+  const DevicePtr pinned = allocator.allocate(3 * kMiB, 0);
+  CHECK_FALSE(allocator.is_device_resident(pinned));
+  allocator.free(pinned);
+  allocator.free(on_device);
+  REQUIRE(allocator.stats().pinned_fallback_bytes.current == 4 * kMiB);
+  REQUIRE(allocator.stats().device_resident_bytes.current == 4 * kMiB);  // cached pages
+  const auto waits_before = device.calls().synchronize_device;
+  allocator.empty_cache();
+  CHECK(device.calls().synchronize_device == waits_before + 1);
+  CHECK(allocator.stats().reserved_bytes.all.current == 0);
+  CHECK(device.calls().free_pinned_host == 1);
+  CHECK(device.device_bytes_in_use() == 0);
+  CHECK(device.host_bytes_in_use() == 0);
+  // Nothing cached: no wait at all.
+  allocator.empty_cache();
+  CHECK(device.calls().synchronize_device == waits_before + 1);
+}
+
 TEST_CASE("pinned_fallback_mode_pins_once_for_a_loop_of_over_cap_allocations", "[cap]") {
   // Pinning and unpinning host memory costs milliseconds: a training loop
   // whose activations go over the cap every step must not pay it every step.
