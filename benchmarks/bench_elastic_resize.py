@@ -51,14 +51,15 @@ def wait_for_world(log, world, since):
 
 def run_once(directory, rdzv_id):
     log, checkpoint = os.path.join(directory, f"{rdzv_id}.jsonl"), os.path.join(directory, f"{rdzv_id}.pt")
-    endpoint = torchrun.free_endpoint("127.0.0.1")
+    store = torchrun.host_store("127.0.0.1")  # as the cluster's node agent hosts it
+    endpoint = torchrun.endpoint(store)
     env = {**os.environ, **torchrun.agent_env(), "PYTHONPATH": os.path.join(ROOT, "python")}
     agents, results = [], []
 
     def start(index):
         child = [sys.executable, SCRIPT, checkpoint, log]
         argv = torchrun.agent_command(child, min_nodes=1, max_nodes=MAX, endpoint=endpoint, rdzv_id=rdzv_id,
-                                      hosts_store=index == 0, local_addr="127.0.0.1")
+                                      local_addr="127.0.0.1")
         out = open(os.path.join(directory, f"{rdzv_id}-agent{index}.log"), "wb")
         agents.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 

@@ -61,6 +61,11 @@ class Cluster:
     def workers_running(self):
         return sum(len(c.status()["jobs"]) for c in self.coordinators)
 
+    def stores(self, node_id):
+        """The rendezvous stores a node's agent hosts, by rdzv id."""
+        agent = ray.get_actor(runtime.agent_name(node_id), namespace=runtime.NAMESPACE)
+        return ray.get(agent.report.remote())["rendezvous"]
+
 
 def spec(name, **fields):
     control = os.path.join(fields.pop("control_dir"), "{name}") if "control_dir" in fields else ""
@@ -256,6 +261,11 @@ def test_a_torchrun_job_re_forms_its_world_as_it_scales_out_and_in_and_resumes_f
     assert state["state"] == "running" and state["evictions"] == 0
     assert not c.events("job ended", "trainer")
     assert len(c.events("worker left", "trainer")) == 2
+    # Its rendezvous store lived on worker 0's node agent through every round, and goes with the job.
+    host = state["gpus"][0][0]
+    assert c.stores(host) == [f"trainer-{state['job_id']}"]
+    ray.get(c.scheduler.cancel.remote("trainer"))
+    assert wait_until(lambda: c.stores(host) == [], timeout=TIMEOUT), c.stores(host)
 
 
 def test_a_killed_node_agent_leaves_the_rest_served_and_its_node_rejoins(clean):

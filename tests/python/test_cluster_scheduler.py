@@ -224,7 +224,7 @@ def test_a_torchrun_worker_is_an_agent_of_the_jobs_rendezvous_whose_child_is_cot
     child = ["python3", "-m", "cotenant.cli", "run", "--guaranteed", "--device", "1", "--name", "t-w2", "--",
              "python3", "train.py", "--lr", "0.1"]
     argv = torchrun.agent_command(child, min_nodes=1, max_nodes=3, endpoint="10.0.0.5:29411", rdzv_id="t-7",
-                                  hosts_store=False, local_addr="10.0.0.6")
+                                  local_addr="10.0.0.6")
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     args = run.parse_args(argv[3:])  # torch's own parser: every option is one it knows
     assert run.parse_min_max_nnodes(args.nnodes) == (1, 3) and args.nproc_per_node == "1"
@@ -232,11 +232,33 @@ def test_a_torchrun_worker_is_an_agent_of_the_jobs_rendezvous_whose_child_is_cot
     assert args.no_python and [args.training_script, *args.training_script_args] == child
     assert args.local_addr == "10.0.0.6" and args.max_restarts == torchrun.MAX_RESTARTS
     conf = dict(pair.split("=") for pair in args.rdzv_conf.split(","))
+    # No agent hosts the store (host_store does), not even one on the endpoint's machine.
     assert conf["is_host"] == "0" and float(conf["last_call_timeout"]) == torchrun.LAST_CALL_S
-    host = torchrun.agent_command(child, min_nodes=1, max_nodes=3, endpoint="10.0.0.5:29411", rdzv_id="t-7",
-                                  hosts_store=True, local_addr="10.0.0.5")
-    assert "is_host=1" in [a for a in host if a.startswith("--rdzv-conf=")][0]
     assert torchrun.agent_env() == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def test_a_rendezvous_store_keeps_the_port_it_bound_and_serves_the_agents_until_it_goes():
+    pytest.importorskip("torch.distributed")
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from cotenant.cluster import torchrun
+
+    store = torchrun.host_store("127.0.0.1", timeout_s=5)
+    host, port = torchrun.endpoint(store).rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:  # nobody else can take the port
+        with pytest.raises(OSError):
+            other.bind((host, int(port)))
+    client = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
+    client.set("round", "3")
+    assert store.get("round") == b"3"
+    del client, store
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:  # gone with the object
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind((host, int(port)))
 
 
 def test_a_job_names_a_launcher_it_has():

@@ -76,6 +76,7 @@ class NodeAgent:
         self.log_dir = log_dir or os.path.join("/tmp", "cotenant-cluster")
         os.makedirs(self.log_dir, exist_ok=True)
         self.workers: Dict[str, subprocess.Popen] = {}
+        self.stores: Dict[str, Any] = {}  # rdzv_id -> the rendezvous store of a torchrun job, hosted here
         self.inventory = self._inventory()
 
     def pid(self) -> int:
@@ -134,15 +135,22 @@ class NodeAgent:
             if code is not None:
                 entry.update(state="exited", exit=code)
         return {"node": self.node_id, "pid": os.getpid(), "coordinator": coordinator, "gpus": gpus,
-                "workers": workers}
+                "workers": workers, "rendezvous": sorted(self.stores)}
 
     def address(self) -> str:
         """This node's address, as Ray knows it."""
         return ray_module().util.get_node_ip_address()
 
-    def rendezvous_endpoint(self) -> str:
-        """host:port for a torchrun job's rendezvous store, hosted by its worker 0 here."""
-        return torchrun.free_endpoint(self.address())
+    def rendezvous_endpoint(self, rdzv_id: str) -> str:
+        """host:port of the rendezvous store of a torchrun job whose worker 0 is here: hosted by this
+        agent until close_rendezvous(rdzv_id)."""
+        if rdzv_id not in self.stores:
+            self.stores[rdzv_id] = torchrun.host_store(self.address())
+        return torchrun.endpoint(self.stores[rdzv_id])
+
+    def close_rendezvous(self, rdzv_id: str) -> None:
+        """The job ended: its store goes."""
+        self.stores.pop(rdzv_id, None)
 
     def start(self, worker: str, command: Sequence[str], gpu: int, role: str, env: Mapping[str, str],
               rendezvous: Optional[Mapping[str, Any]] = None) -> int:
@@ -252,7 +260,8 @@ class GlobalScheduler:
         self.agent_died_at: Dict[str, float] = {}
         self.reports: Dict[str, Dict[str, Any]] = {}
         self.groups: Dict[int, Any] = {}      # job_id -> its placement group
-        self.rendezvous: Dict[int, str] = {}  # job_id -> a torchrun job's rendezvous endpoint (host:port)
+        # job_id -> (node, host:port) of a torchrun job's rendezvous store, which that node's agent hosts
+        self.rendezvous: Dict[int, Tuple[str, str]] = {}
         self.leaving: Dict[int, Dict[str, Tuple[GpuKey, bool]]] = {}  # shrink: worker -> (GPU, suspend sent)
         self.events: collections.deque = collections.deque(maxlen=1000)
         self.lock = threading.RLock()
@@ -281,7 +290,7 @@ class GlobalScheduler:
             self._stop_workers(job)
             self.core.ended(job, self._now(), reason="cancelled")
             self._release_group(job)
-            self.rendezvous.pop(job.job_id, None)
+            self._close_rendezvous(job)
             self._event("job cancelled", job=job.name)
             return {"job": job.name, "state": job.status}
 
@@ -397,7 +406,7 @@ class GlobalScheduler:
             if all(s["state"] in ("exited", "gone") for s in states):
                 codes = [s["exit"] for s in states if s["exit"] not in (None, 0)]
                 self._release_group(job)
-                self.rendezvous.pop(job.job_id, None)
+                self._close_rendezvous(job)
                 self.core.ended(job, now, failed=bool(codes), reason=f"exit status {codes[0]}" if codes else "")
                 self._event("job ended", job=job.name, state=job.status, reason=job.reason)
             elif job.status == STOPPING and all(s["state"] == "suspended" for s in states):
@@ -493,18 +502,27 @@ class GlobalScheduler:
             if rendezvous is None:
                 env.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(local[node]))
             else:  # torchrun sets the ranks, in every round
-                options = {**rendezvous, "hosts_store": index == 0}
+                options = rendezvous
             local[node] += 1
             calls.append(self.agents[node].start.remote(worker_name(job.name, index), list(job.spec.command), gpu,
                                                         job.role or job.spec.role, env, options))
         ray.get(calls)
 
     def _rendezvous(self, job: ClusterJob, ray) -> Dict[str, Any]:
-        """A torchrun job's rendezvous: its store on worker 0's node, on a port chosen at its start."""
+        """A torchrun job's rendezvous: its store, hosted by the agent of worker 0's node from the job's
+        first start to its end."""
+        rdzv_id = torchrun.run_id(job.name, job.job_id)
         if job.job_id not in self.rendezvous:
-            self.rendezvous[job.job_id] = ray.get(self.agents[job.gpus[0][0]].rendezvous_endpoint.remote())
+            node = job.gpus[0][0]
+            self.rendezvous[job.job_id] = (node, ray.get(self.agents[node].rendezvous_endpoint.remote(rdzv_id)))
         return {"min_nodes": job.spec.min_gpus, "max_nodes": job.spec.max_gpus,
-                "endpoint": self.rendezvous[job.job_id], "rdzv_id": torchrun.run_id(job.name, job.job_id)}
+                "endpoint": self.rendezvous[job.job_id][1], "rdzv_id": rdzv_id}
+
+    def _close_rendezvous(self, job: ClusterJob) -> None:
+        """The job ended: the agent that hosts its rendezvous store (if any) lets it go."""
+        entry = self.rendezvous.pop(job.job_id, None)
+        if entry is not None and entry[0] in self.agents:
+            self.agents[entry[0]].close_rendezvous.remote(torchrun.run_id(job.name, job.job_id))
 
     def _each_worker(self, job: ClusterJob, call) -> None:
         for i, (node, _) in enumerate(job.gpus):

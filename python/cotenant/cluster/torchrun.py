@@ -5,7 +5,10 @@ With `--launcher torchrun`, each cluster worker of a job is one torchrun agent
 the agent's one child is `cotenant run ... -- the command`: the child, not the
 agent, is the job its node's coordinator knows, under the worker's name
 (`<job>-w<i>`). The agents of a job meet in one c10d rendezvous whose store
-worker 0's agent hosts (worker 0 never leaves an elastic job).
+the cotenant node agent of worker 0's node hosts (`host_store`) from the
+job's start to its end: every torchrun agent is a client of it, so no agent's
+exit or restart takes the store down, and its port is bound once, by the
+process that keeps it (no port found free, released, then bound again).
 
   scale out  the scheduler starts one more agent; it waits in the rendezvous
              until the running agents see it (every `MONITOR_INTERVAL_S`),
@@ -35,7 +38,6 @@ publishes a fresh address for that round.
 
 from __future__ import annotations
 
-import socket
 import sys
 from typing import Dict, List, Sequence
 
@@ -62,10 +64,11 @@ def run_id(job: str, job_id: int) -> str:
 
 
 def agent_command(worker_argv: Sequence[str], *, min_nodes: int, max_nodes: int, endpoint: str, rdzv_id: str,
-                  hosts_store: bool, local_addr: str, max_restarts: int = MAX_RESTARTS) -> List[str]:
-    """The torchrun agent of one worker; `worker_argv` is the child it starts (`cotenant run ... -- cmd`)."""
+                  local_addr: str, max_restarts: int = MAX_RESTARTS) -> List[str]:
+    """The torchrun agent of one worker; `worker_argv` is the child it starts (`cotenant run ... -- cmd`).
+    `endpoint` is a store `host_store` keeps."""
     conf = {
-        "is_host": int(hosts_store),  # said, not guessed: on one machine every agent matches the endpoint's host
+        "is_host": 0,  # said, not guessed (an agent on the store's machine would host one): host_store hosts it
         "last_call_timeout": LAST_CALL_S,
         "keep_alive_interval": KEEP_ALIVE_S,
         "keep_alive_max_attempt": KEEP_ALIVE_ATTEMPTS,
@@ -85,8 +88,18 @@ def agent_env() -> Dict[str, str]:
     return dict(ENV)
 
 
-def free_endpoint(address: str) -> str:
-    """host:port for a rendezvous store on this node: a port free now (the agent binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return f"{address}:{s.getsockname()[1]}"
+def host_store(address: str, timeout_s: float = 60.0):
+    """A rendezvous store served from this process on `address`, at a port the system picks as it binds
+    (nothing can take it in between); the store lives as long as the returned object. `endpoint(store)`
+    is what the agents are given."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(address, 0, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def endpoint(store) -> str:
+    """host:port of a store `host_store` made."""
+    return f"{store.host}:{store.port}"
