@@ -498,14 +498,11 @@ class GlobalScheduler:
         calls = []
         for index, (node, gpu) in workers:
             env = {**job.spec.env, "COTENANT_CLUSTER_JOB": job.name}
-            options = None
-            if rendezvous is None:
+            if rendezvous is None:  # under torchrun, torchrun sets the ranks, in every round
                 env.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(local[node]))
-            else:  # torchrun sets the ranks, in every round
-                options = rendezvous
             local[node] += 1
             calls.append(self.agents[node].start.remote(worker_name(job.name, index), list(job.spec.command), gpu,
-                                                        job.role or job.spec.role, env, options))
+                                                        job.role or job.spec.role, env, rendezvous))
         ray.get(calls)
 
     def _rendezvous(self, job: ClusterJob, ray) -> Dict[str, Any]:
