@@ -11,7 +11,9 @@ from cotenant.cluster.scheduler import (
 from cotenant.cluster.topology import ClusterShape, read_cluster, relative_speed
 from cotenant.scheduling.policies import Fifo, Packing, make_policy
 from cotenant.scheduling.simulator import SimulationConfig, simulate
-from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, JobView
+from cotenant.scheduling.state import (
+    GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, GpuView, JobView, NodeState,
+)
 from cotenant.scheduling.trace import TraceJob, read_trace
 
 from pathlib import Path
@@ -103,6 +105,16 @@ def test_matching_puts_short_jobs_first_and_respects_a_type_the_user_asked_for()
     types = match(jobs, {"fast": 1, "slow": 1})
     assert types[1] == "slow"
     assert types == {1: "slow", 2: "fast", 3: "fast"} or types == {1: "slow", 2: "fast", 3: "slow"}
+
+
+def test_matching_leaves_a_suspended_job_the_type_of_the_gpus_its_memory_waits_on():
+    # Suspended on the slow GPU 1, the job resumes there even though matching alone would give it
+    # the free fast GPU 0, where it cannot go.
+    state = NodeState(0.0, 2, None, (JobView(1, status=SUSPENDED, bound_gpus=(1,), speeds={"fast": 1.0, "slow": 0.5},
+                                             remaining_s=100, submit_time=0.0),),
+                      gpus=(GpuView("a", "fast"), GpuView("c", "slow")))
+    assert match([state.jobs[0]], {"fast": 1, "slow": 1}) == {1: "fast"}
+    assert TypeMatching(Fifo()).plan(state).placements[1].gpus == (1,)
 
 
 def test_an_elastic_job_grows_into_idle_gpus_and_shrinks_for_a_waiting_job_keeping_its_first_worker():

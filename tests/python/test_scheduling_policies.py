@@ -86,6 +86,17 @@ def test_las_preempts_a_job_past_the_threshold_for_a_new_job():
     assert plan.waiting[0] == 2  # starts once the veteran's GPU is given back
 
 
+def test_las_preempts_the_job_on_a_suspended_jobs_own_gpu_not_a_count_of_gpus():
+    # Job 1 (queue 0) was suspended on GPU 1, which job 3 (queue 1) now holds; GPU 2 is free. Counting
+    # GPUs, all three jobs fit; but job 1 can only resume on GPU 1, so job 3 is the one preempted.
+    suspended = job(1, status=SUSPENDED, bound_gpus=(1,), submit=1, first_started_at=0.0, last_stopped_at=50.0)
+    state = node(running(2, [0]), suspended, running(3, [1], submit=2, attained_service=150.0), gpus=3, now=100)
+    plan = DiscretizedLas(thresholds_gpu_s=(100.0,), starvation_factor=0).plan(state)
+    assert plan.placements[2].gpus == (0,)
+    assert 3 not in plan.placements and 1 not in plan.placements  # job 1 resumes once job 3 has stopped
+    assert plan.waiting == (1, 3)
+
+
 def test_las_places_the_new_job_once_the_preempted_one_has_stopped():
     state = node(job(1, status=SUSPENDED, attained_service=150.0, first_started_at=0.0, last_stopped_at=101.0),
                  job(2, submit=5), gpus=1, now=101)
@@ -190,6 +201,28 @@ def test_timeslice_keeps_freed_gpus_for_the_job_whose_turn_it_is():
     assert plan.waiting == (3, 4, 1)
 
 
+def test_timeslice_gives_a_free_gpu_to_the_next_job_while_a_suspended_one_waits_for_its_own():
+    # Job 1's turn, but it resumes only on GPU 1, which job 4's quantum still holds: GPU 0 goes to job 2.
+    state = node(job(1, status=SUSPENDED, bound_gpus=(1,), first_started_at=0.0, last_stopped_at=10.0),
+                 running(4, [1], started=100.0), job(2, submit=20), gpus=2, now=130)
+    plan = TimeSlicing(quantum_s=60).plan(state)
+    assert plan.placements[2].gpus == (0,) and plan.placements[4].gpus == (1,)
+    assert plan.waiting == (1,)
+
+
+def test_timeslice_keeps_a_suspended_jobs_own_free_gpus_for_its_turn():
+    # Job 1 resumes on GPUs 0 and 1; GPU 0 is free, GPU 1 is job 4's until its quantum ends. GPU 0
+    # stays free for job 1 rather than going to job 2, so job 1 resumes as soon as job 4 yields.
+    state = node(job(1, status=SUSPENDED, num_gpus=2, bound_gpus=(0, 1), first_started_at=0.0, last_stopped_at=10.0),
+                 running(4, [1], started=100.0), job(2, submit=20), gpus=2, now=130)
+    plan = TimeSlicing(quantum_s=60).plan(state)
+    assert set(plan.placements) == {4}
+    assert plan.waiting == (1, 2)
+    later = node(job(1, status=SUSPENDED, num_gpus=2, bound_gpus=(0, 1), first_started_at=0.0, last_stopped_at=10.0),
+                 running(4, [1], started=100.0), job(2, submit=20), gpus=2, now=160)
+    assert TimeSlicing(quantum_s=60).plan(later).placements == {}  # job 4 yields; GPU 1 frees when it stops
+
+
 def test_timeslice_places_nothing_on_gpus_a_stopping_job_still_holds():
     stopping = JobView(job_id=1, status=STOPPING, gpus=(0,), running_role=GUARANTEED, first_started_at=0.0,
                        last_started_at=0.0)
@@ -233,6 +266,19 @@ def test_antman_promotes_an_opportunistic_job_in_place_when_its_turn_comes():
     o = running(2, [1], submit=1, as_role=OPPORTUNISTIC)  # ran opportunistically while job 1 held GPU 0
     plan = Packing().plan(node(o, gpus=2, now=50))
     assert plan.placements[2].role == GUARANTEED and plan.placements[2].gpus == (1,)
+
+
+def test_antman_keeps_a_job_running_beside_a_guaranteed_one_where_it_is_and_lets_later_jobs_pass():
+    # Job 2 waits for a guaranteed place but runs opportunistically beside guaranteed job 1. GPU 1 is
+    # free: job 2 cannot move there (a suspended job resumes where it was), so it stays as it is and
+    # job 3, behind it, takes GPU 1. Suspending job 2 would only resume it on GPU 0 again, over and over.
+    g = running(1, [0], utilization=0.5)
+    o = running(2, [0], submit=1, as_role=OPPORTUNISTIC, utilization=0.5)
+    plan = Packing().plan(node(g, o, job(3, submit=2), gpus=2, now=50))
+    assert plan.placements[2].gpus == (0,) and plan.placements[2].role == OPPORTUNISTIC
+    assert plan.placements[3].gpus == (1,) and plan.placements[3].role == GUARANTEED
+    ended = Packing().plan(node(o, job(3, submit=2, status=RUNNING, gpus=(1,), running_role=GUARANTEED), now=60))
+    assert ended.placements[2].role == GUARANTEED and ended.placements[2].gpus == (0,)  # promoted in place
 
 
 def test_antman_guaranteed_job_preempts_an_opportunistic_one_that_does_not_fit_beside_it():

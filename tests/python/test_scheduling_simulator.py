@@ -109,6 +109,55 @@ def test_a_policy_that_never_starts_anything_is_reported_not_looped_on():
         simulate([tjob(1, 10)], Idle(), SimulationConfig(gpu_count=1))
 
 
+@dataclass
+class MovesASuspendedJob:
+    """Runs job 1 on GPU 0, suspends it at t=50, then resumes it on `resume_on` at t=60."""
+    resume_on: tuple
+    name: str = "mover"
+    seen: list = None
+
+    def plan(self, state):
+        if not state.jobs:
+            return Plan({})
+        job = state.jobs[0]
+        self.seen = (self.seen or []) + [(job.status, job.bound_gpus)]
+        if state.now < 50:
+            return Plan({1: Placement((0,))}, wake_at=50)
+        if state.now < 60:
+            return Plan({}, (1,), wake_at=60)
+        return Plan({1: Placement(self.resume_on)})
+
+
+def test_a_suspended_job_is_bound_to_its_gpus_and_resuming_it_elsewhere_is_an_error():
+    mover = MovesASuspendedJob(resume_on=(1,))
+    with pytest.raises(SimulationError, match=r"resumed job 1 on GPUs \(1,\); it was suspended on \(0,\)"):
+        simulate([tjob(1, 100, iterations=100)], mover, SimulationConfig(gpu_count=2))
+    assert ("suspended", (0,)) in mover.seen
+    assert all(bound == () for status, bound in mover.seen if status != "suspended")
+
+
+def test_a_suspended_job_resumes_on_the_gpu_it_was_suspended_on():
+    result = simulate([tjob(1, 100, iterations=100)], MovesASuspendedJob(resume_on=(0,)),
+                      SimulationConfig(gpu_count=2))
+    assert by_id(result)[1].preemptions == 1
+    assert by_id(result)[1].finished_at == pytest.approx(110)  # idle from 50 to 60, nothing to copy
+
+
+def test_las_on_two_gpus_resumes_a_preempted_job_on_its_own_gpu_when_another_frees_first():
+    # Jobs 2 and 1 start on GPUs 0 and 1. Job 3 arrives at 100.5, when both are past the 100 GPU-s
+    # threshold, and preempts job 1, the later arrival, at its boundary (101.25) on GPU 1. Job 2 ends
+    # at 150 and frees GPU 0 first, but job 1's memory waits for it on GPU 1: it resumes there when
+    # job 3 ends (161.25).
+    trace = [tjob(2, 150), tjob(1, 1000, submit=0.25, iterations=1000), tjob(3, 60, submit=100.5)]
+    config = SimulationConfig(gpu_count=2)
+    simulator = Simulator(trace, DiscretizedLas(thresholds_gpu_s=(100.0,), starvation_factor=0), config)
+    result = simulator.run()
+    jobs = by_id(result)
+    assert jobs[1].preemptions == 1
+    assert jobs[3].first_started_at == pytest.approx(101.25)
+    assert jobs[1].finished_at == pytest.approx(161.25 + 1000 - 101)
+
+
 # --- traces ----------------------------------------------------------------------------
 
 

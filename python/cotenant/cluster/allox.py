@@ -85,7 +85,9 @@ class TypeMatching:
             if index not in held:
                 gpu_type = state.gpu(index).gpu_type
                 pools[gpu_type] = pools.get(gpu_type, 0) + 1
-        waiting = [j for j in state.jobs if j.status not in (RUNNING, STOPPING) and j.gpu_type is None]
+        # A suspended job resumes on the GPUs it holds in host memory: their type is its type.
+        waiting = [j for j in state.jobs
+                   if j.status not in (RUNNING, STOPPING) and j.gpu_type is None and not j.bound_gpus]
         types = match(waiting, pools)
         jobs = tuple(replace(j, gpu_type=types[j.job_id]) if j.job_id in types else j for j in state.jobs)
         return self.inner.plan(replace(state, jobs=jobs))

@@ -37,7 +37,7 @@ The policies never move a running job to other GPUs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from cotenant.scheduling.admission import GpuBook, refusals
 from cotenant.scheduling.state import (
@@ -64,6 +64,27 @@ def _start(book: GpuBook, job: JobView, placements: Dict[int, Placement], waitin
         waiting.append(job.job_id)
     else:
         placements[job.job_id] = Placement(gpus, 1.0, GUARANTEED)
+
+
+def _own_gpus(job: JobView) -> Set[int]:
+    """The GPUs a job can only run on: a running job stays where it is, and a suspended one resumes
+    where it was (its processes stay there). Empty for a job that has not started."""
+    return set(job.gpus if job.status == RUNNING else job.bound_gpus)
+
+
+def _start_all(book: GpuBook, selected: Sequence[JobView], kept: Set[int], placements: Dict[int, Placement],
+               waiting: List[int]) -> None:
+    """Starts the selected jobs with GPUs of their own first, then keeps the empty GPUs of `kept`
+    from the others (held for a job whose turn it is), then starts the others on what is left."""
+    for job in selected:
+        if _own_gpus(job):
+            _start(book, job, placements, waiting)
+    for gpu in kept:
+        if book.is_empty(gpu):
+            book.blocked[gpu] = True
+    for job in selected:
+        if not _own_gpus(job):
+            _start(book, job, placements, waiting)
 
 
 # --- FIFO -------------------------------------------------------------------------
@@ -148,13 +169,20 @@ class DiscretizedLas:
             promoted.append(job)
         order = sorted(promoted, key=lambda j: (self.queue_of(j), j.status != RUNNING, j.submit_time, j.job_id))
 
-        # The cut: by priority, skipping jobs that do not fit in what is left (counting GPUs).
-        left = state.gpu_count
+        # The cut: by priority, skipping jobs that do not fit in what is left. A running or
+        # suspended job needs its own GPUs; any other job counts GPUs.
+        taken: Set[int] = set()
+        anywhere = 0
         selected = []
         for job in order:
-            if job.num_gpus <= left:
+            mine = _own_gpus(job)
+            if mine:
+                if not mine & taken and state.gpu_count - len(taken | mine) >= anywhere:
+                    selected.append(job)
+                    taken |= mine
+            elif job.num_gpus <= state.gpu_count - len(taken) - anywhere:
                 selected.append(job)
-                left -= job.num_gpus
+                anywhere += job.num_gpus
         chosen = {j.job_id for j in selected}
         book = GpuBook(state)
         for job in jobs:
@@ -162,8 +190,7 @@ class DiscretizedLas:
                 book.release(job)  # preempted: suspended at its next iteration boundary
         placements: Dict[int, Placement] = {}
         waiting: List[int] = []
-        for job in selected:
-            _start(book, job, placements, waiting)
+        _start_all(book, selected, set(), placements, waiting)
         waiting += [j.job_id for j in order if j.job_id not in chosen]
         priorities = {j.job_id: self.queue_of(j) for j in promoted}
         return Plan(placements, tuple(waiting), priorities, refused, marks, self._next_change(state.now, promoted))
@@ -224,12 +251,22 @@ class TimeSlicing:
                        key=lambda j: (j.last_stopped_at if j.last_stopped_at is not None else j.submit_time, j.job_id))
         turns += sorted((j for j in jobs if j.status == RUNNING and expired(j)),
                         key=lambda j: (started(j), j.job_id))
-        left = state.gpu_count - sum(j.num_gpus for j in keep)
+        # A running or suspended job takes exactly its own GPUs; any other job counts free ones.
+        free = set(range(state.gpu_count)) - {g for j in keep for g in j.gpus}
+        kept: Set[int] = set()  # free GPUs taken, or held for the job whose turn it is, by their owners
+        anywhere = 0            # GPUs the selected jobs without GPUs of their own take
         selected = list(keep)
         for job in turns:
-            if job.num_gpus <= left:
+            mine = _own_gpus(job)
+            if mine:
+                if mine <= free - kept and len(free - kept - mine) >= anywhere:
+                    selected.append(job)
+                    kept |= mine
+                elif job.status != RUNNING and not mine & kept and len(free - kept - mine) >= anywhere:
+                    kept |= mine & free  # its turn: its own GPUs are kept for it; the rest go on
+            elif job.num_gpus <= len(free - kept) - anywhere:
                 selected.append(job)
-                left -= job.num_gpus
+                anywhere += job.num_gpus
             elif job.status != RUNNING:
                 break  # its turn: what frees up next is kept for it
         chosen = {j.job_id for j in selected}
@@ -239,8 +276,7 @@ class TimeSlicing:
                 book.release(job)
         placements: Dict[int, Placement] = {}
         waiting: List[int] = []
-        for job in selected:
-            _start(book, job, placements, waiting)
+        _start_all(book, selected, kept, placements, waiting)
         waiting += [j.job_id for j in turns if j.job_id not in chosen]
         wake = None
         if others_wait or waiting:
@@ -294,6 +330,12 @@ class Packing:
             if over_quota(job):
                 opportunistic.append(job)
                 continue
+            if not blocked and job.status == RUNNING and any(book.has_guaranteed(g) for g in job.gpus):
+                # Running opportunistically beside a guaranteed job. Its processes cannot move (a
+                # suspended job resumes where it was), so it stays, is promoted when that job ends,
+                # and holds up no guaranteed job behind it.
+                opportunistic.append(job)
+                continue
             gpus = None if blocked else self._guaranteed_gpus(book, job)
             if gpus is None:
                 blocked = True
@@ -315,18 +357,12 @@ class Packing:
         return Plan(placements, tuple(waiting), priorities, refused)
 
     def _guaranteed_gpus(self, book: GpuBook, job: JobView) -> Optional[Tuple[int, ...]]:
-        """GPUs no guaranteed job holds. A job already running opportunistically on such GPUs
-        becomes guaranteed where it is; opportunistic jobs that no longer fit beside it are
-        preempted."""
-        if job.status == RUNNING:  # running opportunistically
-            if not any(book.has_guaranteed(g) for g in job.gpus):
-                book.roles[job.job_id] = GUARANTEED  # promoted where it runs: its memory already fits there
-                return job.gpus
-            elsewhere = [g for g in range(book.gpu_count) if g not in job.gpus and not book.blocked[g]
-                         and not book.has_guaranteed(g) and book.allowed(g, job)]
-            if len(elsewhere) >= job.num_gpus:
-                book.release(job)  # suspended now, resumed as guaranteed on GPUs of its own
-            return None
+        """GPUs no guaranteed job holds. A job already running opportunistically (on GPUs no
+        guaranteed job holds: the caller sees to that) becomes guaranteed where it is;
+        opportunistic jobs that no longer fit beside a job are preempted."""
+        if job.status == RUNNING:
+            book.roles[job.job_id] = GUARANTEED  # promoted where it runs: its memory already fits there
+            return job.gpus
         candidates = [g for g in range(book.gpu_count) if not book.blocked[g] and not book.has_guaranteed(g)]
         # Empty GPUs first, then those whose opportunistic residents it fits beside.
         candidates.sort(key=lambda g: (not book.is_empty(g), not book.admits(g, job), g))

@@ -13,9 +13,10 @@ The model of a job:
   * a preempted job runs on to its next iteration boundary (Gandiva's
     switching point, where only persistent memory is live), then its
     persistent memory moves to the host (`persistent_bytes / bandwidth`,
-    every GPU over its own link, in parallel) and its GPUs are free; a resumed
-    job first moves it back, then computes. Those copies are the only cost of
-    a preemption: cotenant keeps the addresses, so there is no checkpoint and
+    every GPU over its own link, in parallel) and its GPUs are free; it
+    resumes on those same GPUs (its processes stay there), first moves the
+    memory back, then computes. Those copies are the only cost of a
+    preemption: cotenant keeps the addresses, so there is no checkpoint and
     no restart;
   * attained service is GPU-seconds times the compute share, counted while the
     job computes.
@@ -89,6 +90,7 @@ class _Job:
     released_at: float = math.inf     # STOPPING: its memory is on the host, its GPUs free
     finished_at: Optional[float] = None
     preemptions: int = 0
+    suspended_on: Tuple[int, ...] = ()  # SUSPENDED: its processes stay on these GPUs, it resumes there
     bytes_moved: int = 0
     switch_s: float = 0.0
     marks: Dict[str, float] = field(default_factory=dict)
@@ -109,6 +111,7 @@ class _Job:
             first_started_at=self.first_started_at, last_started_at=self.last_started_at,
             last_stopped_at=self.last_stopped_at, waited_s=self.waited_s, marks=dict(self.marks),
             speeds=self.speeds, remaining_s=max(0.0, s.duration_s - self.done_s),
+            bound_gpus=self.suspended_on if self.status == SUSPENDED else (),
         )
 
     def computing_until(self, t: float) -> float:
@@ -239,7 +242,7 @@ class Simulator:
                 job.bytes_moved += job.spec.persistent_bytes * job.spec.num_gpus
                 self.switch_s += job.released_at - job.boundary_at
                 job.status = SUSPENDED
-                job.gpus = ()
+                job.suspended_on, job.gpus = job.gpus, ()
                 job.running_role = None
                 job.last_stopped_at = self.now
 
@@ -285,6 +288,10 @@ class Simulator:
                     job.share, job.running_role = placement.share, placement.role
                     changed = True
             elif job.status in (WAITING, SUSPENDED):
+                if job.status == SUSPENDED and sorted(placement.gpus) != sorted(job.suspended_on):
+                    raise SimulationError(f"policy {self.policy.name!r} resumed job {job_id} on GPUs "
+                                          f"{tuple(placement.gpus)}; it was suspended on {job.suspended_on}, where "
+                                          "its processes and their memory stay, so it resumes there")
                 self._start(job, placement)
                 changed = True
             else:
