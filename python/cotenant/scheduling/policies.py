@@ -72,6 +72,15 @@ def _own_gpus(job: JobView) -> Set[int]:
     return set(job.gpus if job.status == RUNNING else job.bound_gpus)
 
 
+def _fits(job: JobView, available: Set[int], anywhere: int) -> bool:
+    """Whether `job` can be selected into the `available` GPUs while the jobs already selected
+    without GPUs of their own still find `anywhere` of them."""
+    mine = _own_gpus(job)
+    if mine:
+        return mine <= available and len(available - mine) >= anywhere
+    return job.num_gpus <= len(available) - anywhere
+
+
 def _start_all(book: GpuBook, selected: Sequence[JobView], kept: Set[int], placements: Dict[int, Placement],
                waiting: List[int]) -> None:
     """Starts the selected jobs with GPUs of their own first, then keeps the empty GPUs of `kept`
@@ -171,18 +180,15 @@ class DiscretizedLas:
 
         # The cut: by priority, skipping jobs that do not fit in what is left. A running or
         # suspended job needs its own GPUs; any other job counts GPUs.
-        taken: Set[int] = set()
+        available = set(range(state.gpu_count))
         anywhere = 0
         selected = []
         for job in order:
-            mine = _own_gpus(job)
-            if mine:
-                if not mine & taken and state.gpu_count - len(taken | mine) >= anywhere:
-                    selected.append(job)
-                    taken |= mine
-            elif job.num_gpus <= state.gpu_count - len(taken) - anywhere:
+            if _fits(job, available, anywhere):
+                mine = _own_gpus(job)
                 selected.append(job)
-                anywhere += job.num_gpus
+                available -= mine
+                anywhere += 0 if mine else job.num_gpus
         chosen = {j.job_id for j in selected}
         book = GpuBook(state)
         for job in jobs:
@@ -258,15 +264,13 @@ class TimeSlicing:
         selected = list(keep)
         for job in turns:
             mine = _own_gpus(job)
-            if mine:
-                if mine <= free - kept and len(free - kept - mine) >= anywhere:
-                    selected.append(job)
-                    kept |= mine
-                elif job.status != RUNNING and not mine & kept and len(free - kept - mine) >= anywhere:
-                    kept |= mine & free  # its turn: its own GPUs are kept for it; the rest go on
-            elif job.num_gpus <= len(free - kept) - anywhere:
+            if _fits(job, free - kept, anywhere):
                 selected.append(job)
-                anywhere += job.num_gpus
+                kept |= mine
+                anywhere += 0 if mine else job.num_gpus
+            elif mine:
+                if job.status != RUNNING and not mine & kept and len(free - kept - mine) >= anywhere:
+                    kept |= mine & free  # its turn: its own GPUs are kept for it; the rest go on
             elif job.status != RUNNING:
                 break  # its turn: what frees up next is kept for it
         chosen = {j.job_id for j in selected}
