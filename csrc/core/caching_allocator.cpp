@@ -11,6 +11,7 @@
 #include "cotenant/size.h"
 #include "cotenant/spill_policy.h"
 #include "segment.h"
+#include "step_plan.h"
 
 namespace cotenant {
 
@@ -18,6 +19,7 @@ using detail::Block;
 using detail::BlockPool;
 using detail::Page;
 using detail::Segment;
+using detail::StepPlan;
 
 namespace {
 
@@ -46,6 +48,10 @@ struct CachingAllocator::State {
   mutable std::mutex mutex;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments;  // by base address
   BlockPool free_blocks;                                   // best fit over every arena
+  StepPlan step_plan;                                      // the step before, once the loop repeats
+  // The same free blocks by address, kept while step_plan is active (it
+  // finds the hole holding a planned range); empty otherwise.
+  detail::BlockSet<detail::ByAddress> free_by_address;
   BlockPool pinned_free;                                   // freed pinned fallback segments, kept
   std::unordered_map<DevicePtr, Block*> allocated;         // live blocks by address
   std::vector<Block*> waiting;                             // freed, held back by events
@@ -109,17 +115,22 @@ struct CachingAllocator::State {
     }
   }
 
-  void pool_insert(Block* block) {
+  // A block joins or leaves the free pools. `resized`: it leaves only to
+  // come back with another size at the same address, so its place in
+  // free_by_address stays as it is.
+  void pool_insert(Block* block, bool resized = false) {
     block->in_pool = true;
     free_blocks.insert(block);
+    if (!resized && step_plan.active()) free_by_address.insert(block);
     if (block->is_split()) {
       stats.inactive_split.increase(block->segment->pool, 1);
       stats.inactive_split_bytes.increase(block->segment->pool, static_cast<std::int64_t>(block->size));
     }
   }
 
-  void pool_erase(Block* block) {
+  void pool_erase(Block* block, bool resized = false) {
     free_blocks.erase(block);
+    if (!resized && step_plan.active()) free_by_address.erase(block);
     block->in_pool = false;
     if (block->is_split()) {
       stats.inactive_split.decrease(block->segment->pool, 1);
@@ -435,6 +446,69 @@ struct CachingAllocator::State {
     pool_insert(rest);
   }
 
+  // Takes [address, address + size) out of `block`, a free block in the
+  // pool that holds it; the bytes before and after go back to the pool.
+  Block* carve(Block* block, DevicePtr address, std::size_t size) {
+    const bool keeps_front = address > block->address;
+    pool_erase(block, /*resized=*/keeps_front);
+    if (keeps_front) {
+      auto* rest = new Block;
+      rest->segment = block->segment;
+      rest->address = address;
+      rest->size = block->address + block->size - address;
+      rest->prev = block;
+      rest->next = block->next;
+      if (block->next) block->next->prev = rest;
+      block->next = rest;
+      block->size = address - block->address;
+      pool_insert(block, /*resized=*/true);
+      block = rest;
+    }
+    split(block, size);
+    return block;
+  }
+
+  // The free block of `stream` that holds [address, address + size), or null.
+  Block* free_block_holding(DevicePtr address, std::size_t size, StreamId stream) const {
+    Block key;
+    key.address = address;
+    auto it = free_by_address.set().upper_bound(&key);
+    if (it == free_by_address.set().begin()) return nullptr;
+    Block* block = *std::prev(it);  // the last free block starting at or before `address`
+    const bool holds = block->address + block->size >= address + size;
+    return holds && block->segment->stream == stream ? block : nullptr;
+  }
+
+  bool all_mapped(const Segment& segment, DevicePtr address, std::size_t size) const {
+    const std::size_t first = (address - segment.base) / page_bytes;
+    const std::size_t last = (address + size - 1 - segment.base) / page_bytes;
+    for (std::size_t i = first; i <= last; ++i) {
+      if (!segment.pages[i].handle) return false;
+    }
+    return true;
+  }
+
+  // Placement by the plan, once the loop repeats (step_plan.h): the range
+  // the same request had in the step before, when it is free; else, in
+  // best-fit order over the holes (an arena's untouched end excepted), the
+  // lowest mapped range that no later request of the step is planned to.
+  // Null when neither exists: best fit places it.
+  static constexpr std::size_t kPlannedFitCandidates = 64;
+  Block* take_planned(std::size_t size, StreamId stream) {
+    if (!step_plan.active()) return nullptr;
+    if (const DevicePtr hint = step_plan.hint(size, stream)) {
+      if (Block* hole = free_block_holding(hint, size, stream)) return carve(hole, hint, size);
+    }
+    DevicePtr at = 0;
+    Block* hole = free_blocks.find_fit(stream, size, kPlannedFitCandidates, [&](const Block* candidate) {
+      if (candidate->next == nullptr) return false;
+      auto mapped = [&](DevicePtr start) { return all_mapped(*candidate->segment, start, size); };
+      at = step_plan.unclaimed(candidate->address, candidate->address + candidate->size, size, mapped);
+      return at != 0;
+    });
+    return hole ? carve(hole, at, size) : nullptr;
+  }
+
   // A block that is neither allocated nor waiting becomes free: its pages
   // lose a live block, it merges with free neighbours and joins its pool.
   void make_free(Block* block) {
@@ -450,13 +524,15 @@ struct CachingAllocator::State {
   void return_to_pool(Block* block) {
     block->used_on.clear();
     block->requested = 0;
+    bool into_prev = false;
     if (Block* prev = block->prev; prev && prev->in_pool) {
-      pool_erase(prev);
+      pool_erase(prev, /*resized=*/true);
       prev->size += block->size;
       prev->next = block->next;
       if (block->next) block->next->prev = prev;
       delete block;
       block = prev;
+      into_prev = true;
     }
     if (Block* next = block->next; next && next->in_pool) {
       pool_erase(next);
@@ -465,7 +541,7 @@ struct CachingAllocator::State {
       if (next->next) next->next->prev = block;
       delete next;
     }
-    pool_insert(block);
+    pool_insert(block, /*resized=*/into_prev);
   }
 
   // The end of a block's life as "active": free it, or for a pinned
@@ -775,7 +851,8 @@ struct CachingAllocator::State {
       if (target.where != Residency::kHost) fail("a spill target is not a host page");
     }
     const auto targets = static_cast<std::int64_t>(spill_targets.size()) * page;
-    if (free_count != free_blocks.size() || pinned_free_count != pinned_free.size()) {
+    if (free_count != free_blocks.size() || (step_plan.active() ? free_count : 0) != free_by_address.set().size() ||
+        pinned_free_count != pinned_free.size()) {
       fail("free blocks and the free pools disagree in number");
     }
     if (cached[0] != cached_bytes[0] || cached[1] != cached_bytes[1]) fail("the cached byte counters drifted");
@@ -860,11 +937,14 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
   ++s.tick;
 
-  Block* block = s.free_blocks.best_fit(stream, size);
-  if (block) s.pool_erase(block);
-  else block = s.new_arena(size, stream);
-  if (!block) s.out_of_memory(size, stream);
-  s.split(block, size);
+  Block* block = s.take_planned(size, stream);
+  if (!block) {
+    block = s.free_blocks.best_fit(stream, size);
+    if (block) s.pool_erase(block);
+    else block = s.new_arena(size, stream);
+    if (!block) s.out_of_memory(size, stream);
+    s.split(block, size);
+  }
 
   bool spilled = false, released_cache = false, backed = false;
   try {
@@ -890,6 +970,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   block->requested = bytes;
   block->size_class = pool;
   s.allocated.emplace(block->address, block);
+  s.step_plan.record(size, stream, block->address);
   const auto block_bytes = static_cast<std::int64_t>(block->size);
   s.stats.allocation.increase(pool, 1);
   s.stats.allocated_bytes.increase(pool, block_bytes);
@@ -1010,6 +1091,17 @@ void CachingAllocator::mark_iteration() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.cold_before = s.tick + 1;
+  const bool was_active = s.step_plan.active();
+  s.step_plan.mark();
+  if (s.step_plan.active() == was_active) return;  // free_by_address is kept while the plan is active
+  s.free_by_address.clear();
+  if (!s.step_plan.active()) return;
+  for (const auto& [base, segment] : s.segments) {
+    if (segment->pinned_fallback) continue;
+    for (Block* block = segment->first; block; block = block->next) {
+      if (block->in_pool) s.free_by_address.insert(block);
+    }
+  }
 }
 
 std::size_t CachingAllocator::host_bytes_of(DevicePtr address) const {

@@ -60,24 +60,57 @@ struct Segment {
   Block* first = nullptr;
 };
 
+// A set of blocks that keeps the nodes of erased blocks for later inserts,
+// so that the allocator's fast path allocates no memory of its own.
+template <class Order>
+class BlockSet {
+ public:
+  using Set = std::set<Block*, Order>;
+  void insert(Block* block) {
+    if (spare_.empty()) {
+      set_.insert(block);
+      return;
+    }
+    typename Set::node_type node = std::move(spare_.back());
+    spare_.pop_back();
+    node.value() = block;
+    set_.insert(std::move(node));
+  }
+  void erase(Block* block) {
+    if (typename Set::node_type node = set_.extract(block)) spare_.push_back(std::move(node));
+  }
+  void clear() {
+    while (!set_.empty()) spare_.push_back(set_.extract(set_.begin()));
+  }
+  const Set& set() const { return set_; }
+
+ private:
+  Set set_;
+  std::vector<typename Set::node_type> spare_;
+};
+
 // Free blocks ordered for best fit: by stream, then size, then address.
 class BlockPool {
  public:
   // The smallest free block of `stream` with at least `size` bytes, or null.
   Block* best_fit(StreamId stream, std::size_t size) const {
-    Segment key_segment;
-    key_segment.stream = stream;
-    Block key;
-    key.segment = &key_segment;
-    key.size = size;
-    auto it = blocks_.lower_bound(&key);
-    if (it == blocks_.end() || (*it)->segment->stream != stream) return nullptr;
-    return *it;
+    auto it = first_fit_in_order(stream, size);
+    return it == blocks_.set().end() || (*it)->segment->stream != stream ? nullptr : *it;
+  }
+  // The first of the free blocks of `stream` with at least `size` bytes, in
+  // best-fit order and at most `limit` of them, that `accept` takes; or null.
+  template <class Accept>
+  Block* find_fit(StreamId stream, std::size_t size, std::size_t limit, Accept accept) const {
+    for (auto it = first_fit_in_order(stream, size);
+         it != blocks_.set().end() && (*it)->segment->stream == stream && limit > 0; ++it, --limit) {
+      if (accept(*it)) return *it;
+    }
+    return nullptr;
   }
   void insert(Block* block) { blocks_.insert(block); }
   void erase(Block* block) { blocks_.erase(block); }
-  bool empty() const { return blocks_.empty(); }
-  std::size_t size() const { return blocks_.size(); }
+  bool empty() const { return blocks_.set().empty(); }
+  std::size_t size() const { return blocks_.set().size(); }
 
  private:
   struct Order {
@@ -86,7 +119,21 @@ class BlockPool {
              std::make_tuple(b->segment->stream, b->size, b->address);
     }
   };
-  std::set<Block*, Order> blocks_;
+  using Set = BlockSet<Order>::Set;
+  Set::const_iterator first_fit_in_order(StreamId stream, std::size_t size) const {
+    Segment key_segment;
+    key_segment.stream = stream;
+    Block key;
+    key.segment = &key_segment;
+    key.size = size;
+    return blocks_.set().lower_bound(&key);
+  }
+  BlockSet<Order> blocks_;
+};
+
+// Free blocks by address, to find the one holding a given address.
+struct ByAddress {
+  bool operator()(const Block* a, const Block* b) const { return a->address < b->address; }
 };
 
 }  // namespace cotenant::detail

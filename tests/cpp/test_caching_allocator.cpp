@@ -1,5 +1,8 @@
 #include <catch2/catch.hpp>
 
+#include <tuple>
+#include <utility>
+
 #include "cotenant/errors.h"
 #include "test_helpers.h"
 
@@ -265,6 +268,67 @@ TEST_CASE("a_loop_with_iteration_marks_releases_only_cache_idle_since_the_last_m
   CHECK(device.calls().unmap == unmaps);
   allocator.free(keep);
   allocator.free(keep_too);
+}
+
+TEST_CASE("a_loop_that_repeats_its_steps_places_each_request_where_it_went_in_the_step_before", "[allocator]") {
+  // Two allocators run the same program; in `other` the steps differ, so it
+  // has no plan and best fit decides.
+  SimulatedBackend device(device_config(256 * kMiB)), other_device(device_config(256 * kMiB));
+  CachingAllocator allocator(device), other(other_device);
+  auto run = [](CachingAllocator& a, std::size_t second_step_bytes) {
+    const DevicePtr first = a.allocate(kMiB, 0);  // lives across the steps
+    a.allocate(kMiB, 0);
+    a.mark_iteration();
+    auto step = [&](std::size_t bytes) {
+      const DevicePtr x = a.allocate(bytes, 0);
+      a.free(x);
+      a.mark_iteration();
+      return x;
+    };
+    const DevicePtr one = step(kMiB);
+    step(second_step_bytes);
+    // A free is no request: the step still follows the plan, though best
+    // fit would now take the 1 MiB hole `first` leaves.
+    a.free(first);
+    const DevicePtr three = a.allocate(kMiB, 0);
+    return std::make_tuple(first, one, three);
+  };
+  const auto [first, one, three] = run(allocator, kMiB);
+  CHECK(one == first + 2 * kMiB);
+  CHECK(three == one);
+  const auto [other_first, other_one, other_three] = run(other, 2 * kMiB);
+  CHECK(other_three == other_first);
+  (void)other_one;
+  allocator.check_invariants();
+  other.check_invariants();
+}
+
+TEST_CASE("a_request_off_the_plan_goes_where_no_later_request_of_the_step_is_planned", "[allocator]") {
+  SimulatedBackend device(device_config(256 * kMiB)), other_device(device_config(256 * kMiB));
+  CachingAllocator allocator(device), other(other_device);
+  auto run = [](CachingAllocator& a, bool repeat) {
+    // A mapped 6 MiB hole below a live block.
+    const DevicePtr hole = a.allocate(6 * kMiB, 0);
+    a.allocate(512 * 1024, 0);
+    a.free(hole);
+    a.mark_iteration();
+    for (int i = 0; i < 2; ++i) {  // two steps alike (or not): the plan is two 1 MiB blocks at the hole's start
+      const DevicePtr r0 = a.allocate(repeat || i == 0 ? kMiB : 2 * kMiB, 0);
+      const DevicePtr r1 = a.allocate(kMiB, 0);
+      a.free(r0);
+      a.free(r1);
+      a.mark_iteration();
+    }
+    // 1.5 MiB is not the plan's first request. Best fit would put it at the
+    // hole's start, over the range the plan gives the step's second request.
+    return std::make_pair(hole, a.allocate(3 * kMiB / 2, 0));
+  };
+  const auto [hole, off_plan] = run(allocator, true);
+  CHECK(off_plan == hole + 2 * kMiB);
+  const auto [other_hole, best_fit] = run(other, false);
+  CHECK(best_fit == other_hole);
+  CHECK(device.calls().map == other_device.calls().map);  // the range was mapped: nothing new for it
+  allocator.check_invariants();
 }
 
 TEST_CASE("steady_state_reuse_maps_no_new_pages", "[allocator]") {

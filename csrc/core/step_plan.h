@@ -1,0 +1,131 @@
+// The step before as a plan: where a loop that repeats its steps puts each
+// request. Internal to csrc/core (docs/allocator.md, "Placement").
+//
+// Best fit alone never settles on such a loop: the blocks a step leaves
+// alive (gradients) sit where the next step's blocks went, so each step
+// routes around them somewhere else, and now and then reaches a page that is
+// not mapped. Once the last step made the same requests, in the same order,
+// as the step before it, the plan is that last step: each request goes to
+// the address the same request had there while that range is free, and a
+// request whose range is taken goes where no later request of the step is
+// planned to go. The layout then repeats, and a warm loop maps nothing.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cotenant/backend.h"
+
+namespace cotenant::detail {
+
+class StepPlan {
+ public:
+  // Requests a step may record; a longer step (or a program that stops
+  // marking its steps) records no more and plans nothing.
+  static constexpr std::size_t kMaxRequests = std::size_t{1} << 17;
+
+  // An iteration mark: the step that ends becomes the plan if it made the
+  // same requests as the one before it. Recording starts at the first mark.
+  void mark() {
+    const bool repeats = recording_ && !overflowed_ && !current_.empty() && same_requests(current_, previous_);
+    const bool same_layout = repeats && repeating_ && same_addresses(current_, previous_);
+    repeating_ = repeats;
+    recording_ = true;
+    overflowed_ = false;
+    in_step_ = true;
+    previous_.swap(current_);
+    current_.clear();
+    if (same_layout) return;  // a settled loop: the claims are those of the plan before
+    claims_.clear();
+    claim_end_max_.clear();
+    if (!repeating_) return;
+    claims_.reserve(previous_.size());
+    for (std::size_t i = 0; i < previous_.size(); ++i) {
+      claims_.push_back({previous_[i].address, previous_[i].address + previous_[i].size, i});
+    }
+    std::sort(claims_.begin(), claims_.end(), [](const Claim& a, const Claim& b) { return a.begin < b.begin; });
+    DevicePtr end = 0;
+    for (const Claim& claim : claims_) claim_end_max_.push_back(end = std::max(end, claim.end));
+  }
+
+  bool active() const { return repeating_; }
+
+  // The address the next request (`size` bytes on `stream`) had in the plan,
+  // while every request of this step so far matched the plan's; 0 otherwise.
+  DevicePtr hint(std::size_t size, StreamId stream) {
+    if (!repeating_ || !in_step_) return 0;
+    const std::size_t i = current_.size();
+    if (i >= previous_.size() || previous_[i].size != size || previous_[i].stream != stream) {
+      in_step_ = false;  // the step left the plan: no more hints until the next mark
+      return 0;
+    }
+    return previous_[i].address;
+  }
+
+  // The lowest start of `size` bytes in [begin, end) that no later request
+  // of this step is planned to overlap and that `usable(start)` accepts; 0
+  // when there is none.
+  template <class Usable>
+  DevicePtr unclaimed(DevicePtr begin, DevicePtr end, std::size_t size, Usable usable) const {
+    const std::size_t next = current_.size();
+    // The first claim that can reach `begin`: claims are by start, and
+    // claim_end_max_ is the furthest end of any claim up to each one.
+    std::size_t k = static_cast<std::size_t>(
+        std::upper_bound(claim_end_max_.begin(), claim_end_max_.end(), begin) - claim_end_max_.begin());
+    DevicePtr at = begin;
+    for (; k < claims_.size() && claims_[k].begin < end; ++k) {
+      const Claim& claim = claims_[k];
+      if (claim.end <= at || claim.request <= next) continue;  // behind us, or a request already made
+      if (claim.begin >= at + size && usable(at)) return at;
+      at = std::max(at, claim.end);
+    }
+    if (at + size <= end && usable(at)) return at;
+    return 0;
+  }
+
+  // Each successful allocation, in order, where it went.
+  void record(std::size_t size, StreamId stream, DevicePtr address) {
+    if (!recording_ || overflowed_) return;
+    if (current_.size() == kMaxRequests) {
+      overflowed_ = true;
+      current_.clear();
+      current_.shrink_to_fit();
+      return;
+    }
+    current_.push_back({size, stream, address});
+  }
+
+ private:
+  struct Request {
+    std::size_t size;
+    StreamId stream;
+    DevicePtr address;
+  };
+  struct Claim {
+    DevicePtr begin;
+    DevicePtr end;
+    std::size_t request;  // its index in the plan
+  };
+
+  static bool same_requests(const std::vector<Request>& a, const std::vector<Request>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                      [](const Request& x, const Request& y) { return x.size == y.size && x.stream == y.stream; });
+  }
+  static bool same_addresses(const std::vector<Request>& a, const std::vector<Request>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                      [](const Request& x, const Request& y) { return x.address == y.address; });
+  }
+
+  bool recording_ = false;   // a mark has been seen
+  bool overflowed_ = false;  // this step made more than kMaxRequests requests
+  bool repeating_ = false;   // the plan (previous_) repeated the step before it
+  bool in_step_ = false;     // this step's requests have all matched the plan's so far
+  std::vector<Request> current_;
+  std::vector<Request> previous_;
+  std::vector<Claim> claims_;              // the plan's ranges, by start
+  std::vector<DevicePtr> claim_end_max_;   // running maximum of their ends
+};
+
+}  // namespace cotenant::detail
