@@ -431,9 +431,9 @@ struct CachingAllocator::State {
     return block.size - size >= options.round_bytes;
   }
 
-  // Cuts `block` (not in a pool) to `size`; the rest goes back to the pool.
-  void split(Block* block, std::size_t size) {
-    if (!should_split(*block, size)) return;
+  // Cuts `block` to `size` bytes and returns the rest, a new block after it
+  // in the segment's list (in no pool).
+  Block* cut(Block* block, std::size_t size) {
     auto* rest = new Block;
     rest->segment = block->segment;
     rest->address = block->address + size;
@@ -443,7 +443,12 @@ struct CachingAllocator::State {
     if (block->next) block->next->prev = rest;
     block->next = rest;
     block->size = size;
-    pool_insert(rest);
+    return rest;
+  }
+
+  // Cuts `block` (not in a pool) to `size`; the rest goes back to the pool.
+  void split(Block* block, std::size_t size) {
+    if (should_split(*block, size)) pool_insert(cut(block, size));
   }
 
   // Takes [address, address + size) out of `block`, a free block in the
@@ -452,15 +457,7 @@ struct CachingAllocator::State {
     const bool keeps_front = address > block->address;
     pool_erase(block, /*resized=*/keeps_front);
     if (keeps_front) {
-      auto* rest = new Block;
-      rest->segment = block->segment;
-      rest->address = address;
-      rest->size = block->address + block->size - address;
-      rest->prev = block;
-      rest->next = block->next;
-      if (block->next) block->next->prev = rest;
-      block->next = rest;
-      block->size = address - block->address;
+      Block* rest = cut(block, address - block->address);
       pool_insert(block, /*resized=*/true);
       block = rest;
     }
