@@ -370,6 +370,8 @@ COTENANT_CORE_BINDINGS(core) {
            py::arg("cap"), "Sets the device-resident bound (anything Cap() reads); None removes it.")
       .def("memory_cap", [](const CachingAllocator& self) { return cap_value(self.memory_cap()); },
            "The cap in bytes, or None when there is none.")
+      .def("mark_iteration", &CachingAllocator::mark_iteration,
+           "Marks the end of a step, as optimizer.step() and cotenant.iteration() do in a job.")
       .def("spill_all", &CachingAllocator::spill_all)
       .def("restore_all", &CachingAllocator::restore_all)
       .def("has_pending_migrations", &CachingAllocator::has_pending_migrations)

@@ -37,6 +37,7 @@ class StepPlan {
     in_step_ = true;
     previous_.swap(current_);
     current_.clear();
+    made_ = 0;
     if (same_layout) return;  // a settled loop: the claims are those of the plan before
     claims_.clear();
     claim_end_max_.clear();
@@ -56,7 +57,7 @@ class StepPlan {
   // while every request of this step so far matched the plan's; 0 otherwise.
   DevicePtr hint(std::size_t size, StreamId stream) {
     if (!repeating_ || !in_step_) return 0;
-    const std::size_t i = current_.size();
+    const std::size_t i = made_;
     if (i >= previous_.size() || previous_[i].size != size || previous_[i].stream != stream) {
       in_step_ = false;  // the step left the plan: no more hints until the next mark
       return 0;
@@ -69,7 +70,7 @@ class StepPlan {
   // when there is none.
   template <class Usable>
   DevicePtr unclaimed(DevicePtr begin, DevicePtr end, std::size_t size, Usable usable) const {
-    const std::size_t next = current_.size();
+    const std::size_t next = made_;
     // The first claim that can reach `begin`: claims are by start, and
     // claim_end_max_ is the furthest end of any claim up to each one.
     std::size_t k = static_cast<std::size_t>(
@@ -87,6 +88,7 @@ class StepPlan {
 
   // Each successful allocation, in order, where it went.
   void record(std::size_t size, StreamId stream, DevicePtr address) {
+    ++made_;
     if (!recording_ || overflowed_) return;
     if (current_.size() == kMaxRequests) {
       overflowed_ = true;
@@ -122,6 +124,7 @@ class StepPlan {
   bool overflowed_ = false;  // this step made more than kMaxRequests requests
   bool repeating_ = false;   // the plan (previous_) repeated the step before it
   bool in_step_ = false;     // this step's requests have all matched the plan's so far
+  std::size_t made_ = 0;     // requests this step has made (recorded or not)
   std::vector<Request> current_;
   std::vector<Request> previous_;
   std::vector<Claim> claims_;              // the plan's ranges, by start

@@ -331,6 +331,29 @@ TEST_CASE("a_request_off_the_plan_goes_where_no_later_request_of_the_step_is_pla
   allocator.check_invariants();
 }
 
+TEST_CASE("a_step_longer_than_the_plan_can_record_places_by_best_fit_once_past_the_plan", "[allocator]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  // As above: a mapped 6 MiB hole, and a plan of two 1 MiB blocks at its start.
+  const DevicePtr hole = allocator.allocate(6 * kMiB, 0);
+  allocator.allocate(512 * 1024, 0);
+  allocator.free(hole);
+  allocator.mark_iteration();
+  for (int i = 0; i < 2; ++i) {
+    const DevicePtr r0 = allocator.allocate(kMiB, 0);
+    const DevicePtr r1 = allocator.allocate(kMiB, 0);
+    allocator.free(r0);
+    allocator.free(r1);
+    allocator.mark_iteration();
+  }
+  // This step makes more requests than a step records (2^17): every request
+  // of the plan lies behind it, so nothing is left to keep off, and 1.5 MiB
+  // goes where best fit puts it, at the hole's start.
+  for (std::size_t i = 0; i <= (std::size_t{1} << 17); ++i) allocator.free(allocator.allocate(512, 0));
+  CHECK(allocator.allocate(3 * kMiB / 2, 0) == hole);
+  allocator.check_invariants();
+}
+
 TEST_CASE("steady_state_reuse_maps_no_new_pages", "[allocator]") {
   SimulatedBackend device(device_config(1 * kGiB));
   CachingAllocator allocator(device);

@@ -178,6 +178,30 @@ def test_a_tenant_over_quota_runs_opportunistic_is_evicted_for_a_guaranteed_job_
     assert c.events("job upgraded", "a2")
 
 
+def test_a_suspended_job_whose_worker_died_fails_and_a_cancelled_one_stops_its_worker(clean):
+    c = clean
+    ray.get(c.scheduler.set_quota.remote("alice", 0))
+    ray.get(c.scheduler.set_quota.remote("bob", 6))
+    heavy = 600 * MiB
+    c.submit(spec("s1", tenant="alice", persistent_bytes=heavy), spec("s2", tenant="alice", persistent_bytes=heavy))
+    assert wait_until(lambda: c.worker("s1", 0) and c.worker("s2", 0), timeout=TIMEOUT), c.status()
+    c.submit(spec("b", tenant="bob", min_gpus=6, max_gpus=6, persistent_bytes=heavy))
+    assert wait_until(lambda: all((c.job(n) or {}).get("state") == "suspended" for n in ("s1", "s2")),
+                      timeout=TIMEOUT), c.status()
+
+    def registered(name):
+        return c.node_of(c.job(name)["node"]).job(f"{name}-w0")
+
+    os.kill(registered("s1")["pid"], signal.SIGKILL)  # dies while suspended: nothing is left to resume
+    assert wait_until(lambda: c.job("s1")["state"] == "failed", timeout=TIMEOUT), c.status()
+    assert "exited while it was suspended" in c.job("s1")["reason"]
+
+    node = c.node_of(c.job("s2")["node"])
+    ray.get(c.scheduler.cancel.remote("s2"))  # its worker process goes too, not only the job's entry
+    assert wait_until(lambda: node.job("s2-w0") is None, timeout=TIMEOUT), node.status()
+    assert c.job("s2")["state"] == "finished" and c.job("s2")["reason"] == "cancelled"
+
+
 def test_heterogeneous_placement_follows_the_matching(clean):
     c = clean
     speeds = {"insensitive": {"fast": 1.0, "slow": 1.0}, "sensitive": {"fast": 1.0, "slow": 0.2}}

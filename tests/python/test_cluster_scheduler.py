@@ -6,7 +6,7 @@ import pytest
 
 from cotenant.cluster.allox import TypeMatching, match
 from cotenant.cluster.scheduler import (
-    GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, ClusterScheduler, Gpu, JobSpec,
+    FAILED, GROW, RESUME, SHRINK, START, STOP, SUSPEND, UPGRADE, ClusterScheduler, Gpu, JobSpec,
 )
 from cotenant.cluster.topology import ClusterShape, read_cluster, relative_speed
 from cotenant.scheduling.policies import Fifo, Packing, make_policy
@@ -89,6 +89,27 @@ def test_a_guaranteed_job_evicts_an_opportunistic_one_whose_memory_does_not_fit_
     assert kinds(resumed) == [(RESUME, "opp")] and resumed[0].gpus[0][0] == "a"  # where its memory is
 
 
+def test_a_suspended_job_whose_gpu_left_its_node_fails_and_its_workers_are_stopped():
+    s = cluster(quotas={"alice": 0, "bob": 6})
+    s.submit(JobSpec("opp", CMD, tenant="alice", persistent_bytes=GiB * 3 // 4), 0.0)
+    s.submit(JobSpec("other", CMD, tenant="alice"), 0.0)
+    s.decide(0.0)
+    opp = s.find("opp")
+    s.submit(JobSpec("big", CMD, tenant="bob", min_gpus=6, max_gpus=6, persistent_bytes=GiB * 3 // 4), 1.0)
+    assert (SUSPEND, "opp") in kinds(s.decide(1.0))
+    s.stopped(opp, 2.0)
+    s.stopped(s.find("other"), 2.0)
+    (node, index), = opp.suspended_on
+    # Its node reports again without that GPU (it fell off the bus): the job cannot resume anywhere.
+    s.node_reported(node, [g for g in s.nodes[node] if g.index != index])
+    actions = s.decide(3.0)
+    assert (STOP, "opp") in kinds(actions)
+    assert next(a for a in actions if a.job is opp).gpus == ((node, index),)  # where its workers are
+    assert opp.status == FAILED and f"GPU {index} of node {node} is no longer there" in opp.reason
+    assert s.find("other").status != FAILED  # a suspended job whose GPUs are all there waits on
+    assert STOP not in [a.kind for a in s.decide(4.0)]  # once
+
+
 def test_allox_matching_gives_the_fast_gpu_to_the_job_that_gains_most_from_it():
     jobs = [JobView(1, speeds={"fast": 1.0, "slow": 0.9}, remaining_s=100),
             JobView(2, speeds={"fast": 1.0, "slow": 0.2}, remaining_s=100)]
@@ -164,6 +185,20 @@ def test_a_lost_node_leaves_its_jobs_alone_and_the_rest_is_scheduled_until_it_re
     assert s.find("on_c").status == RUNNING
     assert s.node_reported("c", gpus_c)
     assert s.status()["nodes"][2]["live"]
+
+
+def test_a_running_job_whose_gpu_left_its_node_is_left_alone_and_the_rest_is_scheduled():
+    s = cluster(policy=Fifo())
+    s.submit(JobSpec("running", CMD), 0.0)
+    s.decide(0.0)
+    job = s.find("running")
+    (node, index), = job.gpus
+    s.node_reported(node, [g for g in s.nodes[node] if g.index != index])
+    s.submit(JobSpec("next", CMD, min_gpus=5, max_gpus=5), 1.0)
+    assert kinds(s.decide(1.0)) == [(START, "next")]  # the five GPUs the nodes still list
+    assert job.status == RUNNING and job.gpus == ((node, index),)  # until its workers exit
+    s.ended(job, 2.0, failed=True, reason="exit status 1")
+    assert s.decide(2.0) == []
 
 
 def test_cluster_simulation_runs_every_policy_on_the_trace_and_its_cluster_with_slow_nodes():

@@ -41,10 +41,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster import torchrun
 from cotenant.cluster.scheduler import (
-    GROW, RESUME, SHRINK, START, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
+    GROW, RESUME, SHRINK, START, STOP, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
     JobSpec, worker_name,
 )
-from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING
+from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED
 
 NAMESPACE = "cotenant"
 SCHEDULER_NAME = "cotenant-scheduler"
@@ -394,10 +394,15 @@ class GlobalScheduler:
         report = self.reports.get(key[0])
         if report is None:
             return None
-        return report["workers"].get(worker_name(job.name, index), {"state": "gone", "exit": None})
+        name = worker_name(job.name, index)
+        if name not in report["workers"] and report.get("coordinator") != "up":
+            return None  # the coordinator that lists the node's workers did not answer: unknown, not gone
+        return report["workers"].get(name, {"state": "gone", "exit": None})
 
     def _follow_workers(self, now: float) -> None:
         for job in list(self.core.jobs.values()):
+            if job.status == SUSPENDED:
+                self._follow_suspended(job, now)
             if job.status not in (RUNNING, STOPPING) or any(g[0] not in self.core.nodes for g in job.gpus):
                 continue
             states = [self._worker(job, i, key) for i, key in enumerate(job.gpus)]
@@ -423,6 +428,20 @@ class GlobalScheduler:
                     self._event("worker left", job=job.name, worker=worker, node=key[0])
             if not leaving:
                 del self.leaving[job_id]
+
+    def _follow_suspended(self, job: ClusterJob, now: float) -> None:
+        """A suspended job whose workers have all exited (killed, their node restarted) has nothing
+        left to resume: it failed."""
+        if any(node not in self.core.nodes for node, _ in job.suspended_on):
+            return
+        states = [self._worker(job, i, key) for i, key in enumerate(job.suspended_on)]
+        if not states or any(s is None or s["state"] not in ("exited", "gone") for s in states):
+            return
+        codes = [s["exit"] for s in states if s["exit"] not in (None, 0)]
+        self._close_rendezvous(job)
+        self.core.ended(job, now, failed=True, reason="its workers exited while it was suspended" +
+                        (f" (exit status {codes[0]})" if codes else ""))
+        self._event("job ended", job=job.name, state=job.status, reason=job.reason)
 
     # --- actions ------------------------------------------------------------------------
 
@@ -452,6 +471,10 @@ class GlobalScheduler:
             first = len(job.gpus) - len(action.gpus)
             self._start_workers(job, [(first + i, key) for i, key in enumerate(action.gpus)], ray)
             self._event("job grew", job=job.name, workers=len(job.gpus))
+        elif action.kind == STOP:
+            self._stop_workers(job, action.gpus)
+            self._close_rendezvous(job)
+            self._event("job ended", job=job.name, state=job.status, reason=job.reason)
         elif action.kind == SHRINK:
             leaving = self.leaving.setdefault(job.job_id, {})
             first = len(job.gpus)
@@ -527,8 +550,12 @@ class GlobalScheduler:
             if agent is not None:
                 call(agent, worker_name(job.name, i))
 
-    def _stop_workers(self, job: ClusterJob) -> None:
-        for i, (node, _) in enumerate(job.gpus + job.stopping):
+    def _stop_workers(self, job: ClusterJob, gpus: Optional[Sequence[GpuKey]] = None) -> None:
+        """Stops worker i on gpus[i]: by default where the job's workers are (running, leaving, or
+        suspended)."""
+        if gpus is None:
+            gpus = job.suspended_on if job.status == SUSPENDED else job.gpus + job.stopping
+        for i, (node, _) in enumerate(gpus):
             agent = self.agents.get(node)
             if agent is not None:
                 agent.stop.remote(worker_name(job.name, i))

@@ -18,6 +18,8 @@ the runtime must do:
   upgrade  an opportunistic job becomes guaranteed where it runs (its tenant's
            quota freed up)
   grow / shrink   an elastic job gains or gives back workers
+  stop     a suspended job failed because a GPU it is bound to is no longer on
+           its node: its workers are stopped
 
 No I/O and no clock (`now` comes in, seconds). Invariants: a job is in
 exactly one state; a job whose workers are stopping holds its GPUs until
@@ -41,6 +43,7 @@ FINISHED = "finished"
 FAILED = "failed"
 
 START, SUSPEND, RESUME, UPGRADE, GROW, SHRINK = "start", "suspend", "resume", "upgrade", "grow", "shrink"
+STOP = "stop"  # a job the scheduler failed whose workers still run: stop them
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,8 @@ class ClusterJob:
 class Action:
     kind: str
     job: ClusterJob
-    gpus: Tuple[GpuKey, ...] = ()  # start, resume: all its GPUs; grow: the new ones; shrink: the leaving ones
+    # start, resume: all its GPUs; grow: the new ones; shrink: the leaving ones; stop: its workers' GPUs
+    gpus: Tuple[GpuKey, ...] = ()
 
 
 class ClusterScheduler:
@@ -238,12 +242,30 @@ class ClusterScheduler:
         return NodeState(now, len(keys), memory, views, gpus=gpus, quotas=self.quotas)
 
     def _schedulable(self) -> List[ClusterJob]:
-        """Unfinished jobs none of whose GPUs is on a lost node."""
+        """Unfinished jobs all of whose GPUs a live node reports. The others (on a lost node, or on
+        a GPU its node no longer lists) are left alone: out of every plan until their workers exit."""
         live = set(self.nodes)
+        present = set(self.gpu_keys())
         return [j for j in self.jobs.values() if j.status not in (FINISHED, FAILED)
-                and all(node in live for node, _ in j.gpus + j.stopping)
+                and all(key in present for key in j.gpus + j.stopping)
                 and (j.status != SUSPENDED or (j.node in live or j.node is None)
-                     and all(node in live for node, _ in j.suspended_on))]
+                     and all(key in present for key in j.suspended_on))]
+
+    def _fail_stranded(self, now: float) -> List[ClusterJob]:
+        """Fails each suspended job a GPU of which its live node no longer reports: its workers can
+        resume only where they are (their CUDA contexts, their memory in that node's host memory),
+        so it would wait for that GPU forever. Returns them: their workers are still to be stopped."""
+        present = set(self.gpu_keys())
+        stranded = [j for j in self.jobs.values() if j.status == SUSPENDED and j.suspended_on
+                    and all(node in self.nodes for node, _ in j.suspended_on)
+                    and not all(key in present for key in j.suspended_on)]
+        for job in stranded:
+            gone = ", ".join(f"GPU {index} of node {node}" for node, index in job.suspended_on
+                             if (node, index) not in present)
+            self.ended(job, now, failed=True, reason=(
+                f"{gone} is no longer there, and a suspended job resumes only on the GPUs it was suspended on; "
+                "submit it again (from its checkpoint)"))
+        return stranded
 
     def _view(self, job: ClusterJob, slot: Dict[GpuKey, int]) -> JobView:
         s = job.spec
@@ -267,12 +289,12 @@ class ClusterScheduler:
     def decide(self, now: float) -> List[Action]:
         """Asks the policy, then Amoeba's resizing; applies both and returns what the runtime must do."""
         self.advance(now)
+        actions = [Action(STOP, job, job.suspended_on) for job in self._fail_stranded(now)]
         keys = self.gpu_keys()
         state = self.state(now)
         if not state.gpu_count:
-            return []
+            return actions
         plan = self.policy.plan(state)
-        actions: List[Action] = []
         for job_id, reason in plan.refused.items():
             job = self.jobs[job_id]
             self.ended(job, now, failed=True, reason=reason)
