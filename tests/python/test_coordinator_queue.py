@@ -130,14 +130,20 @@ def node_events(node):
     return events
 
 
-def test_las_suspends_a_job_past_its_threshold_for_a_newcomer_and_resumes_it_intact(make_node):
+def veteran_suspended_for_newcomer(make_node, newcomer_iterations):
+    """LAS with one threshold: `veteran` passes it, `newcomer` arrives and the veteran is suspended."""
     node = make_node("--scheduler", "las", "--las-thresholds", "0.3", "--starvation-factor", "0")
     veteran = node.spawn("veteran", iterations=60, hold_mib=64)
     assert wait_until(lambda: (veteran.queued() or {}).get("attained_gpu_s", 0) > 0.3, timeout=15)
-    newcomer = node.spawn("newcomer", iterations=15)
+    newcomer = node.spawn("newcomer", iterations=newcomer_iterations)
+    assert wait_until(lambda: (veteran.registered() or {}).get("state") == "suspended", timeout=10), node.read_log()
+    return node, veteran, newcomer
+
+
+def test_las_suspends_a_job_past_its_threshold_for_a_newcomer_and_resumes_it_intact(make_node):
     # The veteran is suspended (its memory to the host), the newcomer runs and ends,
     # then the veteran comes back with its memory intact and finishes.
-    assert wait_until(lambda: (veteran.registered() or {}).get("state") == "suspended", timeout=10), node.read_log()
+    node, veteran, newcomer = veteran_suspended_for_newcomer(make_node, 15)
     suspended = veteran.registered()
     assert suspended["device_bytes"] == 0 and suspended["host_bytes"] == 64 * MiB
     assert newcomer.finish()[0] == 0
@@ -164,7 +170,76 @@ def test_timeslicing_rotates_jobs_that_do_not_fit_none_starves_and_memory_surviv
     assert sum(1 for e in events if e.get("event") == "queued job suspended") >= 3
 
 
+def one_running_one_waiting(make_node):
+    """A FIFO node on one GPU: `a` runs (until killed), `b` (5 iterations) waits behind it."""
+    node = make_node("--scheduler", "fifo")
+    a = node.spawn("a")
+    assert wait_until(lambda: a.registered(), timeout=15)
+    b = node.spawn("b", iterations=5)
+    assert wait_until(lambda: (b.queued() or {}).get("state") == "waiting", timeout=15)
+    return node, a, b
+
+
+def test_a_restarted_coordinator_keeps_its_queue_a_waiting_job_waits_on_and_starts(make_node):
+    node, a, b = one_running_one_waiting(make_node)
+    ticket = b.queued()["ticket"]
+    node.kill_coordinator()
+    node.start_coordinator()
+    assert wait_until(lambda: (b.queued() or {}).get("state") == "waiting", timeout=10), node.read_log()
+    assert b.queued()["ticket"] == ticket and b.process.poll() is None  # its process waits on, same ticket
+    assert (a.queued() or {}).get("state") == "running"
+    a.kill()  # its GPU frees up: the restarted coordinator admits b
+    assert b.finish()[0] == 0, node.read_log()
+
+
+def test_a_waiting_job_whose_ticket_a_restarted_coordinator_lost_says_so_and_exits(make_node):
+    from cotenant.coordinator import paths
+
+    node, _, b = one_running_one_waiting(make_node)
+    node.kill_coordinator()
+    os.unlink(node.socket + paths.STATE_SUFFIX)  # its state is gone: the new coordinator knows no ticket
+    node.start_coordinator()
+    code, _, err = b.finish()
+    assert code == 1 and "no longer knows ticket" in err and "submit the job again" in err, err
+    assert b.registered() is None  # its program never started
+
+
+def test_a_job_suspended_before_a_coordinator_restart_resumes_after_it(make_node):
+    node, veteran, newcomer = veteran_suspended_for_newcomer(make_node, 60)
+    node.kill_coordinator()
+    node.start_coordinator()
+    assert (veteran.queued() or {}).get("state") == "suspended", node.read_log()
+    assert newcomer.finish()[0] == 0
+    assert veteran.finish()[0] == 0, node.read_log()  # the new coordinator resumed it where it was
+    assert veteran.resumes() >= 1 and not veteran.corrupt()
+
+
 # --- the queue's state machine, without a daemon ---------------------------------------------
+
+
+def test_the_queue_comes_back_from_its_state_with_the_jobs_whose_process_still_runs():
+    queue = JobQueue(Fifo())
+    for name, pid in (("a", 11), ("b", 12), ("gone", 13)):
+        queue.submit(0.0, name, pid=pid, uid=1000, pid_start_ticks=100 + pid)
+    queue.decide(1.0, [0], None)
+    queue.jobs[1].status, queue.jobs[1].suspended_on, queue.jobs[1].gpus = "suspended", (0,), ()
+    saved = queue.to_state()
+    assert json_roundtrip(saved) == saved  # what the daemon writes is plain JSON
+
+    back = JobQueue(Fifo())
+    dropped = back.restore(json_roundtrip(saved), alive=lambda job: job.pid != 13)
+    assert [job.name for job in dropped] == ["gone"]
+    assert sorted(back.jobs) == [1, 2] and back.next_ticket == 4
+    assert back.jobs[1].status == "suspended" and back.jobs[1].suspended_on == (0,)
+    assert back.jobs[2].status == "waiting" and back.jobs[2].pid_start_ticks == 112
+    assert back.shape() != queue.shape()  # "gone" is not there
+    assert [(a.kind, a.job.name) for a in back.decide(2.0, [0], None)] == [(RESUME, "a")]  # where it was
+
+
+def json_roundtrip(value):
+    import json
+
+    return json.loads(json.dumps(value))
 
 
 def test_queue_admits_in_policy_order_and_reports_positions():

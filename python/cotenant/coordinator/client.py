@@ -88,6 +88,8 @@ def _user_name(uid: int) -> str:
 # 250 ms apart, for the client's whole timeout.
 _FIRST_BACKOFF_S = 0.005
 _MAX_BACKOFF_S = 0.25
+# A queued process whose coordinator went away waits this long for it to come back.
+_RECONNECT_S = 60.0
 
 
 class CoordinatorClient:
@@ -152,6 +154,8 @@ class CoordinatorClient:
             "overloaded; check its log, or restart it")
 
     def request(self, op: str, **fields: Any) -> Dict[str, Any]:
+        # Each request has the whole timeout (a queued process polls one connection for hours).
+        self._deadline = time.monotonic() + self.timeout
         message = protocol.request(op, self._next_id, **fields)
         self._next_id += 1
         while True:
@@ -351,13 +355,15 @@ def wait_for_admission(
     peak_bytes: Union[int, str, None] = None,
     poll_s: float = 0.2,
     on_queued=None,
+    reconnect_s: float = _RECONNECT_S,
 ) -> Dict[str, Any]:
     """Queues the calling process and returns once the coordinator admits it:
     {"ticket", "gpus" (GPU indices), "role", ...}. on_queued(state) is called once,
-    with the ticket, right after submission. Raises CoordinatorUnavailable without a
-    coordinator, AdmissionRefused when the job can never fit, QueueEnded when cancelled."""
-    import time
-
+    with the ticket, right after submission. A coordinator that restarts meanwhile
+    keeps the ticket: the process reconnects (for up to reconnect_s) and waits on.
+    Raises CoordinatorUnavailable without a coordinator (or when it does not come
+    back), AdmissionRefused when the job can never fit, QueueEnded when cancelled
+    or when a restarted coordinator no longer knows the ticket."""
     fields: Dict[str, Any] = {"gpus": int(gpus)}
     if name:
         problem = protocol.job_name_problem(name)
@@ -370,8 +376,10 @@ def wait_for_admission(
         size = _persistent(value)
         if size:
             fields[key] = size
-    with CoordinatorClient(socket) as client:
+    client = CoordinatorClient(socket)
+    try:
         state = client.request("submit", **fields)
+        ticket = state["ticket"]
         if on_queued is not None:
             on_queued(state)
         while True:
@@ -382,4 +390,33 @@ def wait_for_admission(
             if state["state"] in ("cancelled", "finished"):
                 raise QueueEnded("cancelled", f"the queued job was {state['state']}: {state.get('reason', '')}")
             time.sleep(poll_s)
-            state = client.request("queue_state", ticket=state["ticket"])
+            try:
+                state = client.request("queue_state", ticket=ticket)
+            except CoordinatorUnavailable:
+                client.close()
+                client = _reconnect(client.socket_path, ticket, reconnect_s)
+                try:
+                    state = client.request("queue_state", ticket=ticket)
+                except CoordinatorError as error:
+                    if error.code != protocol.NO_SUCH_JOB:
+                        raise
+                    raise QueueEnded("lost", f"the coordinator at {client.socket_path} restarted and no longer "
+                                     f"knows ticket {ticket} (its state file was lost or unreadable); submit "
+                                     "the job again") from None
+    finally:
+        client.close()
+
+
+def _reconnect(socket_path: str, ticket: int, within_s: float) -> CoordinatorClient:
+    """A new connection to a coordinator that went away while ticket `ticket` waited."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return CoordinatorClient(socket_path)
+        except CoordinatorUnavailable:
+            if time.monotonic() >= deadline:
+                raise CoordinatorUnavailable(
+                    f"the coordinator at {socket_path} went away while ticket {ticket} waited in its queue and "
+                    f"did not come back within {within_s:g} s; restart it (the ticket is kept in its state "
+                    "file) and submit the job again if it is gone") from None
+            time.sleep(0.1)

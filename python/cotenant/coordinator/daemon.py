@@ -463,6 +463,11 @@ class Coordinator:
                        share=job.share)
         self._remove_own_leftovers(named)
         self.next_job_id = max(self.next_job_id, saved.get("_next_job_id", 1))
+        try:
+            self.queue.restore(saved.get("_queue") or {})
+        except (KeyError, TypeError, ValueError) as error:
+            _event("queue not restored", logging.WARNING, reason=f"incomplete entry: {error}",
+                   consequence="its waiting processes are told their ticket is unknown")
         for key, total in saved.get("_gpu_totals", {}).items():
             self.gpu_totals.setdefault(key, total)
 
@@ -570,7 +575,9 @@ class Coordinator:
         }
         state["_next_job_id"] = self.next_job_id
         state["_gpu_totals"] = dict(self.gpu_totals)
+        state["_queue"] = self.queue.state()
         self._run_dir.write_durably(paths.STATE_SUFFIX, json.dumps(state, allow_nan=False).encode())
+        self.queue.saved()
         self._state_dirty = False
 
     # --- the control loop ------------------------------------------------------
@@ -595,6 +602,8 @@ class Coordinator:
         for gpu in sorted({j.gpu for j in self.jobs.values()}):
             self._plan_device(gpu, now)
         self.queue.tick(now)
+        if self.queue.changed():
+            self._state_dirty = True
         if now - self._last_history >= self.config.history_interval_s:
             self._last_history = now
             self._record_history()
@@ -906,7 +915,10 @@ class Coordinator:
         if op == "register":
             return self._register(req, pid, uid)
         if op in protocol.QUEUE_OPS:
-            return self.queue.handle(req, pid, uid, gid, time.monotonic())
+            reply = self.queue.handle(req, pid, uid, gid, time.monotonic())
+            if self.queue.changed():
+                self._save_state()  # before the reply: an acknowledged ticket survives a restart
+            return reply
         if op == "unregister":
             mine = [j for j in self.jobs.values() if j.pid == pid]
             if not mine:

@@ -21,8 +21,8 @@ state; a STOPPING job holds its GPUs until the daemon reports it suspended
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from cotenant.scheduling.state import (
     RUNNING, STOPPING, SUSPENDED, WAITING, JobView, NodeState, Plan, TimeAccount,
@@ -58,6 +58,7 @@ class QueuedJob:
     refused: str = ""
     suspensions: int = 0
     suspended_on: Tuple[int, ...] = ()  # the GPUs a suspended job's process stays on: it resumes there
+    pid_start_ticks: int = 0            # with pid, names the process for good (a restart checks it)
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,46 @@ class JobQueue:
     # --- membership -----------------------------------------------------------------
 
     def submit(self, now: float, name: str, pid: int, uid: int, role: Optional[str] = None, num_gpus: int = 1,
-               persistent_bytes: int = 0, peak_bytes: int = 0) -> QueuedJob:
+               persistent_bytes: int = 0, peak_bytes: int = 0, pid_start_ticks: int = 0) -> QueuedJob:
         self.advance(now)
         job = QueuedJob(ticket=self.next_ticket, name=name, pid=pid, uid=uid, role=role, num_gpus=num_gpus,
                         persistent_bytes=persistent_bytes, peak_bytes=max(peak_bytes, persistent_bytes),
-                        submitted_at=now)
+                        submitted_at=now, pid_start_ticks=pid_start_ticks)
         self.next_ticket += 1
         self.jobs[job.ticket] = job
         return job
+
+    # --- across a restart of the daemon ----------------------------------------------
+
+    def to_state(self) -> Dict[str, Any]:
+        """Every queued job as JSON-ready fields, for the daemon's durable state."""
+        return {"next_ticket": self.next_ticket,
+                "jobs": [{**asdict(job), "gpus": list(job.gpus), "suspended_on": list(job.suspended_on)}
+                         for job in self.jobs.values()]}
+
+    def shape(self) -> Tuple[Any, ...]:
+        """What a restart must not lose: the tickets, their states and GPUs (not the time accounts,
+        which change every tick; a restart loses at most the accounting since the last change)."""
+        return (self.next_ticket, tuple((j.ticket, j.status, j.gpus, j.suspended_on, j.running_role, j.share,
+                                         j.suspensions) for j in self.jobs.values()))
+
+    def restore(self, state: Dict[str, Any], alive: Callable[[QueuedJob], bool]) -> List[QueuedJob]:
+        """Takes back the jobs of `state` (to_state's) whose process `alive` accepts, each as it was:
+        waiting, running, stopping or suspended where it was. Returns the ones left out."""
+        known = {f.name for f in fields(QueuedJob)}
+        self.next_ticket = max(self.next_ticket, int(state.get("next_ticket", 1)))
+        dropped = []
+        for entry in state.get("jobs", []):
+            values = {k: v for k, v in entry.items() if k in known}
+            values["gpus"] = tuple(values.get("gpus", ()))
+            values["suspended_on"] = tuple(values.get("suspended_on", ()))
+            job = QueuedJob(**values)
+            if alive(job):
+                self.jobs[job.ticket] = job
+                self.next_ticket = max(self.next_ticket, job.ticket + 1)
+            else:
+                dropped.append(job)
+        return dropped
 
     def remove(self, ticket: int) -> Optional[QueuedJob]:
         """A job that finished, exited or was cancelled; its GPUs are free at the next decision."""

@@ -36,19 +36,23 @@ class QueueService:
         self._ended: Deque[int] = collections.deque()
         self._undelivered: Dict[int, str] = {}  # ticket -> command for a process not registered yet
         self._unsuspendable_warned: set = set()
+        self._saved_shape: Any = None  # the queue's shape when the daemon last saved its state
 
     # --- requests ---------------------------------------------------------------------
 
     def handle(self, req: protocol.Request, pid: int, uid: int, gid: int, now: float) -> Dict[str, Any]:
         args = req.args
         if req.op == "submit":
+            from cotenant.coordinator.daemon import process_start_ticks
+
             if self.queue.by_pid(pid) is not None:
                 raise ProtocolError(protocol.OUT_OF_ORDER, f"process {pid} already waits in the queue", req.id)
             name = args.get("name") or f"queued{self.queue.next_ticket}"
             if self.queue.find(name) is not None:
                 name = f"{name[:50]}-{self.queue.next_ticket}"
             job = self.queue.submit(now, name, pid, uid, args.get("role"), args.get("gpus", 1),
-                                    args.get("persistent_bytes", 0), args.get("peak_bytes", 0))
+                                    args.get("persistent_bytes", 0), args.get("peak_bytes", 0),
+                                    process_start_ticks(pid))
             self._log("job queued", job=name, ticket=job.ticket, pid=pid, gpus=job.num_gpus, role=job.role)
             self.decide(now)
             return protocol.reply_ok(req.id, **self.state_of(job.ticket))
@@ -80,6 +84,37 @@ class QueueService:
             if row["ticket"] == ticket:
                 return row
         raise ProtocolError(protocol.NO_SUCH_JOB, f"no queued job with ticket {ticket}", request_id)
+
+    # --- across a restart of the daemon ------------------------------------------------
+
+    def changed(self) -> bool:
+        """Whether the queue changed since the daemon last saved it (time accounts aside)."""
+        return self.queue.shape() != self._saved_shape
+
+    def state(self) -> Dict[str, Any]:
+        """The queue for the daemon's durable state (then `saved()`, once it is on disk)."""
+        return {**self.queue.to_state(), "undelivered": {str(t): c for t, c in self._undelivered.items()}}
+
+    def saved(self) -> None:
+        self._saved_shape = self.queue.shape()
+
+    def restore(self, saved: Dict[str, Any]) -> None:
+        """Takes back the queue a previous daemon saved: every job whose process still runs (the same
+        process: pid and start time), as it was. A waiting process polls the new daemon by its
+        ticket; a suspended job resumes where it was when the policy says so."""
+        from cotenant.coordinator.daemon import process_alive
+
+        if not saved:
+            return
+        for job in self.queue.restore(saved, lambda j: process_alive(j.pid, j.pid_start_ticks)):
+            self._log("queued job dropped at start", job=job.name, ticket=job.ticket, reason="its process exited")
+        for ticket, command in saved.get("undelivered", {}).items():
+            if int(ticket) in self.queue.jobs:
+                self._undelivered[int(ticket)] = command
+        for job in self.queue.jobs.values():
+            self._log("queued job re-adopted", job=job.name, ticket=job.ticket, state=job.status,
+                      gpus=list(job.gpus or job.suspended_on))
+        self._saved_shape = self.queue.shape()
 
     # --- every tick -------------------------------------------------------------------
 
