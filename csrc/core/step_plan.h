@@ -29,11 +29,11 @@ class StepPlan {
   // An iteration mark: the step that ends becomes the plan if it made the
   // same requests as the one before it. Recording starts at the first mark.
   void mark() {
-    const bool repeats = recording_ && !overflowed_ && !current_.empty() && same_requests(current_, previous_);
+    // A step longer than kMaxRequests leaves current_ empty: it repeats nothing.
+    const bool repeats = recording_ && !current_.empty() && same_requests(current_, previous_);
     const bool same_layout = repeats && repeating_ && same_addresses(current_, previous_);
     repeating_ = repeats;
     recording_ = true;
-    overflowed_ = false;
     in_step_ = true;
     previous_.swap(current_);
     current_.clear();
@@ -88,15 +88,13 @@ class StepPlan {
 
   // Each successful allocation, in order, where it went.
   void record(std::size_t size, StreamId stream, DevicePtr address) {
-    ++made_;
-    if (!recording_ || overflowed_) return;
-    if (current_.size() == kMaxRequests) {
-      overflowed_ = true;
+    if (!recording_) return;
+    if (++made_ <= kMaxRequests) {
+      current_.push_back({size, stream, address});
+    } else if (made_ == kMaxRequests + 1) {  // too long a step: it records no more and plans nothing
       current_.clear();
       current_.shrink_to_fit();
-      return;
     }
-    current_.push_back({size, stream, address});
   }
 
  private:
@@ -121,10 +119,9 @@ class StepPlan {
   }
 
   bool recording_ = false;   // a mark has been seen
-  bool overflowed_ = false;  // this step made more than kMaxRequests requests
   bool repeating_ = false;   // the plan (previous_) repeated the step before it
   bool in_step_ = false;     // this step's requests have all matched the plan's so far
-  std::size_t made_ = 0;     // requests this step has made (recorded or not)
+  std::size_t made_ = 0;     // requests this step has made (past kMaxRequests, no longer recorded)
   std::vector<Request> current_;
   std::vector<Request> previous_;
   std::vector<Claim> claims_;              // the plan's ranges, by start
