@@ -401,19 +401,22 @@ class GlobalScheduler:
 
     def _follow_workers(self, now: float) -> None:
         for job in list(self.core.jobs.values()):
-            if job.status == SUSPENDED:
-                self._follow_suspended(job, now)
-            if job.status not in (RUNNING, STOPPING) or any(g[0] not in self.core.nodes for g in job.gpus):
+            # Where its workers are: running or stopping on its GPUs, suspended on those it left.
+            keys = job.suspended_on if job.status == SUSPENDED else job.gpus
+            if job.status not in (RUNNING, STOPPING, SUSPENDED) or any(g[0] not in self.core.nodes for g in keys):
                 continue
-            states = [self._worker(job, i, key) for i, key in enumerate(job.gpus)]
+            states = [self._worker(job, i, key) for i, key in enumerate(keys)]
             if any(s is None for s in states):
                 continue
             if all(s["state"] in ("exited", "gone") for s in states):
                 codes = [s["exit"] for s in states if s["exit"] not in (None, 0)]
-                self._release_group(job)
-                self._close_rendezvous(job)
-                self.core.ended(job, now, failed=bool(codes), reason=f"exit status {codes[0]}" if codes else "")
-                self._event("job ended", job=job.name, state=job.status, reason=job.reason)
+                status = f"exit status {codes[0]}" if codes else ""
+                if job.status == SUSPENDED:  # nothing is left to resume
+                    self.core.ended(job, now, failed=True, reason="its workers exited while it was suspended" +
+                                    (f" ({status})" if status else ""))
+                else:
+                    self.core.ended(job, now, failed=bool(codes), reason=status)
+                self._wrap_up(job)
             elif job.status == STOPPING and all(s["state"] == "suspended" for s in states):
                 self.core.stopped(job, now)
                 self._event("job evicted", job=job.name, node=job.node)
@@ -429,18 +432,10 @@ class GlobalScheduler:
             if not leaving:
                 del self.leaving[job_id]
 
-    def _follow_suspended(self, job: ClusterJob, now: float) -> None:
-        """A suspended job whose workers have all exited (killed, their node restarted) has nothing
-        left to resume: it failed."""
-        if any(node not in self.core.nodes for node, _ in job.suspended_on):
-            return
-        states = [self._worker(job, i, key) for i, key in enumerate(job.suspended_on)]
-        if not states or any(s is None or s["state"] not in ("exited", "gone") for s in states):
-            return
-        codes = [s["exit"] for s in states if s["exit"] not in (None, 0)]
+    def _wrap_up(self, job: ClusterJob) -> None:
+        """A job the scheduler has ended: its placement group and rendezvous store go."""
+        self._release_group(job)
         self._close_rendezvous(job)
-        self.core.ended(job, now, failed=True, reason="its workers exited while it was suspended" +
-                        (f" (exit status {codes[0]})" if codes else ""))
         self._event("job ended", job=job.name, state=job.status, reason=job.reason)
 
     # --- actions ------------------------------------------------------------------------
@@ -473,8 +468,7 @@ class GlobalScheduler:
             self._event("job grew", job=job.name, workers=len(job.gpus))
         elif action.kind == STOP:
             self._stop_workers(job, action.gpus)
-            self._close_rendezvous(job)
-            self._event("job ended", job=job.name, state=job.status, reason=job.reason)
+            self._wrap_up(job)
         elif action.kind == SHRINK:
             leaving = self.leaving.setdefault(job.job_id, {})
             first = len(job.gpus)
