@@ -75,12 +75,15 @@ def main():
     parser.add_argument("--iteration-us", type=float, default=10000)
     parser.add_argument("--device-capacity-mib", type=int, default=1024)
     parser.add_argument("--control", default="")
+    parser.add_argument("--register-after-s", type=float, default=0.0,
+                        help="wait this long before registering (a worker slow to start)")
     parser.add_argument("--gpu-uuid", default=os.environ.get("SIMULATED_GPU_UUID"),
                         help="the GPU UUID to report (default: $SIMULATED_GPU_UUID, else none)")
     args = parser.parse_args()
     if not args.role:
         parser.error("--role is needed (or COTENANT_ROLE)")
     args.control = args.control.replace("{name}", args.name or "job")
+    time.sleep(args.register_after_s)
 
     try:
         registration = client.register(

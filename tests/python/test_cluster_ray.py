@@ -30,15 +30,24 @@ TIMEOUT = 60
 
 
 class Cluster:
-    def __init__(self, ray_cluster, nodes, coordinators, scheduler, directory):
+    def __init__(self, ray_cluster, nodes, coordinators, scheduler, directory, options):
         self.ray_cluster, self.nodes, self.coordinators = ray_cluster, nodes, coordinators
-        self.scheduler, self.directory = scheduler, directory
+        self.scheduler, self.directory, self.options = scheduler, directory, options
 
     def status(self):
         return ray.get(self.scheduler.status.remote())
 
     def job(self, name):
         return next((j for j in reversed(self.status()["jobs"]) if j["name"] == name), None)
+
+    def explain(self, *names):
+        """For a failed wait: those jobs as the scheduler sees them, its last events, what each node's
+        coordinator runs."""
+        view = self.status()
+        jobs = [j for j in view["jobs"] if j["name"] in names]
+        workers = {n.node_id[:8]: sorted((j["name"], j["state"]) for j in c.status()["jobs"])
+                   for n, c in zip(self.nodes, self.coordinators)}
+        return f"jobs {jobs}\nevents {view['events'][-25:]}\nworkers {workers}"
 
     def node_of(self, node_id):
         return self.coordinators[[n.node_id for n in self.nodes].index(node_id)]
@@ -72,7 +81,8 @@ def spec(name, **fields):
     env = child_env()
     env["COTENANT_DISABLE"] = "1"  # the start-up hook would look for a GPU; the simulated job registers itself
     command = (sys.executable, os.path.join(HERE, "simulated_job.py"), "--hold-mib", str(fields.pop("hold_mib", 32)),
-               "--iteration-us", "20000", *(["--control", control] if control else []))
+               "--iteration-us", "20000", "--register-after-s", str(fields.pop("register_after_s", 0)),
+               *(["--control", control] if control else []))
     return JobSpec(name=name, command=command, env=env, **fields)
 
 
@@ -97,10 +107,10 @@ def cluster(tmp_path_factory):
             coordinator = Node(gpu_memory="1GiB", extra_args=("--gpus", "0,1"))
             coordinator.start_coordinator()
             coordinators.append(coordinator)
-        scheduler = runtime.start_scheduler(
-            ray, policy="antman", node_sockets={n.node_id: c.socket for n, c in zip(nodes, coordinators)},
-            tick_s=0.2, agent_restart_s=3.0, log_dir=str(directory))
-        c = Cluster(ray_cluster, nodes, coordinators, scheduler, str(directory))
+        options = dict(policy="antman", node_sockets={n.node_id: c.socket for n, c in zip(nodes, coordinators)},
+                       tick_s=0.2, agent_restart_s=3.0, log_dir=str(directory))
+        scheduler = runtime.start_scheduler(ray, **options)
+        c = Cluster(ray_cluster, nodes, coordinators, scheduler, str(directory), options)
         assert wait_until(lambda: sum(n["live"] for n in c.status()["nodes"]) == 3, timeout=TIMEOUT), c.status()
         yield c
     finally:
@@ -202,6 +212,22 @@ def test_a_suspended_job_whose_worker_died_fails_and_a_cancelled_one_stops_its_w
     assert c.job("s2")["state"] == "finished" and c.job("s2")["reason"] == "cancelled"
 
 
+def test_a_worker_evicted_before_it_registered_is_suspended_once_it_has(clean):
+    c = clean
+    heavy = 600 * MiB
+    c.submit(spec("slow", role="opportunistic", min_gpus=6, max_gpus=6, persistent_bytes=heavy,
+                  register_after_s=4))
+    assert wait_until(lambda: (c.job("slow") or {}).get("state") == "running", timeout=TIMEOUT), c.status()
+    assert c.worker("slow", 0) is None  # its processes are still starting
+    c.submit(spec("urgent", min_gpus=6, max_gpus=6, persistent_bytes=heavy))  # its memory does not fit beside
+    assert wait_until(lambda: c.events("job evicting", "slow"), timeout=TIMEOUT), c.explain("slow", "urgent")
+    # The suspend reached workers that had not registered: each agent delivers it once they have.
+    assert wait_until(lambda: c.job("slow")["state"] == "suspended", timeout=TIMEOUT), c.explain("slow", "urgent")
+    assert wait_until(lambda: c.worker("urgent", 5), timeout=TIMEOUT), c.explain("slow", "urgent")
+    states = [j["state"] for node in c.coordinators for j in node.status()["jobs"] if j["name"].startswith("slow-w")]
+    assert states == ["suspended"] * 6
+
+
 def test_heterogeneous_placement_follows_the_matching(clean):
     c = clean
     speeds = {"insensitive": {"fast": 1.0, "slow": 1.0}, "sensitive": {"fast": 1.0, "slow": 0.2}}
@@ -227,8 +253,8 @@ def test_an_elastic_job_scales_out_and_back_in_without_losing_its_state(clean):
     iterations = c.worker("elastic", 0)["iteration_count"]
 
     c.submit(spec("needy", min_gpus=5, max_gpus=5))
-    assert wait_until(lambda: c.job("elastic")["workers"] == 1, timeout=TIMEOUT), c.status()
-    assert wait_until(lambda: c.worker("needy", 4), timeout=TIMEOUT), c.status()
+    assert wait_until(lambda: c.job("elastic")["workers"] == 1, timeout=TIMEOUT), c.explain("elastic", "needy")
+    assert wait_until(lambda: c.worker("needy", 4), timeout=TIMEOUT), c.explain("elastic", "needy")
     assert len(c.events("worker left", "elastic")) == 2
     # The first worker was never stopped: the same process and registration, its iterations
     # went on counting, its memory untouched.
@@ -310,21 +336,94 @@ def test_a_killed_node_agent_leaves_the_rest_served_and_its_node_rejoins(clean):
     assert {node for node, _ in c.job("after")["gpus"]} == {victim}  # the only free GPUs are the rejoined node's
 
 
+def run_cli(c, verb, *args):
+    """`cotenant cluster VERB ARGS` against the test cluster, from another process."""
+    return subprocess.run([sys.executable, "-m", "cotenant.cli", "cluster", verb, "--address", c.ray_cluster.address,
+                           *args], env=child_env(), capture_output=True, text=True, timeout=120)
+
+
+def answers(c):
+    """The scheduler's status, or None while it is down or restarting."""
+    try:
+        return ray.get(c.scheduler.status.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def group_state(name):
+    """The state of the placement group of that name (CREATED, REMOVED, ...), or None."""
+    from ray.util import placement_group_table
+
+    states = [g["state"] for g in placement_group_table().values() if g["name"] == name]
+    return "CREATED" if "CREATED" in states else (states[-1] if states else None)
+
+
+def test_a_killed_scheduler_comes_back_with_its_jobs_their_gangs_and_their_workers(clean):
+    c = clean
+    c.submit(spec("kept", min_gpus=2, max_gpus=2, gpu_type="fast"), spec("dies", gpu_type="slow"))
+    assert wait_until(lambda: c.worker("kept", 1) and c.worker("dies", 0), timeout=TIMEOUT), c.status()
+    c.submit(spec("later", min_gpus=6, max_gpus=6))  # waits: kept and dies hold 3 of the 6 GPUs
+    before = {j["name"]: j for j in c.status()["jobs"]}
+    group = f"cotenant-kept-{before['kept']['job_id']}"
+    assert group_state(group) == "CREATED" and before["later"]["state"] == "waiting"
+    old_pid = ray.get(c.scheduler.pid.remote())
+    os.kill(old_pid, signal.SIGKILL)
+    os.kill(c.coordinators[2].job("dies-w0")["pid"], signal.SIGKILL)  # exits while no scheduler follows it
+    assert wait_until(lambda: answers(c) and c.events("scheduler restored"), timeout=TIMEOUT), "not restarted"
+    assert ray.get(c.scheduler.pid.remote()) != old_pid  # Ray started it again
+    after = {j["name"]: j for j in c.status()["jobs"]}
+    for name in ("kept", "later"):
+        assert (after[name]["job_id"], after[name]["state"], after[name]["gpus"]) == \
+            (before[name]["job_id"], before[name]["state"], before[name]["gpus"])
+    assert c.events("job submitted", "kept")  # the events from before the restart are kept too
+    assert wait_until(lambda: c.job("dies")["state"] == "failed", timeout=TIMEOUT), c.status()
+    assert c.worker("kept", 0) and c.worker("kept", 1) and group_state(group) == "CREATED"  # untouched
+    ray.get(c.scheduler.cancel.remote("kept"))  # the group the new scheduler found is released
+    assert wait_until(lambda: c.worker("later", 5), timeout=TIMEOUT), c.status()  # needs every GPU, kept's too
+    assert group_state(group) != "CREATED"
+    assert c.submit(spec("newer"))[0]["job_id"] > max(j["job_id"] for j in before.values())
+
+
+def test_cli_cancels_a_job_and_down_stops_every_job_the_agents_and_the_scheduler(clean):
+    c = clean
+    c.submit(spec("one"), spec("two", min_gpus=2, max_gpus=2), spec("three"))
+    assert wait_until(lambda: c.worker("one", 0) and c.worker("two", 1) and c.worker("three", 0),
+                      timeout=TIMEOUT), c.status()
+    done = run_cli(c, "cancel", "one")
+    assert done.returncode == 0 and "one: cancelled" in done.stdout, done.stderr
+    assert wait_until(lambda: c.worker("one", 0) is None and c.job("one")["state"] == "finished", timeout=TIMEOUT)
+    unknown = run_cli(c, "cancel", "nosuchjob")
+    assert unknown.returncode == 2 and "no cluster job named 'nosuchjob'" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+    group = f"cotenant-two-{c.job('two')['job_id']}"
+    down = run_cli(c, "down")
+    assert down.returncode == 0, down.stderr
+    assert "jobs cancelled: two, three" in down.stdout and "3 node agent(s)" in down.stdout
+    assert c.workers_running() == 0 and group_state(group) != "CREATED"
+    for name in [runtime.SCHEDULER_NAME] + [runtime.agent_name(n.node_id) for n in c.nodes]:
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace=runtime.NAMESPACE)
+    gone = run_cli(c, "status")
+    assert gone.returncode == 1 and "start one with `cotenant cluster up`" in gone.stderr
+
+    # A new scheduler starts afresh (the saved state went with `down`), and the module's tests go on with it.
+    c.scheduler = runtime.start_scheduler(ray, **c.options)
+    assert wait_until(lambda: sum(n["live"] for n in c.status()["nodes"]) == 3, timeout=TIMEOUT), c.status()
+    assert c.status()["jobs"] == [] and not c.events("scheduler restored")
+
+
 def test_cli_submits_a_job_and_status_shows_it_on_the_nodes_gpus(clean):
     c = clean
-
-    def cli(verb, *args):
-        return subprocess.run([sys.executable, "-m", "cotenant.cli", "cluster", verb, "--address",
-                               c.ray_cluster.address, *args], env=child_env(), capture_output=True, text=True,
-                              timeout=120)
-
-    done = cli("submit", "--tenant", "cli", "--gpus", "2", "--gpu-type", "fast", "--guaranteed", "--name", "viacli",
-               "--", sys.executable, os.path.join(HERE, "simulated_job.py"), "--hold-mib", "16")
+    ray.get(c.scheduler.set_quota.remote("cli", 2))  # a tenant without a quota runs opportunistic
+    done = run_cli(c, "submit", "--tenant", "cli", "--gpus", "2", "--gpu-type", "fast", "--guaranteed", "--name",
+                   "viacli", "--", sys.executable, os.path.join(HERE, "simulated_job.py"), "--hold-mib", "16")
     assert done.returncode == 0 and "viacli: submitted as job" in done.stdout, done.stderr
     assert wait_until(lambda: c.worker("viacli", 1), timeout=TIMEOUT), c.status()
-    shown = cli("status")
+    shown = run_cli(c, "status")
     assert shown.returncode == 0, shown.stderr
-    assert "viacli" in shown.stdout and "running" in shown.stdout and "guaranteed" in shown.stdout
+    row = next(line.split() for line in shown.stdout.splitlines() if line.startswith("viacli "))
+    assert row[:4] == ["viacli", "cli", "running", "guaranteed"], shown.stdout
     assert shown.stdout.count("slow") == 2 and shown.stdout.count("fast") == 4  # every GPU, with its type
-    refused = cli("submit", "--gpus", "0", "--guaranteed", "--", "true")
+    refused = run_cli(c, "submit", "--gpus", "0", "--guaranteed", "--", "true")
     assert refused.returncode == 2 and "--gpus takes a count" in refused.stderr and "Traceback" not in refused.stderr

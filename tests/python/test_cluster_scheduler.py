@@ -174,6 +174,49 @@ def test_an_elastic_job_evicted_while_grown_resumes_with_every_worker_it_suspend
     assert resumed[0].gpus == where  # each worker where its process stayed
 
 
+def test_a_restarted_scheduler_takes_back_every_job_in_its_state_and_decides_as_the_one_before():
+    import json
+
+    def busy_cluster():
+        s = cluster(quotas={"alice": 0, "bob": 6})
+        s.submit(JobSpec("evicted", CMD, tenant="alice", persistent_bytes=GiB * 3 // 4, env={"X": "1"},
+                         speeds={"fast": 2.0}), 0.0)
+        s.submit(JobSpec("elastic", CMD, tenant="bob", min_gpus=1, max_gpus=3), 0.0)
+        s.decide(0.0)
+        s.decide(1.0)  # elastic grows into the idle GPUs
+        s.submit(JobSpec("big", CMD, tenant="bob", min_gpus=3, max_gpus=3, persistent_bytes=GiB * 3 // 4), 2.0)
+        s.submit(JobSpec("pair", CMD, tenant="bob", min_gpus=2, max_gpus=2), 2.0)
+        assert kinds(s.decide(2.0)) == [(SUSPEND, "evicted"), (START, "pair"), (SHRINK, "elastic")]
+        s.stopped(s.find("evicted"), 2.5)
+        return s
+
+    before = busy_cluster()
+    assert before.find("evicted").status == SUSPENDED and before.find("elastic").stopping  # worth keeping
+    saved = json.loads(json.dumps(before.to_state()))  # as the runtime keeps it
+    after = cluster(quotas={"bob": 1})  # started with other quotas: the saved ones are newer
+    after.restore(saved)
+    assert after.quotas == {"alice": 0, "bob": 6} and after.next_id == before.next_id
+    assert after.to_state() == before.to_state()
+    assert after.find("evicted").spec == before.find("evicted").spec
+    assert after.find("evicted").suspended_on == before.find("evicted").suspended_on == (("a", 1),)
+    assert after.find("elastic").stopping == before.find("elastic").stopping == (("b", 1),)
+
+    def next_steps(s):
+        steps = [s.decide(3.0)]  # big starts on evicted's GPU and beside pair (bob is past his quota)
+        s.ended(s.find("big"), 4.0)
+        steps.append(s.decide(4.0))  # evicted resumes where it was; bob's quota takes pair up
+        return [[(a.kind, a.job.name, a.gpus) for a in step] for step in steps]
+
+    steps = next_steps(after)
+    assert steps == next_steps(before)
+    assert [[(kind, name) for kind, name, _ in step] for step in steps] == [[(START, "big")],
+                                                                        [(UPGRADE, "pair"), (RESUME, "evicted")]]
+    assert after.submit(JobSpec("new", CMD), 5.0).job_id == before.submit(JobSpec("new", CMD), 5.0).job_id
+    # The time accounts go on from where they were saved: the time away counts as it passed.
+    assert after.find("elastic").attained_service == before.find("elastic").attained_service > 0
+    assert after.find("evicted").waited_s == before.find("evicted").waited_s > 0
+
+
 def test_a_lost_node_leaves_its_jobs_alone_and_the_rest_is_scheduled_until_it_rejoins():
     s = cluster(policy=Fifo())
     s.submit(JobSpec("on_c", CMD, gpu_type="slow", min_gpus=2, max_gpus=2), 0.0)

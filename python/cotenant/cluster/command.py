@@ -1,4 +1,4 @@
-"""`cotenant cluster up|submit|status`: the global scheduler on a Ray cluster."""
+"""`cotenant cluster up|submit|status|cancel|down`: the global scheduler on a Ray cluster."""
 
 from __future__ import annotations
 
@@ -93,6 +93,18 @@ def add_cluster_command(subparsers) -> None:
     q.add_argument("--json", action="store_true", help="print the scheduler's view as JSON")
     q.set_defaults(func=cmd_status)
 
+    q = with_address(sub.add_parser("cancel", help="cancel a job: its workers stop, its GPUs are free",
+                                        description="Cancel a job: its workers stop (running or suspended), "
+                                                    "its GPUs are free."))
+    q.add_argument("job", help="the job's name or id, as `cotenant cluster status` shows it")
+    q.set_defaults(func=cmd_cancel)
+
+    q = with_address(sub.add_parser("down", help="cancel every job, stop the scheduler and the node agents",
+                                        description="Cancel every job (its workers stop), stop the node agents "
+                                                    "and the global scheduler, and forget the scheduler's saved "
+                                                    "state. Ray and the nodes' coordinators go on running."))
+    q.set_defaults(func=cmd_down)
+
 
 def _connect(address: Optional[str]):
     from cotenant.cluster import runtime
@@ -131,6 +143,20 @@ def _scheduler(address: Optional[str]):
         return ray, runtime.scheduler_handle(ray)
     except LookupError as error:
         raise ClusterCommandError(str(error)) from None
+
+
+def _call(ray, ref):
+    """The scheduler's answer; its refusals (ValueError) and its death as errors that say what to do."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as error:
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, ValueError):
+            raise ValueError(str(cause)) from None
+        raise
+    except ray.exceptions.RayActorError:
+        raise ClusterCommandError("the global scheduler died while answering; Ray starts it again and it takes its "
+                                  "jobs back: run the command again in a few seconds") from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -197,7 +223,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                    persistent_bytes=sizes.get("persistent", 0), peak_bytes=sizes.get("peak", 0),
                    env={"PWD": os.getcwd()}, launcher=args.launcher)
     ray, scheduler = _scheduler(args.address)
-    submitted = ray.get(scheduler.submit.remote([spec]))[0]
+    submitted = _call(ray, scheduler.submit.remote([spec]))[0]
     print(f"{submitted['name']}: submitted as job {submitted['job_id']}")
     return 0
 
@@ -235,6 +261,25 @@ def format_status(view: Dict[str, Any]) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     ray, scheduler = _scheduler(args.address)
-    view = ray.get(scheduler.status.remote())
+    view = _call(ray, scheduler.status.remote())
     print(json.dumps(view, indent=2) if args.json else format_status(view))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    ray, scheduler = _scheduler(args.address)
+    done = _call(ray, scheduler.cancel.remote(args.job))
+    print(f"{done['job']}: cancelled")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    ray, scheduler = _scheduler(args.address)
+    done = _call(ray, scheduler.down.remote())
+    ray.kill(scheduler, no_restart=True)
+    jobs = ", ".join(done["cancelled"]) or "none"
+    print(f"cotenant scheduler stopped, with {done['agents']} node agent(s); jobs cancelled: {jobs}")
+    if done["workers_left"]:
+        print(f"cotenant cluster: workers still exiting: {', '.join(done['workers_left'])}", file=sys.stderr)
+        return 1
     return 0

@@ -31,6 +31,7 @@ label their type and memory where nvidia-smi cannot tell:
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -41,8 +42,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster import torchrun
 from cotenant.cluster.scheduler import (
-    GROW, RESUME, SHRINK, START, STOP, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler, Gpu, GpuKey,
-    JobSpec, worker_name,
+    FAILED, FINISHED, GROW, RESUME, SHRINK, START, STOP, SUSPEND, UPGRADE, Action, ClusterJob, ClusterScheduler,
+    Gpu, GpuKey, JobSpec, worker_name,
 )
 from cotenant.scheduling.state import GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED
 
@@ -52,6 +53,11 @@ LABEL_GPU_TYPE = "cotenant.io/gpu-type"
 LABEL_GPU_MEMORY = "cotenant.io/gpu-memory"
 NODE_ID_LABEL = "ray.io/node-id"
 STOP_GRACE_S = 5.0  # a stopped worker's SIGTERM, then SIGKILL
+# The global scheduler's state, in the Ray cluster's own key-value store (the GCS, namespace NAMESPACE):
+# a scheduler Ray restarts, or one `cotenant cluster up` starts after it died, takes its jobs back.
+STATE_KEY = "scheduler-state"
+STATE_VERSION = 1
+SAVE_EVERY_S = 5.0  # the time accounts at least this often; any change of a job at once
 
 
 def ray_module():
@@ -76,6 +82,9 @@ class NodeAgent:
         self.log_dir = log_dir or os.path.join("/tmp", "cotenant-cluster")
         os.makedirs(self.log_dir, exist_ok=True)
         self.workers: Dict[str, subprocess.Popen] = {}
+        # worker -> the command (suspend, resume) it was sent before it registered at the coordinator:
+        # delivered in the first report that finds it registered
+        self.pending: Dict[str, str] = {}
         self.stores: Dict[str, Any] = {}  # rdzv_id -> the rendezvous store of a torchrun job, hosted here
         self.inventory = self._inventory()
 
@@ -108,6 +117,7 @@ class NodeAgent:
         except (client.CoordinatorError, client.CoordinatorUnavailable, OSError) as error:
             view, coordinator = {"jobs": []}, f"unreachable: {error}"
         jobs = view["jobs"]
+        self._deliver_pending({job["name"] for job in jobs})
         used: Dict[int, int] = collections.defaultdict(int)
         busy: Dict[int, float] = collections.defaultdict(float)
         running: Dict[int, List[str]] = collections.defaultdict(list)  # what the measurement covers
@@ -171,14 +181,35 @@ class NodeAgent:
         return process.pid
 
     def command(self, worker: str, command: str) -> bool:
-        """suspend or resume, through the coordinator; False when the worker is not registered (yet)."""
+        """suspend or resume, through the coordinator. A worker this agent started that has not
+        registered yet (its process is starting) gets the command once it has: a scale-in or an
+        eviction right after a start is not lost. False: no such worker."""
         from cotenant.coordinator import client
 
         try:
             client.send_command(worker, command, self.socket)
+            self.pending.pop(worker, None)
             return True
         except client.CoordinatorError:
-            return False
+            process = self.workers.get(worker)
+            if process is None or process.poll() is not None:
+                return False
+            self.pending[worker] = command  # the latest wins: a resume after a suspend cancels it
+            return True
+
+    def _deliver_pending(self, registered: set) -> None:
+        from cotenant.coordinator import client
+
+        for worker, command in list(self.pending.items()):
+            process = self.workers.get(worker)
+            if process is None or process.poll() is not None:
+                del self.pending[worker]  # stopped or exited before it registered
+            elif worker in registered:
+                try:
+                    client.send_command(worker, command, self.socket)
+                    del self.pending[worker]
+                except client.CoordinatorError:
+                    pass  # it left again between the status and the command: the next report retries
 
     def upgrade(self, worker: str) -> None:
         """Guaranteed from now on: a full compute share, no memory cap."""
@@ -191,6 +222,7 @@ class NodeAgent:
         """SIGTERM to the worker's process group; SIGKILL to it and its children's groups (a torchrun
         agent's child leads its own) after STOP_GRACE_S, on a thread: the agent goes on reporting."""
         process = self.workers.pop(worker, None)
+        self.pending.pop(worker, None)
         target = process.pid if process is not None else pid
         if not target:
             return
@@ -199,6 +231,11 @@ class NodeAgent:
         if process is not None:
             threading.Thread(target=_reap, args=(process, [target, *children]), daemon=True,
                              name=f"stop-{worker}").start()
+
+
+def group_name(job: ClusterJob) -> str:
+    """The name of the placement group reserving a guaranteed job's GPUs."""
+    return f"cotenant-{job.name}-{job.job_id}"
 
 
 def _children(pid: int) -> List[int]:
@@ -264,9 +301,13 @@ class GlobalScheduler:
         self.rendezvous: Dict[int, Tuple[str, str]] = {}
         self.leaving: Dict[int, Dict[str, Tuple[GpuKey, bool]]] = {}  # shrink: worker -> (GPU, suspend sent)
         self.events: collections.deque = collections.deque(maxlen=1000)
+        self.event_count = 0
         self.lock = threading.RLock()
         self.started = time.monotonic()
+        self.saved_shape: Optional[Tuple[Any, ...]] = None
+        self.saved_at = 0.0
         self.running = True
+        self._load()
         self.thread = threading.Thread(target=self._loop, name="cotenant-scheduler", daemon=True)
         self.thread.start()
 
@@ -280,6 +321,7 @@ class GlobalScheduler:
             for job in jobs:
                 self._event("job submitted", job=job.name, tenant=job.spec.tenant,
                             gpus=f"{job.spec.min_gpus}-{job.spec.max_gpus}", role=job.spec.role)
+            self._save()
             return [{"job_id": j.job_id, "name": j.name} for j in jobs]
 
     def cancel(self, ref: str) -> Dict[str, Any]:
@@ -292,6 +334,7 @@ class GlobalScheduler:
             self._release_group(job)
             self._close_rendezvous(job)
             self._event("job cancelled", job=job.name)
+            self._save()
             return {"job": job.name, "state": job.status}
 
     def set_quota(self, tenant: str, gpus: int) -> None:
@@ -299,6 +342,7 @@ class GlobalScheduler:
             if self.core.quotas is None:
                 self.core.quotas = {}
             self.core.quotas[tenant] = gpus
+            self._save()
 
     def status(self) -> Dict[str, Any]:
         with self.lock:
@@ -314,6 +358,112 @@ class GlobalScheduler:
     def shutdown(self) -> None:
         self.running = False
 
+    def pid(self) -> int:
+        return os.getpid()
+
+    def down(self, grace_s: float = STOP_GRACE_S + 2.0) -> Dict[str, Any]:
+        """`cotenant cluster down`: cancels every unfinished job, waits up to grace_s for their
+        workers to exit, stops the node agents and the loop, and forgets the saved state. The caller
+        then kills this actor."""
+        ray = ray_module()
+        with self.lock:
+            self.running = False
+            live = [job for job in self.core.jobs.values() if job.status not in (FINISHED, FAILED)]
+            stopping = {worker_name(job.name, i) for job in live
+                        for i in range(len(job.suspended_on if job.status == SUSPENDED else job.gpus + job.stopping))}
+            for job in live:
+                self.cancel(job.name)
+            agents = dict(self.agents)
+        deadline = time.monotonic() + grace_s
+        left: List[str] = []
+        while True:
+            left = []
+            for node, agent in agents.items():
+                try:
+                    report = ray.get(agent.report.remote(), timeout=self.agent_timeout_s)
+                except Exception:
+                    continue  # an agent that does not answer has nothing left to stop
+                left += [w for w, s in report["workers"].items() if w in stopping and s["state"] != "exited"]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for agent in agents.values():
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:
+                pass
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(STATE_KEY, namespace=NAMESPACE)
+        return {"cancelled": [job.name for job in live], "agents": len(agents), "workers_left": sorted(left)}
+
+    # --- across a restart -------------------------------------------------------------------
+
+    def _save(self) -> None:
+        """Saves the state a restarted scheduler needs when any job changed (the time accounts every
+        SAVE_EVERY_S); a failure is an event, and the next tick tries again."""
+        if not self.running:
+            return  # `down` forgets the state; a last tick must not save it again
+        shape = (self.core.shape(), tuple(sorted(self.groups)), tuple(sorted(self.rendezvous.items())),
+                 repr(sorted(self.leaving.items())), self.event_count)
+        if shape == self.saved_shape and time.monotonic() - self.saved_at < SAVE_EVERY_S:
+            return
+        state = {"version": STATE_VERSION, "now": self._now(), "wall": time.time(), "core": self.core.to_state(),
+                 "groups": {str(job_id): group_name(self.core.jobs[job_id]) for job_id in self.groups},
+                 "rendezvous": {str(job_id): list(entry) for job_id, entry in self.rendezvous.items()},
+                 "leaving": {str(job_id): {w: [list(key), sent] for w, (key, sent) in leaving.items()}
+                             for job_id, leaving in self.leaving.items()},
+                 "events": list(self.events)}
+        try:
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_put(STATE_KEY, json.dumps(state), namespace=NAMESPACE)
+        except Exception as error:
+            self._event("state not saved", error=f"{type(error).__name__}: {error}")
+            return
+        self.saved_shape, self.saved_at = shape, time.monotonic()
+
+    def _load(self) -> None:
+        """Takes back what the scheduler before this one saved: its jobs in their states, its clock,
+        the placement groups of its running guaranteed jobs (looked up by name), the rendezvous
+        stores and leaving workers it followed, and its events."""
+        from ray.experimental import internal_kv
+        from ray.util.placement_group import get_placement_group
+
+        raw = internal_kv._internal_kv_get(STATE_KEY, namespace=NAMESPACE)
+        if not raw:
+            return
+        try:  # all of it read before any of it is taken: a state that does not read leaves a fresh scheduler
+            state = json.loads(raw)
+            if state.get("version") != STATE_VERSION:
+                raise ValueError(f"saved by another version of cotenant (format {state.get('version')!r})")
+            core = ClusterScheduler(self.core.policy, self.core.quotas)
+            core.restore(state["core"])
+            # The clock goes on from the saved time, counting the time the scheduler was away.
+            away = float(state["now"]) + max(0.0, time.time() - float(state["wall"]))
+            rendezvous = {int(job_id): (str(node), str(endpoint))
+                          for job_id, (node, endpoint) in state.get("rendezvous", {}).items()}
+            leaving = {int(job_id): {w: ((str(key[0]), int(key[1])), bool(sent)) for w, (key, sent) in workers.items()}
+                       for job_id, workers in state.get("leaving", {}).items()}
+            groups = {int(job_id): str(name) for job_id, name in state.get("groups", {}).items()}
+            events = list(state.get("events", []))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            internal_kv._internal_kv_put(STATE_KEY + "-unread", raw, namespace=NAMESPACE)  # for a person to read
+            self._event("saved state not restored", error=f"{type(error).__name__}: {error}",
+                        kept_as=STATE_KEY + "-unread",
+                        fix="the jobs it held run on unmanaged: stop their workers by hand and submit them again")
+            return
+        self.core, self.started = core, time.monotonic() - away
+        self.rendezvous, self.leaving = rendezvous, leaving
+        self.events.extend(events)
+        for job_id, name in groups.items():
+            try:
+                self.groups[job_id] = get_placement_group(name)
+            except ValueError:
+                self._event("placement group gone", group=name, reason="its GPUs are no longer reserved")
+        live = sum(job.status not in (FINISHED, FAILED) for job in self.core.jobs.values())
+        self._event("scheduler restored", jobs=live, groups=len(self.groups))
+
     # --- the loop ------------------------------------------------------------------------
 
     def _now(self) -> float:
@@ -321,6 +471,7 @@ class GlobalScheduler:
 
     def _event(self, event: str, **fields: Any) -> None:
         self.events.append({"t": round(self._now(), 3), "event": event, **fields})
+        self.event_count += 1
 
     def _loop(self) -> None:
         while self.running:
@@ -364,6 +515,7 @@ class GlobalScheduler:
             self._follow_workers(now)
             for action in self.core.decide(now):
                 self._carry_out(action, ray)
+            self._save()
 
     def _ensure_agents(self, ray) -> None:
         """An agent on every live node with GPUs: started when missing, again a while after it died."""
@@ -484,13 +636,17 @@ class GlobalScheduler:
 
     def _reserve(self, job: ClusterJob, gpus: Sequence[GpuKey], ray) -> bool:
         """A placement group of the job's GPUs, one bundle per node pinned to it; all or nothing."""
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 
+        try:  # left by a scheduler that died between reserving and saving: it holds the GPUs
+            remove_placement_group(get_placement_group(group_name(job)))
+        except ValueError:
+            pass
         per_node: Dict[str, int] = collections.Counter(node for node, _ in gpus)
         nodes = sorted(per_node)
         group = placement_group([{"GPU": float(per_node[n])} for n in nodes], strategy="PACK",
                                 bundle_label_selector=[{NODE_ID_LABEL: n} for n in nodes],
-                                name=f"cotenant-{job.name}-{job.job_id}")
+                                name=group_name(job), lifetime="detached")  # outlives a scheduler restart
         if not group.wait(timeout_seconds=self.gang_timeout_s):
             remove_placement_group(group)
             self.core.unplace(job)
@@ -576,8 +732,9 @@ def scheduler_handle(ray):
 
 
 def start_scheduler(ray, **options: Any):
-    """The global scheduler, detached (it outlives the command that started it); an existing one is kept."""
+    """The global scheduler, detached (it outlives the command that started it); an existing one is
+    kept. Ray restarts it when its process dies, and it takes its jobs back from the saved state."""
     return ray.remote(GlobalScheduler).options(
         name=SCHEDULER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=8,
-        get_if_exists=True,
+        max_restarts=-1, get_if_exists=True,
     ).remote(**options)

@@ -30,8 +30,8 @@ node's GPUs are out of every plan until its agent reports again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster.elastic import WorkerRange, resize
 from cotenant.cluster.torchrun import LAUNCHERS, PLAIN
@@ -204,6 +204,31 @@ class ClusterScheduler:
         """A start the runtime could not carry out (its placement group was not granted): it waits again."""
         job.status, job.gpus, job.role = (SUSPENDED if job.first_started_at and job.node else WAITING), (), None
 
+    # --- across a restart of the scheduler -------------------------------------------
+
+    def to_state(self) -> Dict[str, Any]:
+        """The jobs, quotas and time account as JSON-ready fields (the nodes are learnt again from
+        their agents' reports)."""
+        return {"next_id": self.next_id, "quotas": self.quotas, "accounted_at": self._time.at,
+                "jobs": [_job_fields(job) for job in self.jobs.values()]}
+
+    def shape(self) -> Tuple[Any, ...]:
+        """What a restart must not lose: the jobs, their states, GPUs and roles, and the quotas (not
+        the time accounts, which change every tick)."""
+        return (self.next_id, tuple(sorted((self.quotas or {}).items())),
+                tuple((j.job_id, j.status, j.gpus, j.stopping, j.suspended_on, j.role, j.share, j.node,
+                       j.evictions) for j in self.jobs.values()))
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Takes back to_state's jobs, each in the state it was in; their workers are followed again
+        from the next reports."""
+        jobs = [_job_from_fields(entry) for entry in state.get("jobs", [])]  # all read before any is taken
+        self.next_id = max([self.next_id, int(state.get("next_id", 1))] + [job.job_id + 1 for job in jobs])
+        if "quotas" in state:  # newer than the ones the scheduler was started with (set_quota)
+            self.quotas = dict(state["quotas"]) if state["quotas"] is not None else None
+        self._time.at = state.get("accounted_at", self._time.at)
+        self.jobs.update((job.job_id, job) for job in jobs)
+
     # --- accounting ----------------------------------------------------------------
 
     def advance(self, now: float) -> None:
@@ -360,3 +385,25 @@ def _gpu_status(gpu: Gpu) -> Dict[str, object]:
     if gpu.running is not None:
         fields["running"] = sorted(gpu.running)
     return fields
+
+
+_GPU_KEY_FIELDS = ("gpus", "stopping", "suspended_on")
+
+
+def _job_fields(job: ClusterJob) -> Dict[str, Any]:
+    values = asdict(job)
+    values["spec"] = {**values["spec"], "command": list(job.spec.command)}
+    for name in _GPU_KEY_FIELDS:
+        values[name] = [list(key) for key in getattr(job, name)]
+    return values
+
+
+def _job_from_fields(entry: Mapping[str, Any]) -> ClusterJob:
+    spec_names = {f.name for f in fields(JobSpec)}
+    spec = {k: v for k, v in entry["spec"].items() if k in spec_names}
+    spec["command"] = tuple(spec["command"])
+    values = {k: v for k, v in entry.items() if k in {f.name for f in fields(ClusterJob)}}
+    values["spec"] = JobSpec(**spec)
+    for name in _GPU_KEY_FIELDS:
+        values[name] = tuple((str(node), int(index)) for node, index in values.get(name, ()))
+    return ClusterJob(**values)

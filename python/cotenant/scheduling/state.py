@@ -41,14 +41,14 @@ class TimeAccount:
     share) while it runs. One rule for the node's queue and the cluster's."""
 
     def __init__(self) -> None:
-        self._at: Optional[float] = None
+        self.at: Optional[float] = None  # accounted up to this time; kept across a restart
 
     def advance(self, now: float, jobs: Iterable[Any], service_rate: Callable[[Any], float]) -> None:
         """service_rate(job): GPUs times compute share of a running job."""
-        if self._at is None:
-            self._at = now
-        span = max(0.0, now - self._at)
-        self._at = now
+        if self.at is None:
+            self.at = now
+        span = max(0.0, now - self.at)
+        self.at = now
         for job in jobs:
             if job.status in (WAITING, SUSPENDED):
                 job.waited_s += span
