@@ -384,6 +384,24 @@ def test_a_killed_scheduler_comes_back_with_its_jobs_their_gangs_and_their_worke
     assert c.submit(spec("newer"))[0]["job_id"] > max(j["job_id"] for j in before.values())
 
 
+def test_an_agent_told_to_start_a_worker_it_runs_stops_the_old_process_first(clean):
+    # As a scheduler that died between starting a job's workers and saving does when it starts them again.
+    c = clean
+    agent = ray.get_actor(runtime.agent_name(c.nodes[0].node_id), namespace=runtime.NAMESPACE)
+    job = spec("twice")
+
+    def start():
+        return ray.get(agent.start.remote("twice-w0", list(job.command), 0, "guaranteed", dict(job.env)))
+
+    first = start()
+    assert wait_until(lambda: (c.coordinators[0].job("twice-w0") or {}).get("pid") == first, timeout=TIMEOUT)
+    second = start()
+    assert second != first
+    assert wait_until(lambda: not os.path.exists(f"/proc/{first}"), timeout=TIMEOUT)  # stopped and reaped
+    assert wait_until(lambda: (c.coordinators[0].job("twice-w0") or {}).get("pid") == second, timeout=TIMEOUT)
+    ray.get(agent.stop.remote("twice-w0"))
+
+
 def test_cli_cancels_a_job_and_down_stops_every_job_the_agents_and_the_scheduler(clean):
     c = clean
     c.submit(spec("one"), spec("two", min_gpus=2, max_gpus=2), spec("three"))

@@ -165,7 +165,11 @@ class NodeAgent:
     def start(self, worker: str, command: Sequence[str], gpu: int, role: str, env: Mapping[str, str],
               rendezvous: Optional[Mapping[str, Any]] = None) -> int:
         """Starts `cotenant run ... -- command`; with `rendezvous` (torchrun.agent_command's options), a
-        torchrun agent whose child that is."""
+        torchrun agent whose child that is. A live process this agent started under the same name is
+        stopped first: a scheduler that died between starting a job's workers and saving starts them
+        again."""
+        if worker in self.workers and self.workers[worker].poll() is None:
+            self.stop(worker)
         argv = [sys.executable, "-m", "cotenant.cli", "run", f"--{role}", "--device", str(gpu), "--name", worker]
         if self.socket:
             argv += ["--socket", self.socket]
