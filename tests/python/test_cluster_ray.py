@@ -443,5 +443,12 @@ def test_cli_submits_a_job_and_status_shows_it_on_the_nodes_gpus(clean):
     row = next(line.split() for line in shown.stdout.splitlines() if line.startswith("viacli "))
     assert row[:4] == ["viacli", "cli", "running", "guaranteed"], shown.stdout
     assert shown.stdout.count("slow") == 2 and shown.stdout.count("fast") == 4  # every GPU, with its type
+    logs = run_cli(c, "logs", "viacli", "--tail", "4KiB")
+    assert logs.returncode == 0, logs.stderr
+    for i in (0, 1):  # each worker's stdout, from its node
+        header = f"==> viacli-w{i} (node {c.job('viacli')['gpus'][i][0][:12]}) <=="
+        assert header in logs.stdout and '"registration"' in logs.stdout.split(header)[1], logs.stdout
+    missing = run_cli(c, "logs", "nosuchjob")
+    assert missing.returncode == 2 and "no cluster job named 'nosuchjob'" in missing.stderr
     refused = run_cli(c, "submit", "--gpus", "0", "--guaranteed", "--", "true")
     assert refused.returncode == 2 and "--gpus takes a count" in refused.stderr and "Traceback" not in refused.stderr

@@ -1,4 +1,4 @@
-"""`cotenant cluster up|submit|status|cancel|down`: the global scheduler on a Ray cluster."""
+"""`cotenant cluster up|submit|status|logs|cancel|down`: the global scheduler on a Ray cluster."""
 
 from __future__ import annotations
 
@@ -92,6 +92,13 @@ def add_cluster_command(subparsers) -> None:
                                         description="Nodes, GPUs and jobs as the global scheduler sees them."))
     q.add_argument("--json", action="store_true", help="print the scheduler's view as JSON")
     q.set_defaults(func=cmd_status)
+
+    q = with_address(sub.add_parser("logs", help="the end of each worker's output (stdout and stderr)",
+                                        description="The end of the output (stdout and stderr) of each worker "
+                                                    "of a job, running or ended, from the live nodes it ran on."))
+    q.add_argument("job", help="the job's name or id, as `cotenant cluster status` shows it")
+    q.add_argument("--tail", default="16KiB", help="how much of each worker's log to show (default 16KiB)")
+    q.set_defaults(func=cmd_logs)
 
     q = with_address(sub.add_parser("cancel", help="cancel a job: its workers stop, its GPUs are free",
                                         description="Cancel a job: its workers stop (running or suspended), "
@@ -263,6 +270,37 @@ def cmd_status(args: argparse.Namespace) -> int:
     ray, scheduler = _scheduler(args.address)
     view = _call(ray, scheduler.status.remote())
     print(json.dumps(view, indent=2) if args.json else format_status(view))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from cotenant._core import parse_size
+    from cotenant.cluster import runtime
+
+    tail = parse_size(args.tail)
+    ray, scheduler = _scheduler(args.address)
+    jobs = _call(ray, scheduler.status.remote())["jobs"]
+    job = next((j for j in reversed(jobs) if args.job in (j["name"], str(j["job_id"]))), None)
+    if job is None:
+        raise ValueError(f"no cluster job named {args.job!r}; `cotenant cluster status` lists them")
+    found: Dict[str, Tuple[str, str]] = {}
+    for node in ray.nodes():
+        if not node.get("Alive") or not node["Resources"].get("GPU"):
+            continue
+        try:
+            agent = ray.get_actor(runtime.agent_name(node["NodeID"]), namespace=runtime.NAMESPACE)
+            logs = ray.get(agent.logs.remote(job["name"], tail), timeout=10)
+        except Exception:  # no agent there (yet), or it does not answer: its node's logs are not shown
+            continue
+        found.update((worker, (node["NodeID"], text)) for worker, text in logs.items())
+    if not found:
+        print(f"{job['name']}: no worker log on any live node yet (each worker logs on its node, in the agent's "
+              "log directory)")
+        return 0
+    for worker in sorted(found, key=lambda w: int(w.rpartition("-w")[2])):
+        node, text = found[worker]
+        print(f"==> {worker} (node {node[:12]}) <==")
+        print(text, end="" if text.endswith("\n") or not text else "\n")
     return 0
 
 

@@ -79,7 +79,9 @@ class NodeAgent:
     def __init__(self, node_id: str, socket: Optional[str] = None, log_dir: Optional[str] = None) -> None:
         self.node_id = node_id
         self.socket = socket
-        self.log_dir = log_dir or os.path.join("/tmp", "cotenant-cluster")
+        # Each worker's stdout and stderr: <log_dir>/<node id>/<worker>.log, a directory per node so that
+        # a log_dir on a shared file system keeps each node's logs apart.
+        self.log_dir = os.path.join(log_dir or os.path.join("/tmp", "cotenant-cluster"), node_id)
         os.makedirs(self.log_dir, exist_ok=True)
         self.workers: Dict[str, subprocess.Popen] = {}
         # worker -> the command (suspend, resume) it was sent before it registered at the coordinator:
@@ -146,6 +148,19 @@ class NodeAgent:
                 entry.update(state="exited", exit=code)
         return {"node": self.node_id, "pid": os.getpid(), "coordinator": coordinator, "gpus": gpus,
                 "workers": workers, "rendezvous": sorted(self.stores)}
+
+    def logs(self, job: str, tail_bytes: int) -> Dict[str, str]:
+        """The last tail_bytes of the log (stdout and stderr) of each of the job's workers that ran on
+        this node, by worker name."""
+        prefix, found = f"{job}-w", {}
+        for entry in sorted(os.listdir(self.log_dir)):
+            worker = entry[:-len(".log")]
+            if not (entry.endswith(".log") and worker.startswith(prefix) and worker[len(prefix):].isdigit()):
+                continue
+            with open(os.path.join(self.log_dir, entry), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+                found[worker] = f.read().decode(errors="replace")
+        return found
 
     def address(self) -> str:
         """This node's address, as Ray knows it."""
