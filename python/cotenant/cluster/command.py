@@ -57,6 +57,10 @@ def add_cluster_command(subparsers) -> None:
         q.add_argument("--address", help="the Ray cluster (default: $RAY_ADDRESS, else the one this machine runs)")
         return q
 
+    def with_job(q: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        q.add_argument("job", help="the job's name or id, as `cotenant cluster status` shows it")
+        return with_address(q)
+
     q = with_address(sub.add_parser("up", help="start Ray (or attach to a running Ray) and the global scheduler",
                                         description="Start Ray (or attach to a running Ray) and the global scheduler."))
     q.add_argument("--policy", default="antman", help="the scheduling policy: antman (default), fifo, las, timeslice")
@@ -93,17 +97,15 @@ def add_cluster_command(subparsers) -> None:
     q.add_argument("--json", action="store_true", help="print the scheduler's view as JSON")
     q.set_defaults(func=cmd_status)
 
-    q = with_address(sub.add_parser("logs", help="the end of each worker's output (stdout and stderr)",
+    q = with_job(sub.add_parser("logs", help="the end of each worker's output (stdout and stderr)",
                                         description="The end of the output (stdout and stderr) of each worker "
                                                     "of a job, running or ended, from the live nodes it ran on."))
-    q.add_argument("job", help="the job's name or id, as `cotenant cluster status` shows it")
     q.add_argument("--tail", default="16KiB", help="how much of each worker's log to show (default 16KiB)")
     q.set_defaults(func=cmd_logs)
 
-    q = with_address(sub.add_parser("cancel", help="cancel a job: its workers stop, its GPUs are free",
+    q = with_job(sub.add_parser("cancel", help="cancel a job: its workers stop, its GPUs are free",
                                         description="Cancel a job: its workers stop (running or suspended), "
                                                     "its GPUs are free."))
-    q.add_argument("job", help="the job's name or id, as `cotenant cluster status` shows it")
     q.set_defaults(func=cmd_cancel)
 
     q = with_address(sub.add_parser("down", help="cancel every job, stop the scheduler and the node agents",
@@ -279,22 +281,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
     tail = parse_size(args.tail)
     ray, scheduler = _scheduler(args.address)
-    jobs = _call(ray, scheduler.status.remote())["jobs"]
-    job = next((j for j in reversed(jobs) if args.job in (j["name"], str(j["job_id"]))), None)
-    if job is None:
-        raise ValueError(f"no cluster job named {args.job!r}; `cotenant cluster status` lists them")
+    name = _call(ray, scheduler.job_name.remote(args.job))
     found: Dict[str, Tuple[str, str]] = {}
     for node in ray.nodes():
         if not node.get("Alive") or not node["Resources"].get("GPU"):
             continue
         try:
             agent = ray.get_actor(runtime.agent_name(node["NodeID"]), namespace=runtime.NAMESPACE)
-            logs = ray.get(agent.logs.remote(job["name"], tail), timeout=10)
+            logs = ray.get(agent.logs.remote(name, tail), timeout=10)
         except Exception:  # no agent there (yet), or it does not answer: its node's logs are not shown
             continue
         found.update((worker, (node["NodeID"], text)) for worker, text in logs.items())
     if not found:
-        print(f"{job['name']}: no worker log on any live node yet (each worker logs on its node, in the agent's "
+        print(f"{name}: no worker log on any live node yet (each worker logs on its node, in the agent's "
               "log directory)")
         return 0
     for worker in sorted(found, key=lambda w: int(w.rpartition("-w")[2])):

@@ -343,11 +343,20 @@ class GlobalScheduler:
             self._save()
             return [{"job_id": j.job_id, "name": j.name} for j in jobs]
 
+    def job_name(self, ref: str) -> str:
+        """The name of the job `ref` names (a name or an id); ValueError when there is none."""
+        with self.lock:
+            return self._find(ref).name
+
+    def _find(self, ref: str) -> ClusterJob:
+        job = self.core.find(ref)
+        if job is None:
+            raise ValueError(f"no cluster job named {ref!r}; `cotenant cluster status` lists them")
+        return job
+
     def cancel(self, ref: str) -> Dict[str, Any]:
         with self.lock:
-            job = self.core.find(ref)
-            if job is None:
-                raise ValueError(f"no cluster job named {ref!r}; `cotenant cluster status` lists them")
+            job = self._find(ref)
             self._stop_workers(job)
             self.core.ended(job, self._now(), reason="cancelled")
             self._release_group(job)
@@ -388,8 +397,7 @@ class GlobalScheduler:
         with self.lock:
             self.running = False
             live = [job for job in self.core.jobs.values() if job.status not in (FINISHED, FAILED)]
-            stopping = {worker_name(job.name, i) for job in live
-                        for i in range(len(job.suspended_on if job.status == SUSPENDED else job.gpus + job.stopping))}
+            stopping = {worker_name(job.name, i) for job in live for i in range(len(job.worker_gpus))}
             for job in live:
                 self.cancel(job.name)
             agents = dict(self.agents)
@@ -722,9 +730,7 @@ class GlobalScheduler:
     def _stop_workers(self, job: ClusterJob, gpus: Optional[Sequence[GpuKey]] = None) -> None:
         """Stops worker i on gpus[i]: by default where the job's workers are (running, leaving, or
         suspended)."""
-        if gpus is None:
-            gpus = job.suspended_on if job.status == SUSPENDED else job.gpus + job.stopping
-        for i, (node, _) in enumerate(gpus):
+        for i, (node, _) in enumerate(job.worker_gpus if gpus is None else gpus):
             agent = self.agents.get(node)
             if agent is not None:
                 agent.stop.remote(worker_name(job.name, i))

@@ -129,6 +129,12 @@ class ClusterJob:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def worker_gpus(self) -> Tuple[GpuKey, ...]:
+        """Where its worker processes are, worker i on the i-th: running or leaving, or where it was
+        suspended."""
+        return self.suspended_on if self.status == SUSPENDED else self.gpus + self.stopping
+
 
 @dataclass(frozen=True)
 class Action:
