@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.ray
 
 GPU_TYPES = ("fast", "fast", "slow")
 TIMEOUT = 60
+STRAY_GRACE_S = 2.0
 
 
 class Cluster:
@@ -108,7 +110,7 @@ def cluster(tmp_path_factory):
             coordinator.start_coordinator()
             coordinators.append(coordinator)
         options = dict(policy="antman", node_sockets={n.node_id: c.socket for n, c in zip(nodes, coordinators)},
-                       tick_s=0.2, agent_restart_s=3.0, log_dir=str(directory))
+                       tick_s=0.2, agent_restart_s=3.0, stray_grace_s=STRAY_GRACE_S, log_dir=str(directory))
         scheduler = runtime.start_scheduler(ray, **options)
         c = Cluster(ray_cluster, nodes, coordinators, scheduler, str(directory), options)
         assert wait_until(lambda: sum(n["live"] for n in c.status()["nodes"]) == 3, timeout=TIMEOUT), c.status()
@@ -321,6 +323,9 @@ def test_a_torchrun_job_re_forms_its_world_as_it_scales_out_and_in_and_resumes_f
 def test_a_killed_node_agent_leaves_the_rest_served_and_its_node_rejoins(clean):
     c = clean
     victim = c.nodes[2].node_id
+    c.submit(spec("survivor", gpu_type="slow"))  # on the victim's node
+    assert wait_until(lambda: c.worker("survivor", 0), timeout=TIMEOUT), c.explain("survivor")
+    survivor = c.worker("survivor", 0)["pid"]
     agent = ray.get_actor(runtime.agent_name(victim), namespace=runtime.NAMESPACE)
     os.kill(ray.get(agent.pid.remote()), signal.SIGKILL)
     assert wait_until(lambda: not next(n for n in c.status()["nodes"] if n["node"] == victim)["live"],
@@ -331,6 +336,12 @@ def test_a_killed_node_agent_leaves_the_rest_served_and_its_node_rejoins(clean):
     assert wait_until(lambda: next(n for n in c.status()["nodes"] if n["node"] == victim)["live"],
                       timeout=TIMEOUT), c.status()
     assert len(c.events("node joined")) >= 4  # three at start, the victim again
+    # The new agent took over the worker the dead one started: it follows it and stops it.
+    agent = ray.get_actor(runtime.agent_name(victim), namespace=runtime.NAMESPACE)
+    report = ray.get(agent.report.remote())["workers"]["survivor-w0"]
+    assert (report["pid"], report.get("own"), c.job("survivor")["state"]) == (survivor, True, "running")
+    ray.get(c.scheduler.cancel.remote("survivor"))
+    assert wait_until(lambda: not os.path.exists(f"/proc/{survivor}"), timeout=TIMEOUT), c.explain("survivor")
     c.submit(spec("after", min_gpus=2, max_gpus=2))
     assert wait_until(lambda: c.worker("after", 1), timeout=TIMEOUT), c.status()
     assert {node for node, _ in c.job("after")["gpus"]} == {victim}  # the only free GPUs are the rejoined node's
@@ -387,19 +398,37 @@ def test_a_killed_scheduler_comes_back_with_its_jobs_their_gangs_and_their_worke
 def test_an_agent_told_to_start_a_worker_it_runs_stops_the_old_process_first(clean):
     # As a scheduler that died between starting a job's workers and saving does when it starts them again.
     c = clean
-    agent = ray.get_actor(runtime.agent_name(c.nodes[0].node_id), namespace=runtime.NAMESPACE)
     job = spec("twice")
-
-    def start():
-        return ray.get(agent.start.remote("twice-w0", list(job.command), 0, "guaranteed", dict(job.env)))
-
-    first = start()
-    assert wait_until(lambda: (c.coordinators[0].job("twice-w0") or {}).get("pid") == first, timeout=TIMEOUT)
-    second = start()
+    c.submit(job)
+    assert wait_until(lambda: c.worker("twice", 0), timeout=TIMEOUT), c.explain("twice")
+    first = c.worker("twice", 0)["pid"]
+    node, gpu = c.job("twice")["gpus"][0]
+    agent = ray.get_actor(runtime.agent_name(node), namespace=runtime.NAMESPACE)
+    second = ray.get(agent.start.remote("twice-w0", list(job.command), gpu, "guaranteed", dict(job.env)))
     assert second != first
     assert wait_until(lambda: not os.path.exists(f"/proc/{first}"), timeout=TIMEOUT)  # stopped and reaped
-    assert wait_until(lambda: (c.coordinators[0].job("twice-w0") or {}).get("pid") == second, timeout=TIMEOUT)
-    ray.get(agent.stop.remote("twice-w0"))
+    assert wait_until(lambda: (c.worker("twice", 0) or {}).get("pid") == second, timeout=TIMEOUT), c.explain("twice")
+    assert c.job("twice")["state"] == "running"  # the old process's end is not the job's
+
+
+def test_a_worker_no_job_has_on_its_node_is_stopped_and_the_coordinators_own_jobs_are_not(clean):
+    # As a scheduler leaves a worker it started and died before saving, or a stop its agent missed.
+    c = clean
+    node = c.nodes[1].node_id
+    local = c.coordinators[1].start_job("opportunistic", "local", hold_mib=16)  # not the cluster's: kept
+    try:
+        agent = ray.get_actor(runtime.agent_name(node), namespace=runtime.NAMESPACE)
+        job = spec("stray")
+        since = time.monotonic()
+        started = ray.get(agent.start.remote("stray-w0", list(job.command), 1, "opportunistic", dict(job.env)))
+        assert wait_until(lambda: not os.path.exists(f"/proc/{started}"), timeout=TIMEOUT), c.explain()
+        assert time.monotonic() - since >= STRAY_GRACE_S  # not at the first report that showed it
+        stopped = [e for e in c.events("stray worker stopped") if e["worker"] == "stray-w0"]
+        assert [(e["node"], e["pid"]) for e in stopped] == [(node, started)]
+        assert local.alive() and c.coordinators[1].job("local")
+        assert not [e for e in c.events("stray worker stopped") if e["worker"] == "local"]
+    finally:
+        local.kill()
 
 
 def test_cli_cancels_a_job_and_down_stops_every_job_the_agents_and_the_scheduler(clean):

@@ -2,6 +2,8 @@
 eviction and upgrade, AlloX's matching across GPU types, Amoeba's resizing, and the cluster
 simulation, all on the node's own policy code."""
 
+import os
+
 import pytest
 
 from cotenant.cluster.allox import TypeMatching, match
@@ -154,6 +156,42 @@ def test_an_elastic_job_grows_into_idle_gpus_and_shrinks_for_a_waiting_job_keepi
     assert s.decide(2.5) == []  # the leaving workers still hold their GPUs
     s.workers_left(job, shrunk[0].gpus)
     assert kinds(s.decide(3.0)) == [(START, "wide")]
+
+
+def test_the_workers_a_node_should_run_are_the_running_leaving_and_suspended_ones_of_unfinished_jobs():
+    # What the runtime compares with its agents' reports to find strays.
+    def by_node(name, gpus):
+        found = {}
+        for i, (node, _) in enumerate(gpus):
+            found.setdefault(node, set()).add(f"{name}-w{i}")
+        return found
+
+    s = cluster(policy=Packing())
+    s.submit(JobSpec("elastic", CMD, min_gpus=1, max_gpus=4), 0.0)
+    s.decide(0.0)
+    s.decide(1.0)
+    job = s.find("elastic")
+    assert len(job.gpus) == 4 and s.expected_workers() == by_node("elastic", job.gpus)
+    s.submit(JobSpec("wide", CMD, min_gpus=4, max_gpus=4), 2.0)
+    shrunk = s.decide(2.0)
+    assert kinds(shrunk) == [(SHRINK, "elastic")]
+    assert s.expected_workers() == by_node("elastic", job.gpus + job.stopping)  # leaving ones until they left
+    s.workers_left(job, shrunk[0].gpus)
+    assert s.expected_workers() == by_node("elastic", job.gpus)  # w2 and w3 are strays from now on
+    assert s.find("wide").status == WAITING  # placed nowhere yet: no worker of it anywhere
+    s.ended(job, 3.0)
+    assert s.expected_workers() == {}  # nothing of an ended job runs
+    s.decide(3.0)
+    assert s.expected_workers() == by_node("wide", s.find("wide").gpus)
+
+    s = cluster(quotas={"alice": 0, "bob": 6}, nodes=(("a", 2, "fast"), ("b", 2, "fast")))
+    s.submit(JobSpec("opp", CMD, tenant="alice", persistent_bytes=GiB * 3 // 4), 0.0)
+    s.decide(0.0)
+    opp = s.find("opp")
+    s.submit(JobSpec("big", CMD, tenant="bob", min_gpus=4, max_gpus=4, persistent_bytes=GiB * 3 // 4), 1.0)
+    assert kinds(s.decide(1.0)) == [(SUSPEND, "opp")]
+    s.stopped(opp, 2.0)
+    assert opp.gpus == () and s.expected_workers() == by_node("opp", opp.suspended_on)
 
 
 def test_an_elastic_job_evicted_while_grown_resumes_with_every_worker_it_suspended():
@@ -355,3 +393,29 @@ def test_a_job_names_a_launcher_it_has():
     assert JobSpec("t", CMD, min_gpus=1, max_gpus=3, launcher="torchrun").launcher == "torchrun"
     with pytest.raises(ValueError, match="launcher is one of plain, torchrun"):
         JobSpec("t", CMD, launcher="mpirun")
+
+
+def test_a_worker_taken_over_from_an_earlier_node_agent_is_followed_by_its_pid_and_start_time():
+    import signal
+    import subprocess
+    import time
+
+    from cotenant.cluster.runtime import _Adopted, _start_time
+
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        started = _start_time(process.pid)
+        adopted = _Adopted(process.pid, started)
+        assert started is not None and adopted.poll() is None
+        assert _Adopted(process.pid, started + 1).poll() == 0  # the pid, reused by another process
+        with pytest.raises(subprocess.TimeoutExpired):
+            adopted.wait(timeout=0.1)
+        os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while adopted.poll() is None and time.monotonic() < deadline:  # a zombie (not reaped yet) is gone too
+            time.sleep(0.02)
+        assert adopted.poll() == 0 and adopted.wait(timeout=1) == 0 and os.path.exists(f"/proc/{process.pid}")
+    finally:
+        process.kill()
+        process.wait()
+    assert _start_time(process.pid) is None

@@ -53,6 +53,7 @@ LABEL_GPU_TYPE = "cotenant.io/gpu-type"
 LABEL_GPU_MEMORY = "cotenant.io/gpu-memory"
 NODE_ID_LABEL = "ray.io/node-id"
 STOP_GRACE_S = 5.0  # a stopped worker's SIGTERM, then SIGKILL
+WORKERS_FILE = "workers.json"  # in an agent's log directory: the workers it runs, for the agent after it
 # The global scheduler's state, in the Ray cluster's own key-value store (the GCS, namespace NAMESPACE):
 # a scheduler Ray restarts, or one `cotenant cluster up` starts after it died, takes its jobs back.
 STATE_KEY = "scheduler-state"
@@ -83,7 +84,11 @@ class NodeAgent:
         # a log_dir on a shared file system keeps each node's logs apart.
         self.log_dir = os.path.join(log_dir or os.path.join("/tmp", "cotenant-cluster"), node_id)
         os.makedirs(self.log_dir, exist_ok=True)
-        self.workers: Dict[str, subprocess.Popen] = {}
+        # The worker processes this agent runs, by name: its own children, and those an agent before it
+        # on this node started (read from WORKERS_FILE: a restarted agent takes them over).
+        self.workers: Dict[str, Any] = {}
+        self.workers_file = os.path.join(self.log_dir, WORKERS_FILE)
+        self._adopt()
         # worker -> the command (suspend, resume) it was sent before it registered at the coordinator:
         # delivered in the first report that finds it registered
         self.pending: Dict[str, str] = {}
@@ -92,6 +97,36 @@ class NodeAgent:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def _adopt(self) -> None:
+        """Takes over the live workers an agent before this one on the node started (it died; they ran
+        on): they are followed and stopped as this agent's own, through /proc."""
+        try:
+            with open(self.workers_file) as f:
+                saved = json.load(f)
+            for worker, (pid, started) in saved.items():
+                process = _Adopted(int(pid), int(started))
+                if process.poll() is None:
+                    self.workers[str(worker)] = process
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, AttributeError) as error:
+            print(f"cotenant node agent: {self.workers_file} does not read ({error}): the workers an agent "
+                  f"before this one started are not taken over; stop them by hand", file=sys.stderr)
+        self._save_workers()
+
+    def _save_workers(self) -> None:
+        """Writes the live workers (pid and start time, which tells a reused pid apart) for an agent
+        that takes over from this one."""
+        live = {}
+        for worker, process in self.workers.items():
+            started = _start_time(process.pid)
+            if started is not None and process.poll() is None:
+                live[worker] = [process.pid, started]
+        temporary = f"{self.workers_file}.{os.getpid()}"
+        with open(temporary, "w") as f:
+            json.dump(live, f)
+        os.replace(temporary, self.workers_file)
 
     def _inventory(self) -> List[Dict[str, Any]]:
         measured = _nvidia_smi(["index", "uuid", "name", "memory.total"])
@@ -144,8 +179,11 @@ class NodeAgent:
         for name, process in self.workers.items():
             code = process.poll()
             entry = workers.setdefault(name, {"state": "starting", "pid": process.pid, "gpu": None, "exit": None})
+            entry["own"] = True  # started by this agent (a coordinator's other jobs are not the cluster's)
             if code is not None:
-                entry.update(state="exited", exit=code)
+                # An adopted process's exit status is unknown: it was not this agent's child.
+                entry.update(state="exited", exit=None if isinstance(process, _Adopted) else code,
+                             exit_unknown=isinstance(process, _Adopted))
         return {"node": self.node_id, "pid": os.getpid(), "coordinator": coordinator, "gpus": gpus,
                 "workers": workers, "rendezvous": sorted(self.stores)}
 
@@ -197,6 +235,7 @@ class NodeAgent:
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.workers[worker] = process
+        self._save_workers()
         return process.pid
 
     def command(self, worker: str, command: str) -> bool:
@@ -242,6 +281,8 @@ class NodeAgent:
         agent's child leads its own) after STOP_GRACE_S, on a thread: the agent goes on reporting."""
         process = self.workers.pop(worker, None)
         self.pending.pop(worker, None)
+        if process is not None:
+            self._save_workers()
         target = process.pid if process is not None else pid
         if not target:
             return
@@ -250,6 +291,37 @@ class NodeAgent:
         if process is not None:
             threading.Thread(target=_reap, args=(process, [target, *children]), daemon=True,
                              name=f"stop-{worker}").start()
+
+
+class _Adopted:
+    """A worker process that an earlier agent on this node started: not this agent's child, so it is
+    followed through /proc. poll() and wait() as subprocess.Popen's, but an ended process's exit status
+    is unknown (poll() gives 0)."""
+
+    def __init__(self, pid: int, started: int) -> None:
+        self.pid, self.started = pid, started
+
+    def poll(self) -> Optional[int]:
+        return None if _start_time(self.pid) == self.started else 0
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return 0
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """When the live process `pid` started (clock ticks after boot), or None: no such process, or a
+    zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def group_name(job: ClusterJob) -> str:
@@ -303,7 +375,7 @@ class GlobalScheduler:
     def __init__(self, policy: str = "antman", quotas: Optional[Mapping[str, int]] = None,
                  socket: Optional[str] = None, node_sockets: Optional[Mapping[str, str]] = None,
                  tick_s: float = 0.25, agent_timeout_s: float = 2.0, agent_restart_s: float = 5.0,
-                 gang_timeout_s: float = 10.0, log_dir: Optional[str] = None) -> None:
+                 gang_timeout_s: float = 10.0, stray_grace_s: float = 10.0, log_dir: Optional[str] = None) -> None:
         from cotenant.cluster.allox import TypeMatching
         from cotenant.scheduling.policies import make_policy
 
@@ -311,7 +383,7 @@ class GlobalScheduler:
         self.policy_name = policy
         self.socket, self.node_sockets = socket, dict(node_sockets or {})
         self.tick_s, self.agent_timeout_s, self.agent_restart_s = tick_s, agent_timeout_s, agent_restart_s
-        self.gang_timeout_s, self.log_dir = gang_timeout_s, log_dir
+        self.gang_timeout_s, self.stray_grace_s, self.log_dir = gang_timeout_s, stray_grace_s, log_dir
         self.agents: Dict[str, Any] = {}
         self.agent_died_at: Dict[str, float] = {}
         self.reports: Dict[str, Dict[str, Any]] = {}
@@ -319,6 +391,7 @@ class GlobalScheduler:
         # job_id -> (node, host:port) of a torchrun job's rendezvous store, which that node's agent hosts
         self.rendezvous: Dict[int, Tuple[str, str]] = {}
         self.leaving: Dict[int, Dict[str, Tuple[GpuKey, bool]]] = {}  # shrink: worker -> (GPU, suspend sent)
+        self.strays: Dict[Tuple[str, str], Tuple[int, float]] = {}  # (node, worker) -> (pid, seen first)
         self.events: collections.deque = collections.deque(maxlen=1000)
         self.event_count = 0
         self.lock = threading.RLock()
@@ -540,6 +613,7 @@ class GlobalScheduler:
                     self._event("node joined", node=node, gpus=len(gpus), agent_pid=report["pid"])
                 self.reports[node] = report
             self._follow_workers(now)
+            self._stop_strays(reports, now)
             for action in self.core.decide(now):
                 self._carry_out(action, ray)
             self._save()
@@ -590,6 +664,8 @@ class GlobalScheduler:
             if all(s["state"] in ("exited", "gone") for s in states):
                 codes = [s["exit"] for s in states if s["exit"] not in (None, 0)]
                 status = f"exit status {codes[0]}" if codes else ""
+                if not codes and any(s.get("exit_unknown") for s in states):
+                    status = "exit status unknown: its node agent was started again while it ran"
                 if job.status == SUSPENDED:  # nothing is left to resume
                     self.core.ended(job, now, failed=True, reason="its workers exited while it was suspended" +
                                     (f" ({status})" if status else ""))
@@ -610,6 +686,31 @@ class GlobalScheduler:
                     self._event("worker left", job=job.name, worker=worker, node=key[0])
             if not leaving:
                 del self.leaving[job_id]
+
+    def _stop_strays(self, reports: Mapping[str, Dict[str, Any]], now: float) -> None:
+        """Stops the workers an agent started that no job has on its node any more: started by a
+        scheduler that died before saving, left by a shrink or eviction it had not saved, or missed by a
+        stop sent while their agent did not answer. A worker is stopped once it has been a stray (the
+        same process) for stray_grace_s: a report taken before a cancel or a shrink stopped it is not
+        enough."""
+        expected = self.core.expected_workers()
+        seen = set()
+        for node, report in reports.items():
+            for worker, state in report["workers"].items():
+                if not state.get("own") or state["state"] == "exited" or worker in expected.get(node, ()):
+                    continue
+                key = (node, worker)
+                seen.add(key)
+                pid, since = self.strays.get(key, (None, now))
+                if pid != state["pid"]:
+                    self.strays[key] = (state["pid"], now)  # a new process: its grace starts now
+                elif now - since >= self.stray_grace_s:
+                    self.agents[node].stop.remote(worker, state["pid"])
+                    del self.strays[key]
+                    self._event("stray worker stopped", worker=worker, node=node, pid=state["pid"],
+                                reason="no job of this scheduler's has that worker on that node")
+        for key in [k for k in self.strays if k not in seen and k[0] in reports]:
+            del self.strays[key]
 
     def _wrap_up(self, job: ClusterJob) -> None:
         """A job the scheduler has ended: its placement group and rendezvous store go."""

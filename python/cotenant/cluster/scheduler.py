@@ -31,7 +31,7 @@ node's GPUs are out of every plan until its agent reports again.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from cotenant.cluster.elastic import WorkerRange, resize
 from cotenant.cluster.torchrun import LAUNCHERS, PLAIN
@@ -187,6 +187,15 @@ class ClusterScheduler:
             if job.name == ref or str(job.job_id) == ref:
                 return job
         return None
+
+    def expected_workers(self) -> Dict[str, Set[str]]:
+        """node -> the names of the worker processes the jobs have there (running, leaving, or
+        suspended). A worker a node agent started that is not among them is a stray."""
+        expected: Dict[str, Set[str]] = {}
+        for job in self.jobs.values():
+            for i, (node, _) in enumerate(job.worker_gpus):
+                expected.setdefault(node, set()).add(worker_name(job.name, i))
+        return expected
 
     def ended(self, job: ClusterJob, now: float, failed: bool = False, reason: str = "") -> None:
         """Every worker of the job exited (or it was cancelled)."""
