@@ -419,3 +419,25 @@ def test_a_worker_taken_over_from_an_earlier_node_agent_is_followed_by_its_pid_a
         process.kill()
         process.wait()
     assert _start_time(process.pid) is None
+
+
+def test_a_starting_scheduler_reads_its_saved_state_again_while_the_gcs_does_not_answer(monkeypatch):
+    from cotenant.cluster import runtime
+
+    class Store:  # Ray's internal_kv, as far as the scheduler uses it
+        def __init__(self, failures):
+            self.failures, self.calls = failures, 0
+
+        def _internal_kv_get(self, key, namespace):
+            self.calls += 1
+            assert (key, namespace) == (runtime.STATE_KEY, runtime.NAMESPACE)
+            if self.calls <= self.failures:
+                raise ConnectionError("GCS unavailable")
+            return b"{}"
+
+    monkeypatch.setattr(runtime, "READ_STATE_FOR_S", 1.0)
+    store = Store(failures=2)
+    assert runtime._read_saved_state(store) == b"{}" and store.calls == 3
+    with pytest.raises(RuntimeError, match=r"cannot read its saved state .*ConnectionError: GCS unavailable.*"
+                                           r"cotenant cluster up"):
+        runtime._read_saved_state(Store(failures=10 ** 6))

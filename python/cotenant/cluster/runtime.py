@@ -59,6 +59,7 @@ WORKERS_FILE = "workers.json"  # in an agent's log directory: the workers it run
 STATE_KEY = "scheduler-state"
 STATE_VERSION = 1
 SAVE_EVERY_S = 5.0  # the time accounts at least this often; any change of a job at once
+READ_STATE_FOR_S = 30.0  # a scheduler starting tries this long to read the saved state (the GCS restarting)
 
 
 def ray_module():
@@ -530,7 +531,7 @@ class GlobalScheduler:
         from ray.experimental import internal_kv
         from ray.util.placement_group import get_placement_group
 
-        raw = internal_kv._internal_kv_get(STATE_KEY, namespace=NAMESPACE)
+        raw = _read_saved_state(internal_kv)
         if not raw:
             return
         try:  # all of it read before any of it is taken: a state that does not read leaves a fresh scheduler
@@ -835,6 +836,23 @@ class GlobalScheduler:
             agent = self.agents.get(node)
             if agent is not None:
                 agent.stop.remote(worker_name(job.name, i))
+
+
+def _read_saved_state(internal_kv) -> Optional[bytes]:
+    """The saved state (None: there is none), read again for READ_STATE_FOR_S while the GCS does not
+    answer. A scheduler that started without it would forget every job it held: it does not start."""
+    deadline = time.monotonic() + READ_STATE_FOR_S
+    while True:
+        try:
+            return internal_kv._internal_kv_get(STATE_KEY, namespace=NAMESPACE)
+        except Exception as error:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the cotenant scheduler cannot read its saved state from the Ray cluster's GCS (key "
+                    f"{STATE_KEY!r}, namespace {NAMESPACE!r}) after {READ_STATE_FOR_S:.0f} s: "
+                    f"{type(error).__name__}: {error}. It does not start without it, so as not to forget "
+                    f"the jobs it holds; start it again with `cotenant cluster up` once the GCS answers") from error
+            time.sleep(min(1.0, READ_STATE_FOR_S / 10))
 
 
 # --- connecting -----------------------------------------------------------------------------
