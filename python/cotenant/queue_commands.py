@@ -161,7 +161,10 @@ def format_queue(queue: List[Dict[str, Any]]) -> List[str]:
     rows = [list(QUEUE_COLUMNS)]
     for q in queue:
         rows.append([
-            str(q["ticket"]), q["name"], str(q["pid"]), q["state"], str(q["position"] or "-"),
+            str(q["ticket"]), q["name"], str(q["pid"]),
+            q["state"] + (f" (GPU {','.join(str(g) for g in q['missing_gpus'])} not here)"
+                          if q.get("missing_gpus") else ""),
+            str(q["position"] or "-"),
             "-" if q["priority"] is None else str(q["priority"]),
             ",".join(str(g) for g in q["gpus"]) or f"({q['num_gpus']})", q["role"] or "-",
             f"{q['attained_gpu_s']:.1f} GPU-s",

@@ -214,6 +214,38 @@ def test_a_job_suspended_before_a_coordinator_restart_resumes_after_it(make_node
     assert veteran.resumes() >= 1 and not veteran.corrupt()
 
 
+def test_a_job_suspended_on_a_gpu_a_restarted_coordinator_does_not_schedule_says_so_and_resumes_once_it_does(
+        make_node):
+    node, veteran, newcomer = veteran_suspended_for_newcomer(make_node, 60)
+    node.kill_coordinator()
+    node.args[node.args.index("--gpus") + 1] = "1"  # restarted without GPU 0, where the veteran is
+    node.start_coordinator()
+    assert wait_until(lambda: [e for e in node_events(node) if e.get("event") == "queued job cannot resume"],
+                      timeout=10), node.read_log()
+    [event] = [e for e in node_events(node) if e.get("event") == "queued job cannot resume"]  # said once
+    assert event["job"] == "veteran" and event["missing_gpus"] == "0" and event["level"] == "warning"
+    assert "GPU 0 in --gpus" in event["fix"] and str(veteran.process.pid) in event["fix"]
+    row = veteran.queued()
+    assert (row["state"], row["missing_gpus"]) == ("suspended", [0])
+    assert "suspended (GPU 0 not here)" in run_status(node)
+    assert newcomer.finish()[0] == 0  # it runs on, on GPU 0, though no longer in the plan
+    assert not [e for e in node_events(node) if e.get("job") == "newcomer" and
+                ("suspend" in e["event"] or e.get("command") == "suspend")]
+    assert (veteran.queued() or {}).get("state") == "suspended"  # GPU 0 is free, but not this coordinator's
+    node.kill_coordinator()
+    node.args[node.args.index("--gpus") + 1] = "0"  # the fix the warning names
+    node.start_coordinator()
+    assert veteran.finish()[0] == 0, node.read_log()
+    assert veteran.resumes() >= 1 and not veteran.corrupt()
+
+
+def run_status(node):
+    done = subprocess.run([sys.executable, "-m", "cotenant.cli", "status", "--socket", node.socket],
+                          env=queue_env(), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 # --- the queue's state machine, without a daemon ---------------------------------------------
 
 
@@ -234,6 +266,23 @@ def test_the_queue_comes_back_from_its_state_with_the_jobs_whose_process_still_r
     assert back.jobs[2].status == "waiting" and back.jobs[2].pid_start_ticks == 112
     assert back.shape() != queue.shape()  # "gone" is not there
     assert [(a.kind, a.job.name) for a in back.decide(2.0, [0], None)] == [(RESUME, "a")]  # where it was
+
+
+def test_a_suspended_job_whose_gpu_the_node_does_not_schedule_waits_for_it_and_the_rest_runs():
+    queue = JobQueue(Fifo())
+    a = queue.submit(0.0, "a", pid=10, uid=0)
+    queue.decide(0.0, [0, 1], None)
+    a.status, a.suspended_on, a.gpus = "suspended", a.gpus, ()  # as a suspension leaves it
+    b = queue.submit(1.0, "b", pid=11, uid=0)
+    assert [(x.kind, x.job.name) for x in queue.decide(1.0, [1], None)] == [(ADMIT, "b")]  # GPU 0 gone
+    assert queue.stranded == {a.ticket: (0,)} and b.gpus == (1,)
+    rows = {r["name"]: r for r in queue.status()}
+    assert rows["a"]["missing_gpus"] == [0] and rows["b"]["missing_gpus"] == []
+    queue.remove(b.ticket)
+    assert queue.decide(2.0, [1], None) == [] and a.status == "suspended"  # never on another GPU
+    assert [(x.kind, x.job.name) for x in queue.decide(3.0, [0, 1], None)] == [(RESUME, "a")]
+    assert queue.stranded == {} and a.gpus == (0,)
+    assert queue.decide(4.0, [1], None) == [] and a.status == "running"  # runs on where the node no longer plans
 
 
 def json_roundtrip(value):

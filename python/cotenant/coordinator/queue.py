@@ -74,6 +74,9 @@ class JobQueue:
         self.jobs: Dict[int, QueuedJob] = {}
         self.next_ticket = 1
         self.last_plan: Optional[Plan] = None
+        # ticket -> the GPUs a suspended job is bound to that the node does not schedule (any more): it
+        # resumes only on them, so it waits until they are back (as of the last decision)
+        self.stranded: Dict[int, Tuple[int, ...]] = {}
         self._time = TimeAccount()
 
     # --- membership -----------------------------------------------------------------
@@ -158,8 +161,12 @@ class JobQueue:
         """Asks the policy and applies its plan; returns what the daemon must do."""
         self.advance(now)
         slot = {gpu: i for i, gpu in enumerate(gpus)}  # the policy numbers GPUs 0..n-1
-        views = tuple(self._view(job, slot) for job in self.jobs.values() if job.gpus == () or
-                      all(g in slot for g in job.gpus))
+        self.stranded = {job.ticket: missing for job in self.jobs.values() if job.status == SUSPENDED
+                         for missing in [tuple(g for g in job.suspended_on if g not in slot)] if missing}
+        # Out of the plan: a job on GPUs the node does not schedule (it runs on, or waits for them to
+        # come back; in no policy's order does it hold up the others).
+        views = tuple(self._view(job, slot) for job in self.jobs.values()
+                      if all(g in slot for g in job.gpus) and job.ticket not in self.stranded)
         plan = self.policy.plan(NodeState(now, len(gpus), gpu_memory_bytes, views))
         self.last_plan = plan
         actions: List[Action] = []
@@ -171,8 +178,9 @@ class JobQueue:
         for ticket, marks in plan.marks.items():
             if ticket in self.jobs:
                 self.jobs[ticket].marks = dict(marks)
+        planned = {view.job_id for view in views}
         for job in self.jobs.values():
-            if job.status == RUNNING and job.ticket not in plan.placements:
+            if job.status == RUNNING and job.ticket in planned and job.ticket not in plan.placements:
                 job.status = STOPPING
                 job.suspensions += 1
                 actions.append(Action(SUSPEND, job))
@@ -217,6 +225,6 @@ class JobQueue:
                 "position": position, "priority": priorities.get(job.ticket), "gpus": list(job.gpus),
                 "num_gpus": job.num_gpus, "role": job.running_role or job.role,
                 "attained_gpu_s": round(job.attained_service, 3), "waited_s": round(job.waited_s, 3),
-                "suspensions": job.suspensions,
+                "suspensions": job.suspensions, "missing_gpus": list(self.stranded.get(job.ticket, ())),
             })
         return rows

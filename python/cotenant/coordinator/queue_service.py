@@ -36,6 +36,7 @@ class QueueService:
         self._ended: Deque[int] = collections.deque()
         self._undelivered: Dict[int, str] = {}  # ticket -> command for a process not registered yet
         self._unsuspendable_warned: set = set()
+        self._stranded_warned: set = set()
         self._saved_shape: Any = None  # the queue's shape when the daemon last saved its state
 
     # --- requests ---------------------------------------------------------------------
@@ -153,6 +154,17 @@ class QueueService:
                           role=job.running_role)
             elif action.kind in (SUSPEND, RESUME):
                 self._send(job, action.kind)
+        for ticket, missing in self.queue.stranded.items():
+            if ticket not in self._stranded_warned:
+                job = self.queue.jobs[ticket]
+                listed = ", ".join(str(g) for g in missing)
+                self._log("queued job cannot resume", logging.WARNING, job=job.name, ticket=ticket, missing_gpus=listed,
+                          reason=f"it was suspended on GPU {listed}, which this coordinator does not schedule "
+                                 f"(its GPUs: {', '.join(str(g) for g in gpus)}), and it resumes only there: its "
+                                 f"process and memory stay on that GPU and in host memory",
+                          fix=f"restart the coordinator with GPU {listed} in --gpus, or stop the job's process "
+                              f"(pid {job.pid})")
+        self._stranded_warned = set(self.queue.stranded)  # said once while it lasts
 
     def _send(self, job, command: str) -> None:
         """Sends suspend or resume to the job the queued process registered as; a process not
