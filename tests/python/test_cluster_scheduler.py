@@ -400,13 +400,14 @@ def test_a_worker_taken_over_from_an_earlier_node_agent_is_followed_by_its_pid_a
     import subprocess
     import time
 
-    from cotenant.cluster.runtime import _Adopted, _start_time
+    from cotenant.cluster.runtime import _Adopted
+    from cotenant.coordinator.daemon import process_alive, process_start_ticks
 
     process = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        started = _start_time(process.pid)
+        started = process_start_ticks(process.pid)
         adopted = _Adopted(process.pid, started)
-        assert started is not None and adopted.poll() is None
+        assert started and adopted.poll() is None
         assert _Adopted(process.pid, started + 1).poll() == 0  # the pid, reused by another process
         with pytest.raises(subprocess.TimeoutExpired):
             adopted.wait(timeout=0.1)
@@ -418,7 +419,7 @@ def test_a_worker_taken_over_from_an_earlier_node_agent_is_followed_by_its_pid_a
     finally:
         process.kill()
         process.wait()
-    assert _start_time(process.pid) is None
+    assert not process_alive(process.pid, started)
 
 
 def test_a_starting_scheduler_reads_its_saved_state_again_while_the_gcs_does_not_answer(monkeypatch):

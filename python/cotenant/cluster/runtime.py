@@ -107,7 +107,7 @@ class NodeAgent:
                 saved = json.load(f)
             for worker, (pid, started) in saved.items():
                 process = _Adopted(int(pid), int(started))
-                if process.poll() is None:
+                if process.started > 0 and process.poll() is None:  # 0 would accept any process of that pid
                     self.workers[str(worker)] = process
         except FileNotFoundError:
             pass
@@ -119,10 +119,12 @@ class NodeAgent:
     def _save_workers(self) -> None:
         """Writes the live workers (pid and start time, which tells a reused pid apart) for an agent
         that takes over from this one."""
+        from cotenant.coordinator.daemon import process_start_ticks
+
         live = {}
         for worker, process in self.workers.items():
-            started = _start_time(process.pid)
-            if started is not None and process.poll() is None:
+            started = process_start_ticks(process.pid)
+            if started and process.poll() is None:
                 live[worker] = [process.pid, started]
         temporary = f"{self.workers_file}.{os.getpid()}"
         with open(temporary, "w") as f:
@@ -182,9 +184,8 @@ class NodeAgent:
             entry = workers.setdefault(name, {"state": "starting", "pid": process.pid, "gpu": None, "exit": None})
             entry["own"] = True  # started by this agent (a coordinator's other jobs are not the cluster's)
             if code is not None:
-                # An adopted process's exit status is unknown: it was not this agent's child.
-                entry.update(state="exited", exit=None if isinstance(process, _Adopted) else code,
-                             exit_unknown=isinstance(process, _Adopted))
+                adopted = isinstance(process, _Adopted)  # its exit status is unknown: not this agent's child
+                entry.update(state="exited", exit=None if adopted else code, exit_unknown=adopted)
         return {"node": self.node_id, "pid": os.getpid(), "coordinator": coordinator, "gpus": gpus,
                 "workers": workers, "rendezvous": sorted(self.stores)}
 
@@ -303,7 +304,9 @@ class _Adopted:
         self.pid, self.started = pid, started
 
     def poll(self) -> Optional[int]:
-        return None if _start_time(self.pid) == self.started else 0
+        from cotenant.coordinator.daemon import process_alive
+
+        return None if process_alive(self.pid, self.started) else 0
 
     def wait(self, timeout: Optional[float] = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -312,17 +315,6 @@ class _Adopted:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout)
             time.sleep(0.05)
         return 0
-
-
-def _start_time(pid: int) -> Optional[int]:
-    """When the live process `pid` started (clock ticks after boot), or None: no such process, or a
-    zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def group_name(job: ClusterJob) -> str:
