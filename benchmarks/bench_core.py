@@ -28,7 +28,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -55,28 +54,11 @@ TRACE_FIGURES = ("num_ops", "peak_allocated_bytes", "peak_reserved_bytes", "frag
                  "at_peak_partial_page_free_bytes", "at_peak_free_page_bytes", "at_peak_request_bytes",
                  "at_peak_largest_hole_bytes")
 
+sys.path.insert(0, HERE)
+from result_file import cpu_model, torch_version  # noqa: E402
+
 from cotenant import _core  # noqa: E402
 from cotenant.replay import load_trace, replay_trace  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def torch_version():
-    try:
-        import torch
-
-        return torch.__version__
-    except ImportError:
-        return None
 
 
 def size_mix(traces):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import platform
 import subprocess
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 def gpu_environment() -> Dict[str, str]:
@@ -25,6 +26,27 @@ def gpu_environment() -> Dict[str, str]:
         pass
     return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "driver": driver,
             "cuda": torch.version.cuda}
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for results measured on the CPU (the simulated device)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def torch_version() -> Optional[str]:
+    try:
+        import torch
+
+        return torch.__version__
+    except ImportError:
+        return None
 
 
 def result_base(out_dir: str, name: str, device: str) -> str:

@@ -43,7 +43,8 @@ core_tests() {
 
 # ---- 1. core ---------------------------------------------------------------------------
 step "core build and tests"
-core_tests "$BUILD_ROOT/core" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+# $PYTHON's torch wheel gives pytorch_replay its libc10_cuda.so (benchmarks/pytorch_allocator).
+core_tests "$BUILD_ROOT/core" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE="$(command -v "$PYTHON")"
 
 # ---- 2. ASan + UBSan --------------------------------------------------------------------
 step "core tests under AddressSanitizer + UndefinedBehaviorSanitizer"
@@ -90,6 +91,10 @@ unset COTENANT_BUILD_ROOT COTENANT_VENV COTENANT_SKIP_APT
 if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
   export COTENANT_REQUIRE_TORCH_EXTENSION=1
 fi
+# PyTorch's allocator beside cotenant's (tests/python/test_beside_pytorch.py).
+pytorch_replay=$BUILD_ROOT/core/pytorch_replay
+[[ $pytorch_replay == /* ]] || pytorch_replay=$ROOT/$pytorch_replay
+if [[ -x $pytorch_replay ]]; then export COTENANT_PYTORCH_REPLAY=$pytorch_replay; fi
 # From outside the source tree, so `import cotenant` is the installed package.
 set +e
 (cd / && "$PYTHON" -m pytest -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")

@@ -89,7 +89,9 @@ struct State {
   std::unordered_map<CUmemGenericAllocationHandle, Handle> handles;
   CUmemGenericAllocationHandle next_handle = 1;
   std::map<Address, std::size_t> pinned;  // host pointer -> bytes (rounded to pages)
+  std::map<Address, std::size_t> malloced;  // cudaMalloc pointer -> bytes (rounded to the granularity)
   std::size_t device_bytes = 0;  // device pages alive
+  std::uint64_t device_bytes_created = 0;  // every byte of device memory handed out since reset
   std::size_t host_bytes = 0;    // host pages alive plus pinned host allocations
   std::set<Stream*> streams;  // created by cudaStreamCreate*, not destroyed
   Stream* default_stream = nullptr;
@@ -513,6 +515,7 @@ CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, con
   const CUmemGenericAllocationHandle id = s.next_handle++;
   s.handles.emplace(id, Handle{fd, size, on_device, false, 0});
   (on_device ? s.device_bytes : s.host_bytes) += size;
+  if (on_device) s.device_bytes_created += size;
   *handle = id;
   return CUDA_SUCCESS;
 }
@@ -660,6 +663,34 @@ CUresult fake_cuMemFreeHost(void* p) {
   return CUDA_SUCCESS;
 }
 
+// Entry points PyTorch's c10 looks up (c10/cuda/driver_api.h) that nothing
+// here models: each counts a violation, so a run that reaches one fails.
+CUresult not_modelled(const char* entry) {
+  State& s = state();
+  Lock lock(s.mutex);
+  ++s.calls[entry];
+  violate(s, std::string(entry) + " is not modelled by the fake CUDA driver");
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+CUresult fake_cuMemExportToShareableHandle(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                                           unsigned long long) {
+  return not_modelled("cuMemExportToShareableHandle");
+}
+CUresult fake_cuMemImportFromShareableHandle(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) {
+  return not_modelled("cuMemImportFromShareableHandle");
+}
+CUresult fake_cuMemRetainAllocationHandle(CUmemGenericAllocationHandle*, void*) {
+  return not_modelled("cuMemRetainAllocationHandle");
+}
+CUresult fake_cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp*, CUmemGenericAllocationHandle) {
+  return not_modelled("cuMemGetAllocationPropertiesFromHandle");
+}
+CUresult fake_cuMemsetD32Async(CUdeviceptr, unsigned int, size_t, CUstream) { return not_modelled("cuMemsetD32Async"); }
+CUresult fake_cuStreamWriteValue32(CUstream, CUdeviceptr, cuuint32_t, unsigned int) {
+  return not_modelled("cuStreamWriteValue32");
+}
+
 #undef FAKE_DRIVER_ENTRY
 
 const std::map<std::string, void*>& driver_entry_points() {
@@ -679,6 +710,13 @@ const std::map<std::string, void*>& driver_entry_points() {
       {"cuMemHostAlloc", reinterpret_cast<void*>(&fake_cuMemHostAlloc)},
       {"cuMemHostGetDevicePointer", reinterpret_cast<void*>(&fake_cuMemHostGetDevicePointer)},
       {"cuMemFreeHost", reinterpret_cast<void*>(&fake_cuMemFreeHost)},
+      {"cuMemExportToShareableHandle", reinterpret_cast<void*>(&fake_cuMemExportToShareableHandle)},
+      {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&fake_cuMemImportFromShareableHandle)},
+      {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&fake_cuMemRetainAllocationHandle)},
+      {"cuMemGetAllocationPropertiesFromHandle",
+       reinterpret_cast<void*>(&fake_cuMemGetAllocationPropertiesFromHandle)},
+      {"cuMemsetD32Async", reinterpret_cast<void*>(&fake_cuMemsetD32Async)},
+      {"cuStreamWriteValue32", reinterpret_cast<void*>(&fake_cuStreamWriteValue32)},
   };
   return table;
 }
@@ -693,6 +731,11 @@ void forget_memory(State& s) {
   s.reservations.clear();
   for (const auto& [a, bytes] : s.pinned) munmap(reinterpret_cast<void*>(a), bytes);
   s.pinned.clear();
+  for (const auto& [a, bytes] : s.malloced) {
+    remap_inaccessible(a, bytes);
+    give_back(s, a, bytes);
+  }
+  s.malloced.clear();
   s.device_bytes = 0;
   s.host_bytes = 0;
   for (Event* e : s.events) delete e;
@@ -716,6 +759,7 @@ void reset(const Config& config) {
   forget_memory(s);
   s.config = config;
   s.calls.clear();
+  s.device_bytes_created = 0;
   s.failures.clear();
   s.violations = Violations{};
   s.delay = std::chrono::microseconds{0};
@@ -737,6 +781,7 @@ Leaks leaks() {
   for (const auto& [id, h] : s.handles) out.handles += h.released ? 0 : 1;
   out.reservations = s.reservations.size();
   out.pinned_host = s.pinned.size();
+  out.device_allocations = s.malloced.size();
   out.streams = s.streams.size();
   out.events = s.events.size();
   return out;
@@ -745,6 +790,7 @@ Leaks leaks() {
 std::string Leaks::describe() const {
   return std::to_string(mappings) + " mappings, " + std::to_string(handles) + " handles, " +
          std::to_string(reservations) + " reservations, " + std::to_string(pinned_host) + " pinned host, " +
+         std::to_string(device_allocations) + " cudaMalloc allocations, " +
          std::to_string(streams) + " streams, " + std::to_string(events) + " events";
 }
 
@@ -788,6 +834,11 @@ bool accessible(const void* p, std::size_t bytes) {
 std::size_t device_bytes_in_use() {
   Lock lock(state().mutex);
   return state().device_bytes;
+}
+
+std::uint64_t device_bytes_created() {
+  Lock lock(state().mutex);
+  return state().device_bytes_created;
 }
 
 std::size_t host_bytes_in_use() {
@@ -838,8 +889,40 @@ cudaError_t cudaGetDevice(int* device) {
 cudaError_t cudaFree(void* ptr) {
   FAKE_RUNTIME_ENTRY("cudaFree");
   if (ptr == nullptr) return cudaSuccess;  // creates the context
-  fake_cuda::violate(s, "cudaFree of a pointer cudaMalloc did not return (the fake has no cudaMalloc)");
-  return fail(cudaErrorInvalidValue);
+  const auto a = reinterpret_cast<fake_cuda::Address>(ptr);
+  auto it = s.malloced.find(a);
+  if (it == s.malloced.end()) {
+    fake_cuda::violate(s, "cudaFree of a pointer cudaMalloc did not return");
+    return fail(cudaErrorInvalidValue);
+  }
+  fake_cuda::drain_all(s, lock);  // cudaFree synchronizes the device
+  const std::size_t bytes = it->second;
+  s.malloced.erase(it);
+  fake_cuda::remap_inaccessible(a, bytes);
+  fake_cuda::give_back(s, a, bytes);
+  s.device_bytes -= bytes;
+  return cudaSuccess;
+}
+
+// Device memory in one piece: the range is carved from the device's address
+// space and made readable and writable at once; its bytes count against the
+// device's capacity, rounded up to the granularity.
+cudaError_t cudaMalloc(void** ptr, size_t size) {
+  FAKE_RUNTIME_ENTRY("cudaMalloc");
+  *ptr = nullptr;
+  if (size == 0) return cudaSuccess;
+  const std::size_t g = s.config.granularity;
+  const std::size_t bytes = (size + g - 1) / g * g;
+  if (s.device_bytes + bytes > s.config.device_capacity) return fail(cudaErrorMemoryAllocation);
+  const fake_cuda::Address a = fake_cuda::carve(s, bytes, g);
+  if (a == 0) return fail(cudaErrorMemoryAllocation);
+  mmap(reinterpret_cast<void*>(a), bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+       -1, 0);
+  s.malloced.emplace(a, bytes);
+  s.device_bytes += bytes;
+  s.device_bytes_created += bytes;
+  *ptr = reinterpret_cast<void*>(a);
+  return cudaSuccess;
 }
 
 cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** funcPtr, unsigned int /*cudaVersion*/,
@@ -864,6 +947,7 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorNotReady: return "device not ready";
+    case cudaErrorNotSupported: return "operation not supported";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorCudartUnloading: return "driver shutting down";
     default: return "unrecognized error code";
@@ -879,6 +963,7 @@ const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     case cudaErrorCudartUnloading: return "cudaErrorCudartUnloading";
     default: return "cudaErrorUnknown";
@@ -1037,4 +1122,137 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t str
   return cudaSuccess;
 }
 
+// ---- what PyTorch's c10 (libc10_cuda) links beyond the above ------------------------
+// Queries answer for one device of this fake; a call nothing here models
+// counts a violation and fails, so a run that needs it cannot pass unseen.
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  FAKE_RUNTIME_ENTRY("cudaGetDeviceProperties");
+  if (device < 0 || device >= s.config.device_count) return fail(cudaErrorInvalidDevice);
+  *prop = cudaDeviceProp{};
+  std::snprintf(prop->name, sizeof prop->name, "fake CUDA device (cotenant tests)");
+  prop->totalGlobalMem = s.config.device_capacity;
+  prop->major = 9;
+  prop->minor = 0;
+  prop->multiProcessorCount = 132;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  prop->textureAlignment = 512;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int* driverVersion) {
+  FAKE_RUNTIME_ENTRY("cudaDriverGetVersion");
+  *driverVersion = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetStreamPriorityRange(int* leastPriority, int* greatestPriority) {
+  FAKE_RUNTIME_ENTRY("cudaDeviceGetStreamPriorityRange");
+  if (leastPriority != nullptr) *leastPriority = 0;
+  if (greatestPriority != nullptr) *greatestPriority = -5;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceCanAccessPeer(int* canAccessPeer, int device, int peerDevice) {
+  FAKE_RUNTIME_ENTRY("cudaDeviceCanAccessPeer");
+  const int n = s.config.device_count;
+  if (device < 0 || device >= n || peerDevice < 0 || peerDevice >= n) return fail(cudaErrorInvalidDevice);
+  *canAccessPeer = 0;  // peer access through the runtime is not modelled
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t* stream, unsigned int flags, int /*priority*/) {
+  return cudaStreamCreateWithFlags(stream, flags);
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  FAKE_RUNTIME_ENTRY("cudaStreamQuery");
+  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
+  if (target == nullptr) {
+    fake_cuda::violate(s, "cudaStreamQuery of a stream that does not exist");
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  return target->queue.empty() ? cudaSuccess : fail(cudaErrorNotReady);
+}
+
+// The fake's streams run on their own threads, so the stream's later work
+// waiting for the event is modelled by waiting here, on the host: an order a
+// GPU may also take.
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int /*flags*/) {
+  FAKE_RUNTIME_ENTRY("cudaStreamWaitEvent");
+  if (fake_cuda::find_stream(s, stream) == nullptr) {
+    fake_cuda::violate(s, "cudaStreamWaitEvent on a stream that does not exist");
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  fake_cuda::Event* e = find_event(s, event, "cudaStreamWaitEvent");
+  if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  fake_cuda::release_hold(s);
+  s.progress.wait(lock, [&] { return s.events.count(e) == 0 || fake_cuda::event_complete(*e); });
+  return cudaSuccess;
+}
+
+// Stream capture is not modelled: no stream is ever capturing.
+cudaError_t cudaStreamIsCapturing(cudaStream_t /*stream*/, cudaStreamCaptureStatus* status) {
+  FAKE_RUNTIME_ENTRY("cudaStreamIsCapturing");
+  *status = cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t /*stream*/, cudaStreamCaptureStatus* status,
+                                     unsigned long long* id, cudaGraph_t* graph,
+                                     const cudaGraphNode_t** dependencies, const cudaGraphEdgeData** edgeData,
+                                     size_t* numDependencies) {
+  FAKE_RUNTIME_ENTRY("cudaStreamGetCaptureInfo");
+  *status = cudaStreamCaptureStatusNone;
+  if (id != nullptr) *id = 0;
+  if (graph != nullptr) *graph = nullptr;
+  if (dependencies != nullptr) *dependencies = nullptr;
+  if (edgeData != nullptr) *edgeData = nullptr;
+  if (numDependencies != nullptr) *numDependencies = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* /*mode*/) {
+  FAKE_RUNTIME_ENTRY("cudaThreadExchangeStreamCaptureMode");
+  return cudaSuccess;
+}
+
+// Synchronous: waits for every stream (the legacy default stream's rule), then copies.
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind /*kind*/) {
+  FAKE_RUNTIME_ENTRY("cudaMemcpy");
+  fake_cuda::drain_all(s, lock);
+  if (!fake_cuda::copy_range_ok(s, src, count) || !fake_cuda::copy_range_ok(s, dst, count)) {
+    fake_cuda::violate(s, "cudaMemcpy of " + std::to_string(count) +
+                              " bytes touching reserved memory that is not mapped and accessible");
+    return fail(cudaErrorIllegalAddress);
+  }
+  std::memcpy(dst, src, count);
+  return cudaSuccess;
+}
+
+#define FAKE_RUNTIME_NOT_MODELLED(name, params)                                   \
+  cudaError_t name params {                                                      \
+    FAKE_RUNTIME_ENTRY(#name);                                                   \
+    fake_cuda::violate(s, #name " is not modelled by the fake CUDA runtime");   \
+    return fail(cudaErrorNotSupported);                                          \
+  }
+
+FAKE_RUNTIME_NOT_MODELLED(cudaDeviceEnablePeerAccess, (int, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaDeviceGetDefaultMemPool, (cudaMemPool_t*, int))
+FAKE_RUNTIME_NOT_MODELLED(cudaEventElapsedTime, (float*, cudaEvent_t, cudaEvent_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaMallocAsync, (void**, size_t, cudaStream_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaFreeAsync, (void*, cudaStream_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemPoolGetAttribute, (cudaMemPool_t, cudaMemPoolAttr, void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemPoolSetAttribute, (cudaMemPool_t, cudaMemPoolAttr, void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemPoolSetAccess, (cudaMemPool_t, const cudaMemAccessDesc*, size_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemPoolTrimTo, (cudaMemPool_t, size_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaGraphNodeGetDependencies,
+                          (cudaGraphNode_t, cudaGraphNode_t*, cudaGraphEdgeData*, size_t*))
+FAKE_RUNTIME_NOT_MODELLED(cudaIpcGetMemHandle, (cudaIpcMemHandle_t*, void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaIpcOpenMemHandle, (void**, cudaIpcMemHandle_t, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaIpcCloseMemHandle, (void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemcpyPeerAsync, (void*, int, const void*, int, size_t, cudaStream_t))
+
+#undef FAKE_RUNTIME_NOT_MODELLED
 #undef FAKE_RUNTIME_ENTRY

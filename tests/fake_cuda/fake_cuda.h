@@ -18,6 +18,13 @@
 // touch is counted too (the fake then waits for those copies, so the test
 // does not fault).
 //
+// cudaMalloc memory is a range of the same address space made readable and
+// writable at once, counted against the device's capacity; cudaFree waits
+// for every stream first, as the runtime does. The rest of what PyTorch's
+// libc10_cuda links (benchmarks/pytorch_allocator) is answered for one
+// device with no peer access and no stream capture; a call nothing here
+// models (IPC, memory pools, cudaMallocAsync, ...) counts a violation.
+//
 // Not modelled: the legacy default stream's implicit synchronization with
 // other blocking streams (each stream, the default one too, runs on its own),
 // cudaMemcpyKind (every copy is a memcpy), event timing, and kernels (a test
@@ -66,9 +73,12 @@ struct Leaks {
   std::size_t handles = 0;       // cuMemCreate handles not released
   std::size_t reservations = 0;  // cuMemAddressReserve ranges not freed
   std::size_t pinned_host = 0;   // cuMemHostAlloc allocations not freed
+  std::size_t device_allocations = 0;  // cudaMalloc allocations not freed
   std::size_t streams = 0;       // streams created and not destroyed
   std::size_t events = 0;        // events created and not destroyed
-  bool any() const { return mappings + handles + reservations + pinned_host + streams + events != 0; }
+  bool any() const {
+    return mappings + handles + reservations + pinned_host + device_allocations + streams + events != 0;
+  }
   std::string describe() const;
 };
 Leaks leaks();
@@ -102,6 +112,9 @@ bool device_can_access(int device, const void* p, std::size_t bytes);
 // Bytes of device pages alive now (created, and released only when unmapped),
 // and of host pages plus pinned host allocations.
 std::size_t device_bytes_in_use();
+// Bytes of device memory handed out since reset() (cudaMalloc, cuMemCreate
+// on the device), freed or not.
+std::uint64_t device_bytes_created();
 std::size_t host_bytes_in_use();
 
 }  // namespace fake_cuda

@@ -296,3 +296,47 @@ TEST_CASE("fake_cuda_copy_into_reserved_but_inaccessible_memory_is_refused", "[f
   REQUIRE(api().cuMemAddressFree(base, kGran) == CUDA_SUCCESS);
   CHECK_FALSE(fake_cuda::leaks().any());
 }
+
+TEST_CASE("fake_cuda_cuda_malloc_counts_against_the_device_and_cuda_free_gives_it_back", "[fake_cuda]") {
+  fake_cuda::Config config;
+  config.device_capacity = 8 * kGran;
+  fake_cuda::reset(config);
+  void* a = nullptr;
+  REQUIRE(cudaMalloc(&a, kGran + 1) == cudaSuccess);  // two pages' worth: rounded to the granularity
+  REQUIRE(reinterpret_cast<std::uintptr_t>(a) % kGran == 0);
+  CHECK(fake_cuda::device_bytes_in_use() == 2 * kGran);
+  std::memset(a, 7, kGran + 1);  // readable and writable at once
+  CHECK(fake_cuda::accessible(a, kGran + 1));
+  void* too_big = nullptr;
+  CHECK(cudaMalloc(&too_big, 7 * kGran) == cudaErrorMemoryAllocation);  // 2 + 7 pages > 8
+  CHECK(too_big == nullptr);
+  CHECK(cudaGetLastError() == cudaErrorMemoryAllocation);
+  CHECK(fake_cuda::leaks().device_allocations == 1);
+  REQUIRE(cudaFree(a) == cudaSuccess);
+  CHECK(fake_cuda::device_bytes_in_use() == 0);
+  CHECK(fake_cuda::device_bytes_created() == 2 * kGran);  // freed, still counted as handed out
+  CHECK_FALSE(fake_cuda::leaks().any());
+  CHECK(violation_count() == 0);
+  CHECK(cudaFree(a) == cudaErrorInvalidValue);  // twice: the runtime refuses it
+  CHECK(violation_count() == 1);
+}
+
+TEST_CASE("fake_cuda_calls_it_does_not_model_fail_and_count_a_violation", "[fake_cuda]") {
+  fake_cuda::reset();
+  void* p = nullptr;
+  CHECK(cudaMallocAsync(&p, 4096, nullptr) == cudaErrorNotSupported);
+  CHECK(violation_count() == 1);
+  CHECK(fake_cuda::violations().messages.back() == "cudaMallocAsync is not modelled by the fake CUDA runtime");
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  REQUIRE(cudaGetDriverEntryPointByVersion("cuMemExportToShareableHandle", &entry, 12000, 0, &found) == cudaSuccess);
+  REQUIRE(found == cudaDriverEntryPointSuccess);
+  auto export_handle = reinterpret_cast<CUresult (*)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                                                     unsigned long long)>(entry);
+  CHECK(export_handle(nullptr, 1, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) == CUDA_ERROR_NOT_SUPPORTED);
+  CHECK(violation_count() == 2);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusActive;
+  CHECK(cudaStreamIsCapturing(nullptr, &status) == cudaSuccess);  // stream capture: never on
+  CHECK(status == cudaStreamCaptureStatusNone);
+  CHECK(violation_count() == 2);
+}
