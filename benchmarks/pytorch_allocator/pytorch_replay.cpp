@@ -23,6 +23,7 @@
 #include <cstring>
 #include <exception>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -35,7 +36,7 @@ namespace alloc = c10::cuda::CUDACachingAllocator;
 constexpr auto kAll = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
 
 // Driver calls that give the device memory (cudaMalloc, cuMemMap) and take
-// it back (cudaFree, cuMemUnmap), and the bytes they moved.
+// it back (cudaFree, cuMemUnmap), as the fake counted them.
 struct DriverCounts {
   std::uint64_t mallocs = 0;
   std::uint64_t frees = 0;
@@ -48,14 +49,18 @@ DriverCounts driver_counts() {
                       fake_cuda::calls("cuMemUnmap")};
 }
 
-// The peak of device bytes the fake held, sampled after each operation: the
-// memory PyTorch reserved, counted by the driver rather than by PyTorch.
+struct Block {
+  void* ptr = nullptr;  // null for a request of 0 bytes
+  std::int64_t size = 0;
+};
+
 struct Run {
-  std::unordered_map<std::uint64_t, void*> live;
+  std::unordered_map<std::uint64_t, Block> live;            // trace id -> PyTorch's block
   std::unordered_map<std::uint64_t, cudaStream_t> streams;  // trace stream id -> fake stream
   std::int64_t live_bytes = 0;
   std::int64_t peak_live_bytes = 0;
-  std::unordered_map<std::uint64_t, std::int64_t> sizes;
+  // The peak of device bytes the fake held, sampled after each operation: the
+  // memory PyTorch reserved, counted by the driver rather than by PyTorch.
   std::size_t peak_device_bytes = 0;
   std::vector<std::uint64_t> maps_per_iteration;  // new device memory calls between marks
   std::uint64_t maps_at_last_mark = 0;
@@ -86,8 +91,7 @@ void replay(Run& run, std::istream& in) {
       std::uint64_t id = 0, size = 0, stream = 0;
       if (!(in >> id >> size >> stream)) throw std::runtime_error("an 'a' line needs ID SIZE STREAM");
       void* p = size == 0 ? nullptr : alloc::raw_alloc_with_stream(size, stream_for(run, stream));
-      run.live[id] = p;
-      run.sizes[id] = static_cast<std::int64_t>(size);
+      run.live[id] = Block{p, static_cast<std::int64_t>(size)};
       run.live_bytes += static_cast<std::int64_t>(size);
       if (run.live_bytes > run.peak_live_bytes) run.peak_live_bytes = run.live_bytes;
     } else if (op == "f") {
@@ -95,10 +99,9 @@ void replay(Run& run, std::istream& in) {
       if (!(in >> id)) throw std::runtime_error("an 'f' line needs ID");
       auto it = run.live.find(id);
       if (it == run.live.end()) throw std::runtime_error("free of id " + std::to_string(id) + ", which is not live");
-      if (it->second != nullptr) alloc::raw_delete(it->second);
+      if (it->second.ptr != nullptr) alloc::raw_delete(it->second.ptr);
+      run.live_bytes -= it->second.size;
       run.live.erase(it);
-      run.live_bytes -= run.sizes.at(id);
-      run.sizes.erase(id);
     } else if (op == "i") {
       const std::uint64_t now = new_memory_calls();
       run.maps_per_iteration.push_back(now - run.maps_at_last_mark);
@@ -112,6 +115,12 @@ void replay(Run& run, std::istream& in) {
     ++run.operations;
     const std::size_t device = fake_cuda::device_bytes_in_use();
     if (device > run.peak_device_bytes) run.peak_device_bytes = device;
+  }
+}
+
+void print_list(const std::vector<std::uint64_t>& values) {
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    std::printf("%s%llu", i ? ", " : "", static_cast<unsigned long long>(values[i]));
   }
 }
 
@@ -129,13 +138,9 @@ void print_json(const Run& run, const c10::CachingDeviceAllocator::DeviceStats& 
               static_cast<unsigned long long>(c.maps), static_cast<unsigned long long>(c.unmaps),
               static_cast<unsigned long long>(fake_cuda::device_bytes_created()),
               static_cast<long long>(stats.num_alloc_retries), static_cast<long long>(stats.num_ooms));
-  for (std::size_t i = 0; i < run.maps_per_iteration.size(); ++i) {
-    std::printf("%s%llu", i ? ", " : "", static_cast<unsigned long long>(run.maps_per_iteration[i]));
-  }
+  print_list(run.maps_per_iteration);
   std::printf("], \"new_device_bytes_per_iteration\": [");
-  for (std::size_t i = 0; i < run.bytes_per_iteration.size(); ++i) {
-    std::printf("%s%llu", i ? ", " : "", static_cast<unsigned long long>(run.bytes_per_iteration[i]));
-  }
+  print_list(run.bytes_per_iteration);
   std::printf("], \"fake_cuda_violations\": [");
   for (std::size_t i = 0; i < v.messages.size(); ++i) {
     std::string m;

@@ -1001,6 +1001,20 @@ static fake_cuda::Event* find_event(fake_cuda::State& s, cudaEvent_t event, cons
   return nullptr;
 }
 
+// Finds a stream (null: the default stream), counting a violation for one
+// that does not exist; `what` begins the message ("cudaMemcpyAsync on").
+static fake_cuda::Stream* find_live_stream(fake_cuda::State& s, cudaStream_t stream, const char* what) {
+  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
+  if (target == nullptr) fake_cuda::violate(s, std::string(what) + " a stream that does not exist");
+  return target;
+}
+
+// Waits, on the host, until `e` completes or is destroyed.
+static void wait_for_event(fake_cuda::State& s, fake_cuda::Lock& lock, fake_cuda::Event* e) {
+  fake_cuda::release_hold(s);
+  s.progress.wait(lock, [&] { return s.events.count(e) == 0 || fake_cuda::event_complete(*e); });
+}
+
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
   FAKE_RUNTIME_ENTRY("cudaEventDestroy");
   fake_cuda::Event* e = find_event(s, event, "cudaEventDestroy");
@@ -1014,11 +1028,8 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   FAKE_RUNTIME_ENTRY("cudaEventRecord");
   fake_cuda::Event* e = find_event(s, event, "cudaEventRecord");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
-  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
-  if (target == nullptr) {
-    fake_cuda::violate(s, "cudaEventRecord on a stream that does not exist");
-    return fail(cudaErrorInvalidResourceHandle);
-  }
+  fake_cuda::Stream* target = find_live_stream(s, stream, "cudaEventRecord on");
+  if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   e->stream = target;
   e->after = target->submitted;
   return cudaSuccess;
@@ -1035,8 +1046,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   FAKE_RUNTIME_ENTRY("cudaEventSynchronize");
   fake_cuda::Event* e = find_event(s, event, "cudaEventSynchronize");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
-  fake_cuda::release_hold(s);
-  s.progress.wait(lock, [&] { return s.events.count(e) == 0 || fake_cuda::event_complete(*e); });
+  wait_for_event(s, lock, e);
   return cudaSuccess;
 }
 
@@ -1069,11 +1079,8 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   FAKE_RUNTIME_ENTRY("cudaStreamSynchronize");
-  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
-  if (target == nullptr) {
-    fake_cuda::violate(s, "cudaStreamSynchronize of a stream that does not exist");
-    return fail(cudaErrorInvalidResourceHandle);
-  }
+  fake_cuda::Stream* target = find_live_stream(s, stream, "cudaStreamSynchronize of");
+  if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   fake_cuda::drain(s, lock, target);
   return cudaSuccess;
 }
@@ -1087,11 +1094,8 @@ cudaError_t cudaDeviceSynchronize() {
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind /*kind*/,
                             cudaStream_t stream) {
   FAKE_RUNTIME_ENTRY("cudaMemcpyAsync");
-  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
-  if (target == nullptr) {
-    fake_cuda::violate(s, "cudaMemcpyAsync on a stream that does not exist");
-    return fail(cudaErrorInvalidResourceHandle);
-  }
+  fake_cuda::Stream* target = find_live_stream(s, stream, "cudaMemcpyAsync on");
+  if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   if (!fake_cuda::copy_range_ok(s, src, count) || !fake_cuda::copy_range_ok(s, dst, count)) {
     // On a GPU the copy would fault on the device and poison the context.
     fake_cuda::violate(s, "cudaMemcpyAsync of " + std::to_string(count) +
@@ -1106,11 +1110,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
 
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t stream) {
   FAKE_RUNTIME_ENTRY("cudaMemsetAsync");
-  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
-  if (target == nullptr) {
-    fake_cuda::violate(s, "cudaMemsetAsync on a stream that does not exist");
-    return fail(cudaErrorInvalidResourceHandle);
-  }
+  fake_cuda::Stream* target = find_live_stream(s, stream, "cudaMemsetAsync on");
+  if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   if (!fake_cuda::copy_range_ok(s, dst, count)) {
     fake_cuda::violate(s, "cudaMemsetAsync of " + std::to_string(count) +
                               " bytes touching reserved memory that is not mapped and accessible");
@@ -1168,11 +1169,8 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t* stream, unsigned int flag
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   FAKE_RUNTIME_ENTRY("cudaStreamQuery");
-  fake_cuda::Stream* target = fake_cuda::find_stream(s, stream);
-  if (target == nullptr) {
-    fake_cuda::violate(s, "cudaStreamQuery of a stream that does not exist");
-    return fail(cudaErrorInvalidResourceHandle);
-  }
+  fake_cuda::Stream* target = find_live_stream(s, stream, "cudaStreamQuery of");
+  if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   return target->queue.empty() ? cudaSuccess : fail(cudaErrorNotReady);
 }
 
@@ -1181,14 +1179,10 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 // GPU may also take.
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int /*flags*/) {
   FAKE_RUNTIME_ENTRY("cudaStreamWaitEvent");
-  if (fake_cuda::find_stream(s, stream) == nullptr) {
-    fake_cuda::violate(s, "cudaStreamWaitEvent on a stream that does not exist");
-    return fail(cudaErrorInvalidResourceHandle);
-  }
+  if (find_live_stream(s, stream, "cudaStreamWaitEvent on") == nullptr) return fail(cudaErrorInvalidResourceHandle);
   fake_cuda::Event* e = find_event(s, event, "cudaStreamWaitEvent");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
-  fake_cuda::release_hold(s);
-  s.progress.wait(lock, [&] { return s.events.count(e) == 0 || fake_cuda::event_complete(*e); });
+  wait_for_event(s, lock, e);
   return cudaSuccess;
 }
 
