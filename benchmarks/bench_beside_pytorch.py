@@ -29,6 +29,18 @@ Figures per allocator:
                        2 MiB pages (cotenant's page maps per warm iteration),
                        the mean over the last half of the iterations
 
+Each trace is also recorded as a PyTorch memory snapshot by PyTorch itself
+(pytorch_allocator/snapshot_over_fake.py: torch over the same fake runtime,
+torch.cuda.memory._record_memory_history, torch.empty and del, then
+_dump_snapshot), with each configuration, and read back the way
+cotenant-replay reads a snapshot (cotenant.replay.load_trace). The check: the
+PyTorch figures read from the snapshot's segment events (peak reserved, peak
+of requested bytes, cudaMalloc and cudaFree calls) equal PyTorch's own
+memory_stats() and the fake's counts, and cotenant replaying the snapshot
+(iteration marks read from its annotations) gives the same peak allocated
+and reserved bytes, page maps and iterations as replaying the trace. --no-snapshots skips
+it (a torch wheel without CUDA cannot record one).
+
 What it does not compare: time (the fake's calls cost nothing, a GPU's do)
 and spill (PyTorch has none: over its limit it raises OutOfMemoryError).
 
@@ -44,6 +56,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,7 +68,9 @@ PYTORCH_CONFIGS = {"pytorch": "", "pytorch_expandable": EXPANDABLE}
 PAGE = 2 << 20  # cotenant's page, the replay's default granularity
 
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "pytorch_allocator"))
 from result_file import cpu_model, torch_version  # noqa: E402
+from snapshot_over_fake import record as record_snapshot  # noqa: E402
 
 from cotenant.replay import Trace, load_trace, replay_trace  # noqa: E402
 
@@ -134,10 +149,11 @@ def cotenant_figures(result: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def compare(trace: Trace, tool: str) -> Dict[str, Any]:
-    """The three replays of one trace, and whether cotenant's peak reserved
-    (so its fragmentation) is at most each of PyTorch's."""
-    result = replay_trace(trace)
+def compare(trace: Trace, tool: str, result: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The three replays of one trace (`result`: cotenant's, when already
+    replayed), and whether cotenant's peak reserved (so its fragmentation) is
+    at most each of PyTorch's."""
+    result = result or replay_trace(trace)
     figures = {"peak_allocated_bytes": result["peak_allocated_bytes"], "cotenant": cotenant_figures(result)}
     ops_text = operations_text(trace)
     for name, conf in PYTORCH_CONFIGS.items():
@@ -146,6 +162,58 @@ def compare(trace: Trace, tool: str) -> Dict[str, Any]:
     ours = figures["cotenant"]["peak_reserved_bytes"]
     figures["reserved_at_most"] = {name: ours <= figures[name]["peak_reserved_bytes"] for name in PYTORCH_CONFIGS}
     return figures
+
+
+# cotenant's figures that replaying a snapshot must give as replaying its trace does
+SAME_AS_TRACE = ("peak_allocated_bytes", "peak_reserved_bytes", "num_page_maps", "num_iterations")
+
+
+def snapshot_check(trace_path: str, ours_on_trace: Dict[str, Any], fake_dir: str, work_dir: str) -> Dict[str, Any]:
+    """Each PyTorch configuration's snapshot of the trace, recorded by PyTorch
+    over the fake, read back as cotenant-replay reads it, beside what PyTorch
+    and the fake counted while recording it, and cotenant's replay of it
+    beside cotenant's replay of the trace."""
+    checks: Dict[str, Any] = {}
+    name = os.path.basename(trace_path).split(".")[0]
+    for config, conf in PYTORCH_CONFIGS.items():
+        out = os.path.join(work_dir, f"{name}-{config}.pickle")
+        recorded = record_snapshot(trace_path, out, fake_dir, expandable_segments=conf == EXPANDABLE)
+        snapshot = load_trace(out)
+        read = snapshot.pytorch
+        stats, fake = recorded["memory_stats"], recorded["fake"]
+        ours = replay_trace(snapshot)
+        expected = {
+            "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+            "peak_live_bytes": stats["requested_bytes.all.peak"],
+            "num_cuda_mallocs": fake["cuda_malloc_calls"],
+            "num_cuda_frees": fake["cuda_free_calls"],
+        }
+        checks[config] = {
+            "read_from_snapshot": {key: read.get(key) for key in (*expected, "start", "num_segment_maps")},
+            "recorded": {**expected, "cu_mem_map_calls": fake["cu_mem_map_calls"]},
+            "agrees": read.get("available") is True and all(read.get(k) == v for k, v in expected.items()),
+            "cotenant_on_snapshot": {key: ours[key] for key in SAME_AS_TRACE},
+            "cotenant_as_on_trace": all(ours[key] == ours_on_trace[key] for key in SAME_AS_TRACE),
+        }
+    return checks
+
+
+def print_snapshot_table(traces: Dict[str, Dict[str, Any]]) -> None:
+    header = (f"{'trace':<20}{'snapshot of':<20}{'peak reserved read / own':>26}{'peak requested read / own':>27}"
+              f"{'cudaMalloc read / fake':>24}{'agrees':>8}{'cotenant same':>14}")
+    print(header)
+    print("-" * len(header))
+    for name, t in traces.items():
+        for config, c in t.get("snapshot", {}).items():
+            read, own = c["read_from_snapshot"], c["recorded"]
+            print(f"{name.split('.')[0] if config == 'pytorch' else '':<20}{config.replace('_', ' '):<20}"
+                  f"{read['peak_reserved_bytes'] / 2**20:>13.1f} / {own['peak_reserved_bytes'] / 2**20:.1f} MiB"
+                  f"{read['peak_live_bytes'] / 2**20:>14.1f} / {own['peak_live_bytes'] / 2**20:.1f} MiB"
+                  f"{read['num_cuda_mallocs']:>16} / {own['num_cuda_mallocs']:<5}"
+                  f"{'yes' if c['agrees'] else 'NO':>8}{'yes' if c['cotenant_as_on_trace'] else 'NO':>13}")
+    print("(read: cotenant.replay's reading of the snapshot PyTorch recorded; own: PyTorch's memory_stats() and "
+          "the fake's cudaMalloc count while it recorded; cotenant same: cotenant's peak allocated and reserved, "
+          "page maps and iterations replaying the snapshot equal those replaying the trace)")
 
 
 def print_table(traces: Dict[str, Dict[str, Any]]) -> None:
@@ -171,14 +239,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("traces", nargs="*", metavar="TRACE", help="trace files (default: every bundled trace)")
     parser.add_argument("--tool", default=default_tool(), help="pytorch_replay (default: %(default)s)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "beside_pytorch.json"))
+    parser.add_argument("--no-snapshots", action="store_true",
+                        help="do not record PyTorch snapshots of the traces to check cotenant-replay's reading")
     args = parser.parse_args(argv)
     if not os.access(args.tool, os.X_OK):
         parser.error(f"{args.tool} is not built: build the core with CMake (scripts/test.sh does, into "
                      "build/core) next to a torch wheel with CUDA, or give its path with --tool")
 
     traces = {}
-    for path in args.traces or TRACES:
-        traces[os.path.basename(path)] = compare(load_trace(path), args.tool)
+    fake_dir = os.path.join(os.path.dirname(os.path.abspath(args.tool)), "fake_cudart")
+    with tempfile.TemporaryDirectory(prefix="cotenant-snapshots-") as work_dir:
+        for path in args.traces or TRACES:
+            trace = load_trace(path)
+            ours = replay_trace(trace)
+            figures = compare(trace, args.tool, ours)
+            if not args.no_snapshots:
+                figures["snapshot"] = snapshot_check(path, ours, fake_dir, work_dir)
+            traces[os.path.basename(path)] = figures
     report = {
         "device": f"simulated (CPU: {cpu_model()}); PyTorch's allocator over the fake CUDA runtime",
         "torch": torch_version(),
@@ -194,6 +271,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_table(traces)
     above = [name for name, t in traces.items() if not all(t["reserved_at_most"].values())]
     print(f"cotenant's fragmentation is above PyTorch's on: {', '.join(above) if above else 'none'}")
+    if not args.no_snapshots:
+        print()
+        print_snapshot_table(traces)
+        wrong = [f"{name} ({config})" for name, t in traces.items() for config, c in t["snapshot"].items()
+                 if not (c["agrees"] and c["cotenant_as_on_trace"])]
+        print(f"snapshots read differently from what PyTorch counted or from their trace: "
+              f"{', '.join(wrong) if wrong else 'none'}")
     print(f"wrote {os.path.relpath(args.out)}")
     return 0
 

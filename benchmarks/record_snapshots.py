@@ -17,9 +17,11 @@ Workloads (an iteration is one training step):
 
 Each workload runs in its own process (`record_snapshots.py --worker NAME ...`),
 so each snapshot begins with an empty allocator. The process turns recording on
-with torch.cuda.memory._record_memory_history(max_entries=N, context=None)
-before it builds the model (context=None: no stack frames, which the replay
-does not use and which would make the files hundreds of MB), runs the steps,
+with torch.cuda.memory._record_memory_history(max_entries=N, context=None,
+global_record_annotations=True) before it builds the model (context=None: no
+stack frames, which the replay does not use and which would make the files
+hundreds of MB; the annotations hold each optimizer.step(), whose end the
+replay reads as an iteration mark), runs the steps,
 then writes DIR/NAME.pickle with torch.cuda.memory._dump_snapshot() while
 recording is still on, so the snapshot's segment list is the state at the
 trace's end. --expandable-segments records with
@@ -197,7 +199,10 @@ def record(name: str, args: argparse.Namespace) -> int:
     deadline = STARTED + args.seconds
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    torch.cuda.memory._record_memory_history(max_entries=args.max_entries, context=None, stacks="python")
+    # global_record_annotations: each optimizer.step() range goes into the snapshot, where the replay reads
+    # its end as an iteration mark.
+    torch.cuda.memory._record_memory_history(max_entries=args.max_entries, context=None, stacks="python",
+                                             global_record_annotations=True)
     _, step = WORKLOADS[name](torch, "cuda")
     steps = 0
     while steps < args.steps and (steps == 0 or time.monotonic() < deadline):

@@ -29,13 +29,17 @@ if(NOT _cudart_major STREQUAL CUDAToolkit_VERSION_MAJOR)
   return()
 endif()
 
-# The fake as libcudart.so.N, alone in its own directory so that nothing but
-# pytorch_replay finds it. Its symbols carry the version node libc10_cuda.so asks for.
+# The fake as libcudart.so.N, in a directory of its own so that nothing but
+# pytorch_replay (and a process told to look there) finds it. Its symbols
+# carry the version node the wheel's libraries ask for. The directory also
+# holds libcuda.so.1, a link to the same library: torch's lazy driver stubs
+# dlopen that name and find the driver entries they look up there.
 set(_fake_cudart_dir ${CMAKE_BINARY_DIR}/fake_cudart)
 set(_version_script ${CMAKE_BINARY_DIR}/fake_cudart.map)
 file(WRITE ${_version_script}
-  "libcudart.so.${_cudart_major} {\n  global: cuda*; extern \"C++\" { fake_cuda::*; };\n  local: *;\n};\n")
-add_library(cotenant_fake_cudart SHARED ${PROJECT_SOURCE_DIR}/tests/fake_cuda/fake_cuda.cpp)
+  "libcudart.so.${_cudart_major} {\n  global: cuda*; __cuda*; cuDevicePrimaryCtxGetState; fake_cuda_*; extern \"C++\" { fake_cuda::*; };\n  local: *;\n};\n")
+add_library(cotenant_fake_cudart SHARED ${PROJECT_SOURCE_DIR}/tests/fake_cuda/fake_cuda.cpp
+  ${PROJECT_SOURCE_DIR}/benchmarks/pytorch_allocator/fake_cudart_control.cpp)
 target_include_directories(cotenant_fake_cudart PUBLIC ${PROJECT_SOURCE_DIR}/tests/fake_cuda)
 target_include_directories(cotenant_fake_cudart SYSTEM PUBLIC ${CUDAToolkit_INCLUDE_DIRS})
 target_link_libraries(cotenant_fake_cudart PRIVATE Threads::Threads)
@@ -43,6 +47,8 @@ target_link_options(cotenant_fake_cudart PRIVATE "LINKER:--version-script=${_ver
 set_target_properties(cotenant_fake_cudart PROPERTIES
   OUTPUT_NAME cudart SOVERSION ${_cudart_major} LIBRARY_OUTPUT_DIRECTORY ${_fake_cudart_dir}
   LINK_DEPENDS ${_version_script})
+add_custom_command(TARGET cotenant_fake_cudart POST_BUILD
+  COMMAND ${CMAKE_COMMAND} -E create_symlink libcudart.so.${_cudart_major} ${_fake_cudart_dir}/libcuda.so.1)
 
 add_executable(pytorch_replay ${PROJECT_SOURCE_DIR}/benchmarks/pytorch_allocator/pytorch_replay.cpp)
 target_include_directories(pytorch_replay SYSTEM PRIVATE "${_torch_dir}/include")

@@ -281,8 +281,17 @@ def snapshot_ops(snapshot: Dict[str, Any], path: str = "<snapshot>", device: Opt
       cotenant's replaces; they give PyTorch's figures (``Trace.pytorch``);
       ``snapshot`` and ``oom`` markers are ignored.
 
-    Nothing in a snapshot marks the iterations of the job's loop, so a
-    snapshot's replay has no iteration ops.
+    Iteration marks come from the snapshot's ``external_annotations``, which
+    PyTorch records when history is turned on with
+    ``global_record_annotations=True``: the end of each
+    ``record_function("cotenant::iteration")`` range (what
+    scripts/make_traces.py wraps each pass in), or, when there is none, the
+    end of each ``optimizer.step()`` (PyTorch names its range
+    ``Optimizer.step#<class>.step``). A mark goes before the first trace
+    entry recorded after the range's end; an entry in the same microsecond
+    counts as before it. Without annotations the replay has no iteration
+    ops, and the allocator's step plan and cold-page rule, which act at
+    iteration marks, do not run.
 
     The trace is a ring buffer (``max_entries``), so it may begin mid-run. A
     block freed in it but allocated before it began is allocated at the start
@@ -292,8 +301,8 @@ def snapshot_ops(snapshot: Dict[str, Any], path: str = "<snapshot>", device: Opt
     are allocated at the start too, with their requested sizes.
     """
     events = _device_trace(snapshot, path, device)
-    blocks = _walk_blocks(events, path)
-    if not blocks.body:
+    blocks = _walk_blocks(events, path, _iteration_marks(snapshot, device))
+    if not any(op[0] != "iteration" for op, _ in blocks.body):
         raise TraceError(path, None, "the snapshot's device trace has no alloc or free actions")
     segments = _walk_segments(events, path)
     dump = _dump_state(snapshot, device if device is not None else _first_traced_device(snapshot))
@@ -313,6 +322,28 @@ def snapshot_ops(snapshot: Dict[str, Any], path: str = "<snapshot>", device: Opt
 
 def _first_traced_device(snapshot: Dict[str, Any]) -> int:
     return next((i for i, t in enumerate(snapshot.get("device_traces") or []) if t), 0)
+
+
+# Annotation ranges whose end is an iteration mark, in order of preference:
+# the first name (a prefix) that any annotation has is the one used.
+_ITERATION_ANNOTATIONS = ("cotenant::iteration", "Optimizer.step#")
+
+
+def _iteration_marks(snapshot: Dict[str, Any], device: Optional[int]) -> List[int]:
+    """The times (microseconds) at which the snapshot's iteration ranges end, in order."""
+    if device is None:
+        device = _first_traced_device(snapshot)
+    ends: Dict[str, List[int]] = {prefix: [] for prefix in _ITERATION_ANNOTATIONS}
+    for annotation in snapshot.get("external_annotations") or []:
+        if not isinstance(annotation, dict) or annotation.get("stage") != "END":
+            continue
+        name, when = annotation.get("name"), annotation.get("time_us")
+        if not isinstance(name, str) or not isinstance(when, int) or annotation.get("device", device) != device:
+            continue
+        prefix = next((p for p in _ITERATION_ANNOTATIONS if name.startswith(p)), None)
+        if prefix is not None:
+            ends[prefix].append(when)
+    return sorted(next((times for times in ends.values() if times), []))
 
 
 def _device_trace(snapshot: Dict[str, Any], path: str, device: Optional[int]) -> List[Any]:
@@ -354,9 +385,17 @@ class _BlockWalk:
         return block_id
 
 
-def _walk_blocks(events: List[Dict[str, Any]], path: str) -> _BlockWalk:
+def _walk_blocks(events: List[Dict[str, Any]], path: str, marks: Sequence[int] = ()) -> _BlockWalk:
+    """The alloc and free actions as ops, with an iteration op at each of
+    ``marks`` (times in microseconds) that falls inside the trace."""
     walk = _BlockWalk()
+    times = [event.get("time_us") for event in events]
+    marks = list(marks) if times and all(isinstance(when, int) for when in times) else []
+    next_mark = next((i for i, when in enumerate(marks) if when >= times[0]), len(marks)) if marks else 0
     for index, event in enumerate(events):
+        while next_mark < len(marks) and times[index] > marks[next_mark]:
+            walk.body.append((("iteration",), f"the iteration range that ends before device trace entry {index}"))
+            next_mark += 1
         action = event["action"]
         if action not in ("alloc", "free_completed", "free"):
             continue
@@ -380,6 +419,8 @@ def _walk_blocks(events: List[Dict[str, Any]], path: str) -> _BlockWalk:
                                              f"{where} (a block allocated before the trace began)")
             walk.body.append((("free", block_id), where))
             walk.freed[address] = block_id
+    for _ in range(next_mark, len(marks)):
+        walk.body.append((("iteration",), "an iteration range that ends after the device trace's last entry"))
     return walk
 
 

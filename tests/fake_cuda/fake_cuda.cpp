@@ -8,6 +8,7 @@
 #include "fake_cuda.h"
 
 #include <cuda.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -1248,5 +1249,102 @@ FAKE_RUNTIME_NOT_MODELLED(cudaIpcOpenMemHandle, (void**, cudaIpcMemHandle_t, uns
 FAKE_RUNTIME_NOT_MODELLED(cudaIpcCloseMemHandle, (void*))
 FAKE_RUNTIME_NOT_MODELLED(cudaMemcpyPeerAsync, (void*, int, const void*, int, size_t, cudaStream_t))
 
+// ---- what the rest of the torch wheel (libtorch_cuda and friends) links -------------
+// Loading a CUDA library registers its kernels; the fake holds no code, so
+// registration succeeds and keeps nothing, and a launch fails as a violation.
+// With these, `import torch` over the fake runs, and PyTorch's allocator can be
+// driven from Python (torch.empty on a CUDA device launches no kernel).
+FAKE_RUNTIME_NOT_MODELLED(cudaDeviceGetAttribute, (int*, cudaDeviceAttr, int))
+FAKE_RUNTIME_NOT_MODELLED(cudaDeviceGetPCIBusId, (char*, int, int))
+FAKE_RUNTIME_NOT_MODELLED(cudaEventRecordWithFlags, (cudaEvent_t, cudaStream_t, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaFreeHost, (void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaFuncGetAttributes, (cudaFuncAttributes*, const void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaFuncSetAttribute, (const void*, cudaFuncAttribute, int))
+FAKE_RUNTIME_NOT_MODELLED(cudaGetSymbolAddress, (void**, const void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaGraphDebugDotPrint, (cudaGraph_t, const char*, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaGraphDestroy, (cudaGraph_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaGraphExecDestroy, (cudaGraphExec_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaGraphGetNodes, (cudaGraph_t, cudaGraphNode_t*, size_t*))
+FAKE_RUNTIME_NOT_MODELLED(cudaGraphInstantiateWithFlags, (cudaGraphExec_t*, cudaGraph_t, unsigned long long))
+FAKE_RUNTIME_NOT_MODELLED(cudaGraphLaunch, (cudaGraphExec_t, cudaStream_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaHostAlloc, (void**, size_t, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaHostRegister, (void*, size_t, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaHostUnregister, (void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaIpcGetEventHandle, (cudaIpcEventHandle_t*, cudaEvent_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaIpcOpenEventHandle, (cudaEvent_t*, cudaIpcEventHandle_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaLaunchCooperativeKernel, (const void*, dim3, dim3, void**, size_t, cudaStream_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaLaunchHostFunc, (cudaStream_t, cudaHostFn_t, void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaLaunchKernel, (const void*, dim3, dim3, void**, size_t, cudaStream_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaLaunchKernelExC, (const cudaLaunchConfig_t*, const void*, void**))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemcpy2DAsync,
+                          (void*, size_t, const void*, size_t, size_t, size_t, cudaMemcpyKind, cudaStream_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemcpyToSymbol, (const void*, const void*, size_t, size_t, cudaMemcpyKind))
+FAKE_RUNTIME_NOT_MODELLED(cudaMemset, (void*, int, size_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaOccupancyMaxActiveBlocksPerMultiprocessor, (int*, const void*, int, size_t))
+FAKE_RUNTIME_NOT_MODELLED(cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags,
+                          (int*, const void*, int, size_t, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaPointerGetAttributes, (cudaPointerAttributes*, const void*))
+FAKE_RUNTIME_NOT_MODELLED(cudaProfilerStart, ())
+FAKE_RUNTIME_NOT_MODELLED(cudaProfilerStop, ())
+FAKE_RUNTIME_NOT_MODELLED(cudaStreamAddCallback, (cudaStream_t, cudaStreamCallback_t, void*, unsigned int))
+FAKE_RUNTIME_NOT_MODELLED(cudaStreamBeginCapture, (cudaStream_t, cudaStreamCaptureMode))
+FAKE_RUNTIME_NOT_MODELLED(cudaStreamEndCapture, (cudaStream_t, cudaGraph_t*))
+
+cudaError_t cudaRuntimeGetVersion(int* runtimeVersion) {
+  FAKE_RUNTIME_ENTRY("cudaRuntimeGetVersion");
+  *runtimeVersion = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaPeekAtLastError() { return fake_cuda::last_error; }
+
+cudaError_t cudaStreamGetPriority(cudaStream_t stream, int* priority) {
+  FAKE_RUNTIME_ENTRY("cudaStreamGetPriority");
+  if (find_live_stream(s, stream, "cudaStreamGetPriority of") == nullptr) return fail(cudaErrorInvalidResourceHandle);
+  *priority = 0;  // priorities are not modelled: every stream has the lowest
+  return cudaSuccess;
+}
+
+// The registration entry points nvcc's host code calls while a library loads
+// (declared in crt/host_runtime.h and crt/device_functions.h, which the fake
+// does not include). They run before main, so they touch no fake state.
+extern "C" {
+void** __cudaRegisterFatBinary(void* /*fatCubin*/) {
+  static void* handle = nullptr;
+  return &handle;
+}
+void __cudaRegisterFatBinaryEnd(void** /*handle*/) {}
+void __cudaUnregisterFatBinary(void** /*handle*/) {}
+void __cudaRegisterVar(void** /*handle*/, char* /*hostVar*/, char* /*deviceAddress*/, const char* /*deviceName*/,
+                       int /*ext*/, size_t /*size*/, int /*constant*/, int /*global*/) {}
+void __cudaRegisterFunction(void** /*handle*/, const char* /*hostFun*/, char* /*deviceFun*/,
+                            const char* /*deviceName*/, int /*threadLimit*/, uint3* /*tid*/, uint3* /*bid*/,
+                            dim3* /*bDim*/, dim3* /*gDim*/, int* /*wSize*/) {}
+char __cudaInitModule(void** /*handle*/) { return 1; }
+unsigned __cudaPushCallConfiguration(dim3 /*gridDim*/, dim3 /*blockDim*/, size_t /*sharedMem*/, void* /*stream*/) {
+  return 0;
+}
+FAKE_RUNTIME_NOT_MODELLED(__cudaPopCallConfiguration, (dim3*, dim3*, size_t*, void*))
+FAKE_RUNTIME_NOT_MODELLED(__cudaGetKernel, (cudaKernel_t*, const void*))
+FAKE_RUNTIME_NOT_MODELLED(__cudaLaunchKernel, (cudaKernel_t, dim3, dim3, void**, size_t, cudaStream_t))
+}  // extern "C"
+
 #undef FAKE_RUNTIME_NOT_MODELLED
 #undef FAKE_RUNTIME_ENTRY
+
+// ---- driver entry points torch looks up by name ------------------------------------
+// PyTorch's lazy driver stubs (ATen's LazyNVRTC) dlopen libcuda.so.1 and look
+// each entry up with dlsym on first use; with a link libcuda.so.1 -> this
+// library on the search path, they find these.
+
+// The fake has no contexts apart from its device: its primary context is
+// always active.
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
+  fake_cuda::State& s = state();
+  Lock lock(s.mutex);
+  ++s.calls["cuDevicePrimaryCtxGetState"];
+  if (dev < 0 || dev >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
+  *flags = 0;
+  *active = 1;
+  return CUDA_SUCCESS;
+}

@@ -6,12 +6,15 @@ import glob
 import importlib.util
 import json
 import os
+import pickle
 import subprocess
+import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATH = os.path.join(HERE, "..", "..", "benchmarks", "bench_beside_pytorch.py")
+RECORDER = os.path.join(HERE, "..", "..", "benchmarks", "pytorch_allocator", "snapshot_over_fake.py")
 TRACES = sorted(glob.glob(os.path.join(HERE, "..", "..", "benchmarks", "traces", "*.jsonl.gz")))
 MiB = 1 << 20
 
@@ -141,3 +144,124 @@ def test_a_missing_tool_is_named_with_the_fix(bench, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tool", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.json")])
     assert "is not built" in capsys.readouterr().err
+
+
+# ---- snapshots PyTorch records over the fake --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fake_dir(tool):
+    return os.path.join(os.path.dirname(os.path.abspath(tool)), "fake_cudart")
+
+
+def trace_path(name):
+    return next(path for path in TRACES if os.path.basename(path) == name)
+
+
+def test_snapshots_pytorch_records_read_as_pytorch_counted(bench, tool, fake_dir, tmp_path):
+    """torch itself, over the fake, records the snapshot; cotenant.replay's
+    reading of it gives what PyTorch's memory_stats() and the fake counted, and
+    cotenant's replay of it (iteration marks from its annotations) gives what
+    cotenant's replay of the trace does."""
+    path = trace_path("resnet_train.jsonl.gz")
+    trace = bench.load_trace(path)
+    ours = bench.replay_trace(trace)
+    checks = bench.snapshot_check(path, ours, fake_dir, str(tmp_path))
+    for config in ("pytorch", "pytorch_expandable"):
+        check = checks[config]
+        assert check["agrees"], check
+        assert check["cotenant_as_on_trace"], (check["cotenant_on_snapshot"], ours)
+        assert check["read_from_snapshot"]["start"] == "empty"
+        assert check["cotenant_on_snapshot"]["num_iterations"] == trace.ops.count(("iteration",)) > 0
+    assert checks["pytorch"]["read_from_snapshot"]["num_cuda_mallocs"] > 0
+    assert checks["pytorch_expandable"]["read_from_snapshot"]["num_cuda_mallocs"] == 0
+    assert checks["pytorch_expandable"]["read_from_snapshot"]["num_segment_maps"] > 0
+
+
+def live_peak_of_the_last(ops, entries):
+    """The most bytes live at once (each rounded up to 512, as cotenant
+    counts them) over the ops behind the last `entries` entries of a
+    snapshot's device trace: an allocation is one entry, a free two
+    (free_requested, free_completed)."""
+    ops = [op for op in ops if op[0] in ("alloc", "free")]
+    first, need = len(ops), entries
+    while need > 0:
+        first -= 1
+        need -= 1 if ops[first][0] == "alloc" else 2
+    sizes, live, peak = {}, 0, 0
+    for index, op in enumerate(ops):
+        if op[0] == "alloc":
+            sizes[op[1]] = (op[2] + 511) // 512 * 512
+            live += sizes[op[1]]
+        else:
+            live -= sizes.pop(op[1])
+        if index >= first - 1:
+            peak = max(peak, live)
+    return peak
+
+
+def test_a_ring_buffer_snapshot_begins_with_the_blocks_live_then(bench, fake_dir, tmp_path):
+    """_record_memory_history(max_entries=N) keeps the last N entries; the
+    blocks live when they begin are rebuilt from the segment list and the
+    frees, so cotenant's replay sees the live bytes the run had."""
+    recorder = bench.record_snapshot
+    path = trace_path("gpt_train_varlen.jsonl.gz")
+    out = str(tmp_path / "window.pickle")
+    recorded = recorder(path, out, fake_dir, expandable_segments=True, max_entries=3000)
+    assert recorded["fake_cuda_violations"] == []
+    snapshot = bench.load_trace(out)
+    assert bench.replay_trace(snapshot)["peak_allocated_bytes"] == live_peak_of_the_last(
+        bench.load_trace(path).ops, 3000)
+    # PyTorch mapped all its pages before the window: its reserved bytes over it are unknown, and said so.
+    assert snapshot.pytorch["available"] is False
+    assert snapshot.pytorch["reserved_at_dump_bytes"] == recorded["memory_stats"]["reserved_bytes.all.current"]
+
+
+def test_a_window_with_segment_events_reconstructs_what_was_reserved_before_it(bench, fake_dir, tmp_path):
+    path = trace_path("serve_varbatch.jsonl.gz")
+    whole = str(tmp_path / "whole.pickle")
+    bench.record_snapshot(path, whole, fake_dir)
+    with open(whole, "rb") as f:
+        events = pickle.load(f)["device_traces"][0]
+    last_segment = max(i for i, e in enumerate(events) if e["action"] == "segment_alloc")
+    entries = len(events) - last_segment + 50  # the window holds the last cudaMalloc and a little before it
+    window = str(tmp_path / "window.pickle")
+    recorded = bench.record_snapshot(path, window, fake_dir, max_entries=entries)
+    with open(window, "rb") as f:
+        kept = pickle.load(f)["device_traces"][0]
+    added = sum(e["size"] for e in kept if e["action"] == "segment_alloc")
+    assert added > 0
+    figures = bench.load_trace(window).pytorch
+    stats = recorded["memory_stats"]
+    assert figures["start"] == "reconstructed"
+    assert figures["start_reserved_bytes"] == stats["reserved_bytes.all.current"] - added
+    assert figures["peak_reserved_bytes"] == stats["reserved_bytes.all.peak"]  # PyTorch freed no segment
+
+
+def test_the_recorder_refuses_a_torch_that_does_not_see_the_fake(fake_dir, tmp_path):
+    """Without the fake preloaded, torch would see no device (or a real GPU):
+    the child stops before it imports torch or records anything."""
+    library = next(iter(glob.glob(os.path.join(fake_dir, "libcudart.so.[0-9]*"))), None)
+    if library is None:
+        pytest.skip(f"no fake libcudart in {fake_dir}")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = tmp_path / "never.pickle"
+    done = subprocess.run([sys.executable, RECORDER, "--child", library, TRACES[0], str(out)],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 2
+    assert "is not preloaded, so torch would not see the fake CUDA device" in done.stderr
+    assert not out.exists()
+    # Preloaded, the same command records.
+    del env["CUDA_VISIBLE_DEVICES"]
+    env["LD_PRELOAD"] = library
+    env["LD_LIBRARY_PATH"] = fake_dir
+    done = subprocess.run([sys.executable, RECORDER, "--child", library, TRACES[0], str(out), "--max-entries", "10"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert out.exists()
+
+
+def test_the_recorder_names_a_missing_fake_with_the_fix(bench, tmp_path):
+    with pytest.raises(ValueError, match="no fake libcudart.so.N in .*--fake-cudart"):
+        bench.record_snapshot(TRACES[0], str(tmp_path / "x.pickle"), str(tmp_path))

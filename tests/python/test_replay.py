@@ -361,6 +361,60 @@ def test_snapshot_block_freed_before_its_alloc_was_recorded_is_live_from_the_sta
     assert result["peak_allocated_bytes"] == 9 * MiB
 
 
+def timed(action, addr, size, time_us):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": time_us}
+
+
+def annotation(name, stage, time_us, device=0):
+    return {"name": name, "stage": stage, "device": device, "time_us": time_us}
+
+
+def step(name, start, end):
+    return [annotation(name, "START", start), annotation(name, "END", end)]
+
+
+# Two passes of a loop (t = 10..19 and 20..29), each allocating and freeing one block.
+TWO_PASSES = [timed("alloc", 0x1000, MiB, 11), timed("free_completed", 0x1000, MiB, 12),
+              timed("alloc", 0x1000, MiB, 21), timed("free_completed", 0x1000, MiB, 22)]
+
+
+def test_snapshot_iteration_marks_come_from_the_ends_of_annotated_ranges():
+    data = snapshot(TWO_PASSES)
+    data["external_annotations"] = step("cotenant::iteration", 10, 19) + step("cotenant::iteration", 20, 29)
+    trace = replay.snapshot_ops(data)
+    assert [op[0] for op in trace.ops] == ["alloc", "free", "iteration", "alloc", "free", "iteration"]
+    assert "before device trace entry 2" in trace.origins[2]
+    assert "after the device trace's last entry" in trace.origins[5]
+    assert replay.replay_trace(trace)["num_iterations"] == 2
+
+
+def test_snapshot_iteration_marks_fall_back_to_optimizer_steps():
+    data = snapshot(TWO_PASSES)
+    data["external_annotations"] = (step("Optimizer.step#AdamW.step", 15, 16) + step("forward", 20, 21)
+                                    + step("Optimizer.step#AdamW.step", 25, 26))
+    ops = [op[0] for op in replay.snapshot_ops(data).ops]
+    assert ops == ["alloc", "free", "iteration", "alloc", "free", "iteration"]
+    # cotenant::iteration ranges, where there are any, are the marks; the optimizer's are then not counted twice.
+    data["external_annotations"] += step("cotenant::iteration", 10, 29)
+    assert [op[0] for op in replay.snapshot_ops(data).ops] == ["alloc", "free", "alloc", "free", "iteration"]
+
+
+def test_snapshot_iteration_marks_keep_to_the_trace_and_its_device():
+    data = snapshot(TWO_PASSES)
+    data["external_annotations"] = (step("cotenant::iteration", 1, 5)     # ended before the trace's window
+                                    + step("cotenant::iteration", 6, 12)  # same microsecond as entry 1: after it
+                                    + [annotation("cotenant::iteration", "END", 21, device=1)])  # another GPU
+    ops = [op[0] for op in replay.snapshot_ops(data).ops]
+    assert ops == ["alloc", "free", "iteration", "alloc", "free"]
+
+
+def test_snapshot_without_times_or_annotations_has_no_iteration_marks():
+    untimed = snapshot([{k: v for k, v in e.items() if k != "time_us"} for e in TWO_PASSES])
+    untimed["external_annotations"] = step("cotenant::iteration", 10, 19)
+    assert all(op[0] != "iteration" for op in replay.snapshot_ops(untimed).ops)
+    assert all(op[0] != "iteration" for op in replay.snapshot_ops(snapshot(TWO_PASSES)).ops)
+
+
 def test_snapshot_double_free_names_the_device_trace_entry(tmp_path, capsys):
     events = [
         {"action": "alloc", "addr": 0x9000, "size": MiB, "stream": 0},

@@ -1,0 +1,42 @@
+// The fake CUDA runtime's control API with C linkage, for a Python process
+// that loads the fake as its libcudart.so.N (snapshot_over_fake.py, through
+// ctypes): configure the device before torch touches it, and read what the
+// fake counted. Built into the fake libcudart only.
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "fake_cuda.h"
+
+extern "C" {
+
+// Waits for every stream and forgets all state, as fake_cuda::reset does,
+// with a device of `device_capacity` bytes.
+void fake_cuda_reset(std::uint64_t device_capacity) {
+  fake_cuda::Config config;
+  config.device_capacity = device_capacity;
+  fake_cuda::reset(config);
+}
+
+std::uint64_t fake_cuda_calls(const char* entry) { return fake_cuda::calls(entry); }
+
+std::uint64_t fake_cuda_device_bytes_created() { return fake_cuda::device_bytes_created(); }
+
+std::uint64_t fake_cuda_violation_count() { return fake_cuda::violations().count; }
+
+// Copies violation `index` (0-based, in order) into `out` (NUL-terminated,
+// cut to `size` - 1 bytes); returns the message's full length, or -1 when
+// there is no such violation.
+std::int64_t fake_cuda_violation(std::uint64_t index, char* out, std::uint64_t size) {
+  const fake_cuda::Violations v = fake_cuda::violations();
+  if (index >= v.messages.size()) return -1;
+  const std::string& message = v.messages[index];
+  if (size > 0) {
+    const std::size_t n = std::min<std::size_t>(message.size(), size - 1);
+    std::memcpy(out, message.data(), n);
+    out[n] = '\0';
+  }
+  return static_cast<std::int64_t>(message.size());
+}
+
+}  // extern "C"
