@@ -34,8 +34,6 @@ run unless the device torch sees is the fake, so it never touches a real GPU.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
 import json
 import os
 import subprocess
@@ -43,8 +41,10 @@ import sys
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-FAKE_DEVICE_NAME = "fake CUDA device (cotenant tests)"  # tests/fake_cuda's cudaGetDeviceProperties
+sys.path.insert(0, HERE)
+from over_fake import (NotPreloaded, check_torch_sees_the_fake, default_fake_cudart, environment,  # noqa: E402
+                       fake_library, open_preloaded)
+
 DEFAULT_CAPACITY = 16 << 30  # as pytorch_replay: expandable segments reserve address space the device's size
 ITERATION_RANGE = "cotenant::iteration"  # what cotenant.replay reads as an iteration mark
 STATS = ("reserved_bytes.all.peak", "reserved_bytes.all.current", "allocated_bytes.all.peak",
@@ -53,29 +53,12 @@ FAKE_CALLS = {"cuda_malloc_calls": "cudaMalloc", "cuda_free_calls": "cudaFree", 
               "cu_mem_unmap_calls": "cuMemUnmap"}
 
 
-def default_fake_cudart() -> str:
-    """The fake_cudart directory the core's CMake build writes next to pytorch_replay."""
-    tool = os.environ.get("COTENANT_PYTORCH_REPLAY") or os.path.join(ROOT, "build", "core", "pytorch_replay")
-    return os.path.join(os.path.dirname(os.path.abspath(tool)), "fake_cudart")
-
-
-def fake_library(fake_dir: str) -> str:
-    """The fake libcudart.so.N in `fake_dir`; ValueError naming the fix when there is none."""
-    found = sorted(glob.glob(os.path.join(fake_dir, "libcudart.so.[0-9]*")))
-    if not found:
-        raise ValueError(f"no fake libcudart.so.N in {fake_dir}: build the core with CMake next to a torch wheel "
-                         "with CUDA (scripts/test.sh does, into build/core), or give its directory with --fake-cudart")
-    return found[0]
-
-
 def record(trace_path: str, out: str, fake_dir: Optional[str] = None, expandable_segments: bool = False,
            max_entries: Optional[int] = None, device_capacity: int = DEFAULT_CAPACITY) -> Dict[str, Any]:
     """Records the snapshot of `trace_path` into `out` in a child process and
     returns its figures. RuntimeError with the child's message when it fails."""
     library = fake_library(fake_dir or default_fake_cudart())
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = " ".join(filter(None, [library, env.get("LD_PRELOAD")]))
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [os.path.dirname(library), env.get("LD_LIBRARY_PATH")]))
+    env = environment(library)
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True" if expandable_segments else ""
     command = [sys.executable, os.path.abspath(__file__), "--child", library, trace_path, out,
                "--device-capacity", str(device_capacity)]
@@ -93,36 +76,21 @@ def record(trace_path: str, out: str, fake_dir: Optional[str] = None, expandable
 # ---- the child: torch over the fake -----------------------------------------------------------
 
 
-def _violations(fake: ctypes.CDLL) -> List[str]:
-    messages = []
-    buffer = ctypes.create_string_buffer(4096)
-    for index in range(fake.fake_cuda_violation_count()):
-        fake.fake_cuda_violation(ctypes.c_uint64(index), buffer, ctypes.c_uint64(len(buffer)))
-        messages.append(buffer.value.decode("utf-8", "replace"))
-    return messages
-
-
 def _child(library: str, trace_path: str, out: str, max_entries: Optional[int], capacity: int) -> int:
-    try:  # the preloaded fake, the library torch's libcudart resolves to; never loaded here
-        fake = ctypes.CDLL(library, mode=os.RTLD_NOLOAD)
-    except OSError:
-        print(f"{library} is not preloaded, so torch would not see the fake CUDA device: run this through "
-              "record() or the command line, which set LD_PRELOAD", file=sys.stderr)
+    try:
+        fake = open_preloaded(library, capacity)
+    except NotPreloaded as error:
+        print(error, file=sys.stderr)
         return 2
-    fake.fake_cuda_violation_count.restype = ctypes.c_uint64
-    fake.fake_cuda_calls.restype = ctypes.c_uint64
-    fake.fake_cuda_device_bytes_created.restype = ctypes.c_uint64
-    fake.fake_cuda_violation.restype = ctypes.c_int64
-    fake.fake_cuda_reset(ctypes.c_uint64(capacity))
 
     import torch  # after the reset: torch starts on the configured device
 
     from cotenant.replay import load_trace
 
-    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    if name != FAKE_DEVICE_NAME:
-        print(f"torch sees {name!r}, not the fake CUDA device: the fake libcudart was not loaded "
-              f"(LD_PRELOAD={os.environ.get('LD_PRELOAD')!r})", file=sys.stderr)
+    try:
+        check_torch_sees_the_fake(torch)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
         return 2
     trace = load_trace(trace_path)
     torch.cuda.memory._record_memory_history(context=None, stacks="python", global_record_annotations=True,
@@ -161,9 +129,9 @@ def _child(library: str, trace_path: str, out: str, max_entries: Optional[int], 
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "max_entries": max_entries,
         "memory_stats": {key: stats.get(key, 0) for key in STATS},
-        "fake": {key: fake.fake_cuda_calls(entry.encode()) for key, entry in FAKE_CALLS.items()},
-        "device_bytes_obtained": fake.fake_cuda_device_bytes_created(),
-        "fake_cuda_violations": _violations(fake),
+        "fake": {key: fake.calls(entry) for key, entry in FAKE_CALLS.items()},
+        "device_bytes_obtained": fake.device_bytes_created(),
+        "fake_cuda_violations": fake.violations(),
     }
     print(json.dumps(figures))
     return 1 if figures["fake_cuda_violations"] else 0

@@ -1,0 +1,264 @@
+"""cotenant inside PyTorch, end to end, on the CPU: torch over the fake CUDA
+runtime of tests/fake_cuda (benchmarks/pytorch_allocator/over_fake.py).
+
+Each test runs a fresh Python process that preloads the fake as the
+libcudart.so.N of the torch wheel, imports torch (which then sees one CUDA
+device, the fake's), enables cotenant and works with CUDA tensors the way a
+job does. The path is the product's: torch's allocator interface, cotenant's
+CUDAAllocator (csrc/torch), the CudaBackend (csrc/cuda), the driver's virtual
+memory calls, copies on streams; only the driver is the fake, which enforces
+the real one's rules and counts a violation for anything else. No kernel
+runs there, so data goes in and out by copies (tensor.to("cuda"),
+tensor.to("cpu")), which is what a spill or a region pause must keep intact.
+Every test also asserts that the fake saw no violation.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OVER_FAKE_DIR = os.path.join(HERE, "..", "..", "benchmarks", "pytorch_allocator")
+sys.path.insert(0, OVER_FAKE_DIR)
+import over_fake  # noqa: E402
+
+MIB = 1 << 20
+
+PRELUDE = r'''
+import json, sys
+sys.path.insert(0, {over_fake_dir!r})
+import over_fake
+fake = over_fake.open_preloaded({library!r}, {capacity})
+import torch
+over_fake.check_torch_sees_the_fake(torch)
+import cotenant
+MIB = 1 << 20
+
+def pattern(count, seed):
+    """A CPU tensor of `count` int32 values that differ from block to block."""
+    values = torch.arange(count, dtype=torch.int64).mul_(2654435761).add_(seed * 40503)
+    return values.remainder_(1 << 31).to(torch.int32)
+
+def same(device_tensor, cpu_tensor):
+    return bool(torch.equal(device_tensor.to("cpu"), cpu_tensor))  # a device-to-host copy, no kernel
+
+out = {{}}
+'''
+
+EPILOGUE = r'''
+out["violations"] = fake.violations()
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def library():
+    try:
+        return over_fake.fake_library()
+    except ValueError as error:
+        pytest.skip(f"{error} (COTENANT_PYTORCH_REPLAY names the core build's pytorch_replay)")
+
+
+def run(library, body, capacity=1 << 30):
+    """Runs `body` after the prelude in a fresh process over the fake; the JSON it prints."""
+    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity)
+    code += textwrap.dedent(body) + EPILOGUE
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result.pop("violations") == [], "the fake CUDA driver saw calls a real one would refuse"
+    return result
+
+
+def test_torch_statistics_agree_with_cotenants_core(library):
+    out = run(library, """
+        cotenant.enable()
+        xs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (100, 4096, 3 << 20, 25 << 20)]
+        core = cotenant.memory_stats()
+        out["allocated"] = [torch.cuda.memory_allocated(), core["allocated_bytes"]]
+        out["reserved"] = [torch.cuda.memory_reserved(), core["reserved_bytes"]]
+        out["device_plus_host"] = core["device_bytes"] + core["host_bytes"]
+        out["snapshot_total"] = sum(s["total_size"] for s in torch.cuda.memory_snapshot())
+        out["count"] = torch.cuda.memory_stats()["allocation.all.current"]
+        out["mode"] = core["mode"]
+        del xs
+        out["after_free"] = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        out["reserved_after_empty"] = torch.cuda.memory_reserved()
+        out["driver_pages_after_empty"] = fake.calls("cuMemMap") - fake.calls("cuMemUnmap")
+    """)
+    assert out["allocated"][0] == out["allocated"][1] > 28 * MIB
+    assert out["reserved"][0] == out["reserved"][1] == out["device_plus_host"] == out["snapshot_total"]
+    assert out["count"] == 4
+    assert out["mode"] == "remap"
+    assert out["after_free"] == 0 and out["reserved_after_empty"] == 0
+    assert out["driver_pages_after_empty"] == 0  # every page cotenant mapped went back to the driver
+
+
+def test_spill_all_and_restore_all_keep_addresses_and_values(library):
+    out = run(library, """
+        from cotenant import _C
+        cotenant.enable()
+        data = pattern(4 << 20, seed=1)  # 16 MiB
+        x = data.to("cuda")
+        ptr = x.data_ptr()
+        out["moved_out"] = cotenant.spill_all()
+        out["resident_spilled"] = _C.is_device_resident(ptr, 0)
+        out["host_bytes"] = cotenant.memory_stats()["host_bytes"]
+        out["same_while_spilled"] = same(x, data)  # read from host pages at the device address
+        out["moved_in"] = cotenant.restore_all()
+        out["resident_after"] = _C.is_device_resident(ptr, 0)
+        out["same_after"] = same(x, data)
+        out["same_ptr"] = x.data_ptr() == ptr
+    """)
+    assert out["moved_out"] >= 16 * MIB and out["moved_in"] >= 16 * MIB
+    assert out["resident_spilled"] is False and out["host_bytes"] >= 16 * MIB
+    assert out["same_while_spilled"] and out["same_after"] and out["same_ptr"]
+    assert out["resident_after"] is True
+
+
+def test_a_job_larger_than_the_device_spills_under_a_cap_instead_of_running_out_of_memory(library):
+    """Five 24 MiB tensors on a 64 MiB device. Without a cap the third
+    raises PyTorch's OutOfMemoryError, which names the fix; under a cap each
+    allocation succeeds, the device holds no more than the cap, and every
+    value survives."""
+    out = run(library, """
+        cotenant.enable()
+        datas = [pattern(6 << 20, seed=i) for i in range(5)]
+        xs = []
+        try:
+            for data in datas:
+                xs.append(data.to("cuda"))
+            out["error"] = None
+        except torch.OutOfMemoryError as error:
+            out["error"] = str(error)
+        out["before_cap"] = len(xs)
+        cotenant.set_memory_cap("60MiB")
+        for data in datas[len(xs):]:
+            xs.append(data.to("cuda"))
+            cotenant.safe_point()
+        stats = cotenant.memory_stats()
+        out["device_bytes"], out["host_bytes"] = stats["device_bytes"], stats["host_bytes"]
+        out["allocated"] = torch.cuda.memory_allocated()
+        out["same"] = [same(x, data) for x, data in zip(xs, datas)]
+    """, capacity=64 * MIB)
+    assert out["before_cap"] == 2
+    assert "cotenant spills to host memory only under a cap" in out["error"]
+    assert "cotenant.set_memory_cap()" in out["error"]
+    assert out["allocated"] == 120 * MIB
+    assert out["device_bytes"] <= 60 * MIB
+    assert out["host_bytes"] >= 120 * MIB - out["device_bytes"]
+    assert out["same"] == [True] * 5
+
+
+def test_a_cap_cut_below_the_working_set_and_raised_again_keeps_the_values(library):
+    out = run(library, """
+        cotenant.enable()
+        datas = [pattern(4 << 20, seed=10 + i) for i in range(3)]  # 3 x 16 MiB
+        xs = [data.to("cuda") for data in datas]
+        cotenant.set_memory_cap("32MiB")
+        cotenant.safe_point()
+        capped = cotenant.memory_stats()
+        out["capped_device"], out["capped_host"] = capped["device_bytes"], capped["host_bytes"]
+        out["same_capped"] = [same(x, data) for x, data in zip(xs, datas)]
+        cotenant.set_memory_cap(None)
+        cotenant.safe_point()
+        free = cotenant.memory_stats()
+        out["free_device"], out["free_host"] = free["device_bytes"], free["host_bytes"]
+        out["same_after"] = [same(x, data) for x, data in zip(xs, datas)]
+    """)
+    assert out["capped_device"] <= 32 * MIB and out["capped_host"] >= 16 * MIB
+    assert out["same_capped"] == [True] * 3
+    assert out["free_host"] == 0 and out["free_device"] >= 48 * MIB
+    assert out["same_after"] == [True] * 3
+
+
+def test_a_paused_region_gives_its_device_memory_back_and_its_values_on_resume(library):
+    out = run(library, """
+        cotenant.enable()
+        other_data, kv_data = pattern(1 << 20, seed=3), pattern(16 << 20, seed=4)  # 4 and 64 MiB
+        other = other_data.to("cuda")
+        with cotenant.region("kv_cache"):
+            kv = kv_data.to("cuda")
+        ptr = kv.data_ptr()
+        free_before = torch.cuda.mem_get_info()[0]
+        out["moved"] = cotenant.pause_region("kv_cache", keep=True)
+        out["freed"] = torch.cuda.mem_get_info()[0] - free_before
+        out["region"] = cotenant.memory_stats()["regions"][0]
+        out["state_paused"] = cotenant.region("kv_cache").state
+        out["other_same"] = same(other, other_data)
+        cotenant.resume_region("kv_cache")
+        out["same_ptr"] = kv.data_ptr() == ptr
+        out["kv_same"] = same(kv, kv_data)
+        out["state"] = cotenant.region("kv_cache").state
+    """)
+    assert out["moved"] >= 64 * MIB and out["freed"] >= 64 * MIB
+    assert out["region"]["name"] == "kv_cache" and out["region"]["device_bytes"] == 0
+    assert out["state_paused"] == "paused (kept)" and out["state"] == "active"
+    assert out["other_same"] and out["same_ptr"] and out["kv_same"]
+
+
+def test_enable_after_a_cuda_allocation_says_how_to_fix_it(library):
+    out = run(library, """
+        x = torch.empty(1024, device="cuda")
+        try:
+            cotenant.enable()
+            out["error"] = None
+        except RuntimeError as error:
+            out["error"] = str(error)
+    """)
+    assert out["error"] is not None
+    assert "before" in out["error"] and "enable" in out["error"]
+
+
+def test_memory_history_records_cotenants_allocations(library):
+    out = run(library, """
+        cotenant.enable()
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        del x
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        out["actions"] = [(e["action"], e["size"]) for e in snapshot["device_traces"][0]
+                          if e["action"] in ("alloc", "free_completed")]
+    """)
+    assert out["actions"] == [["alloc", 3 * MIB], ["free_completed", 3 * MIB]]
+
+
+def test_a_copy_reads_a_spilled_tensor_at_its_device_address(library):
+    out = run(library, """
+        cotenant.enable()
+        data = pattern(2 << 20, seed=7)  # 8 MiB
+        x = data.to("cuda")
+        cotenant.spill_all()
+        y = torch.empty_like(x)
+        y.copy_(x)  # a device-to-device copy on the stream, its source on host pages
+        out["same"] = same(y, data)
+        out["host_bytes"] = cotenant.memory_stats()["host_bytes"]
+    """)
+    assert out["same"] and out["host_bytes"] >= 8 * MIB
+
+
+def test_tensors_alive_at_interpreter_exit_are_freed_without_terminating(library):
+    # A tensor's deleter runs in destructors, at interpreter exit too: a free
+    # that fails there must be reported, not call std::terminate.
+    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=1 << 30) + textwrap.dedent("""
+        cotenant.enable()
+        cotenant.set_memory_cap("64MiB")
+        keep = [pattern(1 << 20, seed=i).to("cuda") for i in range(24)]  # 96 MiB: some on the host
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            keep[1].copy_(keep[0])
+        keep[0].record_stream(side)
+        print("ok", flush=True)
+    """)
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert "terminate called" not in done.stderr
