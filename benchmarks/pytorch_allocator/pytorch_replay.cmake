@@ -37,7 +37,7 @@ endif()
 set(_fake_cudart_dir ${CMAKE_BINARY_DIR}/fake_cudart)
 set(_version_script ${CMAKE_BINARY_DIR}/fake_cudart.map)
 file(WRITE ${_version_script}
-  "libcudart.so.${_cudart_major} {\n  global: cuda*; __cuda*; cuDevicePrimaryCtxGetState; fake_cuda_*; extern \"C++\" { fake_cuda::*; };\n  local: *;\n};\n")
+  "libcudart.so.${_cudart_major} {\n  global: cuda*; __cuda*; cuInit; cuDeviceGetCount; cuGetErrorName; cuDevicePrimaryCtxGetState;\n          fake_cuda_*; extern \"C++\" { fake_cuda::*; };\n  local: *;\n};\n")
 add_library(cotenant_fake_cudart SHARED ${PROJECT_SOURCE_DIR}/tests/fake_cuda/fake_cuda.cpp
   ${PROJECT_SOURCE_DIR}/benchmarks/pytorch_allocator/fake_cudart_control.cpp)
 target_include_directories(cotenant_fake_cudart PUBLIC ${PROJECT_SOURCE_DIR}/tests/fake_cuda)

@@ -1334,8 +1334,26 @@ FAKE_RUNTIME_NOT_MODELLED(__cudaLaunchKernel, (cudaKernel_t, dim3, dim3, void**,
 
 // ---- driver entry points torch looks up by name ------------------------------------
 // PyTorch's lazy driver stubs (ATen's LazyNVRTC) dlopen libcuda.so.1 and look
-// each entry up with dlsym on first use; with a link libcuda.so.1 -> this
-// library on the search path, they find these.
+// each entry up with dlsym on first use, and `cotenant run` asks the driver
+// whether it sees the GPU before it starts a job; with a link libcuda.so.1 ->
+// this library on the search path, they find these.
+
+CUresult cuInit(unsigned int flags) {
+  fake_cuda::State& s = state();
+  Lock lock(s.mutex);
+  ++s.calls["cuInit"];
+  return flags == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuDeviceGetCount(int* count) {
+  fake_cuda::State& s = state();
+  Lock lock(s.mutex);
+  ++s.calls["cuDeviceGetCount"];
+  *count = s.config.device_count;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult error, const char** str) { return fake_cuda::fake_cuGetErrorName(error, str); }
 
 // The fake has no contexts apart from its device: its primary context is
 // always active.

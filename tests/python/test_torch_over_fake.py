@@ -15,6 +15,7 @@ Every test also asserts that the fake saw no violation.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -262,3 +263,68 @@ def test_tensors_alive_at_interpreter_exit_are_freed_without_terminating(library
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
     assert "terminate called" not in done.stderr
+
+
+# ---- started by `cotenant run`, capped by the coordinator ----------------------------------------
+
+CAPPED_JOB = r'''
+import json, sys, time
+sys.path.insert(0, {over_fake_dir!r})
+import over_fake
+fake = over_fake.Fake({library!r})  # no reset: cotenant run's start-up hook has enabled cotenant already
+import torch, cotenant
+over_fake.check_torch_sees_the_fake(torch)
+assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+data = torch.arange(32 << 20, dtype=torch.int32)  # 128 MiB
+x = data.to("cuda")
+deadline = time.time() + 60
+while time.time() < deadline:
+    s = cotenant.memory_stats()
+    if s["memory_cap"] is not None and s["memory_cap"] <= 64 << 20 and s["device_bytes"] <= s["memory_cap"]:
+        break
+    time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
+print(json.dumps({{"cap": s["memory_cap"], "device": s["device_bytes"], "host": s["host_bytes"],
+                   "same": bool(torch.equal(x.to("cpu"), data)), "violations": fake.violations()}}))
+'''
+
+
+def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library, tmp_path):
+    import tempfile
+    import time
+
+    from cotenant.coordinator import client
+
+    directory = tempfile.mkdtemp(prefix="ctf-", dir="/tmp")  # Unix socket paths are short
+    sock = os.path.join(directory, "c.sock")
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    job_code = CAPPED_JOB.format(over_fake_dir=OVER_FAKE_DIR, library=library)
+    coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
+                                    "--gpus", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    job = None
+    try:
+        deadline = time.time() + 30
+        while not os.path.exists(sock) and time.time() < deadline:
+            time.sleep(0.05)
+        job = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--name", "capjob",
+                                "--socket", sock, "--", sys.executable, "-c", job_code],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and job.poll() is None:
+            if any(j.get("name") == "capjob" for j in client.status(sock).get("jobs", [])):
+                break
+            time.sleep(0.1)
+        client.set_cap("capjob", "64MiB", socket=sock)
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for process in (job, coordinator):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
+    assert result["violations"] == []
+    assert result["cap"] == 64 * MIB
+    assert result["device"] <= result["cap"]
+    assert result["host"] >= 64 * MIB
+    assert result["same"]  # the bytes survived the move
