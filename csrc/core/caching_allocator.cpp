@@ -339,8 +339,11 @@ struct CachingAllocator::State {
     }
   }
 
-  // Maps every unmapped page of `block` and marks its pages live. On failure
-  // undoes the live marks (pages it mapped stay, as cache) and returns false.
+  // Maps every unmapped page of `block` and marks its pages live. When no
+  // page can be had it undoes the live marks, gives back the pages it mapped
+  // (a request larger than the device would otherwise leave the device full
+  // of this process's cache, for every other process too) and returns false.
+  // When a driver call fails, pages mapped so far stay, as cache.
   bool back_block(Block& block, bool* spilled, bool* released_cache) {
     Segment& segment = *block.segment;
     const auto [first, last] = page_range(block);
@@ -357,6 +360,7 @@ struct CachingAllocator::State {
         const PageHandle& handle = segment.pages[i].handle;
         if (handle && handle.where == Residency::kDevice) own_device_bytes += page_bytes;
       }
+      std::vector<std::size_t> mapped_here;
       for (std::size_t i = first; i <= last; ++i) {
         if (segment.pages[i].handle) continue;
         PageHandle handle = create_page_for_allocation(own_device_bytes, unmapped * page_bytes, released_cache);
@@ -364,10 +368,14 @@ struct CachingAllocator::State {
         if (handle && handle.where == Residency::kDevice) own_device_bytes += page_bytes;
         if (!handle) {
           for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
+          // The block was never handed out, so no work on any stream can
+          // touch these pages: no synchronize before they go.
+          for (std::size_t j : mapped_here) unmap_page(segment, j, /*synchronized=*/true);
           return false;
         }
         if (handle.where == Residency::kHost) *spilled = true;
         map_page(segment, i, handle);
+        mapped_here.push_back(i);
       }
     } catch (...) {
       // A driver call failed: pages mapped so far stay, as cache.

@@ -182,6 +182,25 @@ TEST_CASE("out_of_memory_names_the_numbers_when_device_and_host_are_full", "[all
   allocator.free(live);
 }
 
+TEST_CASE("a_request_larger_than_the_device_leaves_nothing_mapped_for_itself", "[allocator]") {
+  SimulatedBackend device(device_config(16 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr live = allocator.allocate(3 * kMiB, 0);
+  fill(device, live, 5, 3 * kMiB);
+  const std::int64_t reserved = allocator.stats().reserved_bytes.all.current;
+  CHECK_THROWS_AS(allocator.allocate(24 * kMiB, 0), OutOfMemoryError);
+  // The pages mapped while trying went back: the device is as free as before,
+  // for another process or a request that fits.
+  CHECK(allocator.stats().reserved_bytes.all.current == reserved);
+  CHECK(device.device_free_bytes() == 16 * kMiB - static_cast<std::size_t>(reserved));
+  CHECK(allocator.stats().num_ooms == 1);
+  const DevicePtr fits = allocator.allocate(12 * kMiB, 0);
+  CHECK(holds(device, live, 5, 3 * kMiB));
+  allocator.free(fits);
+  allocator.free(live);
+  allocator.check_invariants();
+}
+
 TEST_CASE("statistics_use_torch_key_names", "[allocator]") {
   SimulatedBackend device(device_config(64 * kMiB));
   CachingAllocator allocator(device);

@@ -139,6 +139,8 @@ def test_a_job_larger_than_the_device_spills_under_a_cap_instead_of_running_out_
         except torch.OutOfMemoryError as error:
             out["error"] = str(error)
         out["before_cap"] = len(xs)
+        out["reserved_after_oom"] = torch.cuda.memory_reserved()
+        out["free_after_oom"] = torch.cuda.mem_get_info()[0]
         cotenant.set_memory_cap("60MiB")
         for data in datas[len(xs):]:
             xs.append(data.to("cuda"))
@@ -150,6 +152,10 @@ def test_a_job_larger_than_the_device_spills_under_a_cap_instead_of_running_out_
     """, capacity=64 * MIB)
     assert out["before_cap"] == 2
     assert "cotenant spills to host memory only under a cap" in out["error"]
+    # The failed allocation keeps none of the pages it mapped: the rest of the device stays free for others.
+    assert out["reserved_after_oom"] == 48 * MIB
+    assert out["free_after_oom"] == 16 * MIB
+    assert "of which 16.00 MiB is free" in out["error"]
     assert "cotenant.set_memory_cap()" in out["error"]
     assert out["allocated"] == 120 * MIB
     assert out["device_bytes"] <= 60 * MIB
