@@ -2,6 +2,8 @@
 // that loads the fake as its libcudart.so.N (snapshot_over_fake.py, through
 // ctypes): configure the device before torch touches it, and read what the
 // fake counted. Built into the fake libcudart only.
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -11,12 +13,22 @@
 extern "C" {
 
 // Waits for every stream and forgets all state, as fake_cuda::reset does,
-// with a device of `device_capacity` bytes.
-void fake_cuda_reset(std::uint64_t device_capacity) {
+// with a device of `device_capacity` bytes; `garbage_in_new_pages` nonzero:
+// new pages hold 0xA5 bytes, as the driver does not promise zeros.
+void fake_cuda_reset(std::uint64_t device_capacity, int garbage_in_new_pages) {
   fake_cuda::Config config;
   config.device_capacity = device_capacity;
+  config.garbage_in_new_pages = garbage_in_new_pages != 0;
   fake_cuda::reset(config);
 }
+
+// Each queued copy sleeps this long on its stream before it runs (fake_cuda::set_delay).
+void fake_cuda_set_delay_us(std::uint64_t microseconds) {
+  fake_cuda::set_delay(std::chrono::microseconds(microseconds));
+}
+
+// Queued work waits until some caller waits for work (fake_cuda::hold_streams).
+void fake_cuda_hold_streams() { fake_cuda::hold_streams(); }
 
 std::uint64_t fake_cuda_calls(const char* entry) { return fake_cuda::calls(entry); }
 

@@ -69,7 +69,8 @@ class Fake:
         except OSError:
             raise NotPreloaded(f"{library} is not preloaded, so torch would not see the fake CUDA device: start "
                                "this process with over_fake.environment(), which sets LD_PRELOAD") from None
-        self.lib.fake_cuda_reset.argtypes = [ctypes.c_uint64]
+        self.lib.fake_cuda_reset.argtypes = [ctypes.c_uint64, ctypes.c_int]
+        self.lib.fake_cuda_set_delay_us.argtypes = [ctypes.c_uint64]
         self.lib.fake_cuda_calls.argtypes = [ctypes.c_char_p]
         self.lib.fake_cuda_calls.restype = ctypes.c_uint64
         self.lib.fake_cuda_device_bytes_created.restype = ctypes.c_uint64
@@ -77,9 +78,22 @@ class Fake:
         self.lib.fake_cuda_violation.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64]
         self.lib.fake_cuda_violation.restype = ctypes.c_int64
 
-    def reset(self, device_capacity: int) -> None:
-        """A device of `device_capacity` bytes, nothing counted yet. Before torch touches CUDA."""
-        self.lib.fake_cuda_reset(device_capacity)
+    def reset(self, device_capacity: int, garbage_in_new_pages: bool = False) -> None:
+        """A device of `device_capacity` bytes, nothing counted yet. Before
+        torch touches CUDA. `garbage_in_new_pages`: new pages hold 0xA5
+        bytes (the driver does not promise zeros), not zeros."""
+        self.lib.fake_cuda_reset(device_capacity, int(garbage_in_new_pages))
+
+    def set_delay(self, microseconds: int) -> None:
+        """Each queued copy waits this long on its stream before it runs, so
+        that a missing synchronization leaves work in flight."""
+        self.lib.fake_cuda_set_delay_us(microseconds)
+
+    def hold_streams(self) -> None:
+        """Queued work waits until some caller waits for work (a synchronize,
+        an event wait), which releases it: work queued now is still pending
+        for sure when the next call is made."""
+        self.lib.fake_cuda_hold_streams()
 
     def calls(self, entry: str) -> int:
         return int(self.lib.fake_cuda_calls(entry.encode()))
@@ -96,11 +110,11 @@ class Fake:
         return messages
 
 
-def open_preloaded(library: str, device_capacity: int) -> Fake:
-    """The fake this process preloaded, reset to a device of `device_capacity`
-    bytes. Call it before importing torch. NotPreloaded when it is not loaded."""
+def open_preloaded(library: str, device_capacity: int, garbage_in_new_pages: bool = False) -> Fake:
+    """The fake this process preloaded, reset (see Fake.reset). Call it
+    before importing torch. NotPreloaded when it is not loaded."""
     fake = Fake(library)
-    fake.reset(device_capacity)
+    fake.reset(device_capacity, garbage_in_new_pages)
     return fake
 
 

@@ -1036,6 +1036,19 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+// PyTorch records its events this way (torch.cuda.Event.record). With the
+// default flag it is cudaEventRecord; cudaEventRecordExternal belongs to
+// graph capture, which the fake does not model.
+cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, unsigned int flags) {
+  if (flags != cudaEventRecordDefault) {
+    FAKE_RUNTIME_ENTRY("cudaEventRecordWithFlags");
+    fake_cuda::violate(s, "cudaEventRecordWithFlags with flags " + std::to_string(flags) +
+                              " (only cudaEventRecordDefault is modelled)");
+    return fail(cudaErrorNotSupported);
+  }
+  return cudaEventRecord(event, stream);
+}
+
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   FAKE_RUNTIME_ENTRY("cudaEventQuery");
   fake_cuda::Event* e = find_event(s, event, "cudaEventQuery");
@@ -1256,7 +1269,6 @@ FAKE_RUNTIME_NOT_MODELLED(cudaMemcpyPeerAsync, (void*, int, const void*, int, si
 // driven from Python (torch.empty on a CUDA device launches no kernel).
 FAKE_RUNTIME_NOT_MODELLED(cudaDeviceGetAttribute, (int*, cudaDeviceAttr, int))
 FAKE_RUNTIME_NOT_MODELLED(cudaDeviceGetPCIBusId, (char*, int, int))
-FAKE_RUNTIME_NOT_MODELLED(cudaEventRecordWithFlags, (cudaEvent_t, cudaStream_t, unsigned int))
 FAKE_RUNTIME_NOT_MODELLED(cudaFreeHost, (void*))
 FAKE_RUNTIME_NOT_MODELLED(cudaFuncGetAttributes, (cudaFuncAttributes*, const void*))
 FAKE_RUNTIME_NOT_MODELLED(cudaFuncSetAttribute, (const void*, cudaFuncAttribute, int))

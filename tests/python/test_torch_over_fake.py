@@ -33,7 +33,7 @@ PRELUDE = r'''
 import json, sys
 sys.path.insert(0, {over_fake_dir!r})
 import over_fake
-fake = over_fake.open_preloaded({library!r}, {capacity})
+fake = over_fake.open_preloaded({library!r}, {capacity}, garbage_in_new_pages={garbage})
 import torch
 over_fake.check_torch_sees_the_fake(torch)
 import cotenant
@@ -64,9 +64,9 @@ def library():
         pytest.skip(f"{error} (COTENANT_PYTORCH_REPLAY names the core build's pytorch_replay)")
 
 
-def run(library, body, capacity=1 << 30):
+def run(library, body, capacity=1 << 30, garbage=False):
     """Runs `body` after the prelude in a fresh process over the fake; the JSON it prints."""
-    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity)
+    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity, garbage=garbage)
     code += textwrap.dedent(body) + EPILOGUE
     env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -210,6 +210,79 @@ def test_a_paused_region_gives_its_device_memory_back_and_its_values_on_resume(l
     assert out["other_same"] and out["same_ptr"] and out["kv_same"]
 
 
+def test_a_region_paused_without_keep_resumes_as_zeros_at_the_same_address(library):
+    """New pages hold garbage here, as the driver promises nothing: the zeros
+    must be cotenant's."""
+    out = run(library, """
+        cotenant.enable()
+        with cotenant.region("scratch"):
+            x = pattern(4 << 20, seed=5).to("cuda")  # 16 MiB
+        ptr = x.data_ptr()
+        out["moved"] = cotenant.pause_region("scratch", keep=False)
+        out["device_paused"] = cotenant.memory_stats()["regions"][0]["device_bytes"]
+        cotenant.resume_region("scratch")
+        out["same_ptr"] = x.data_ptr() == ptr
+        out["zeros"] = same(x, torch.zeros(4 << 20, dtype=torch.int32))
+    """, garbage=True)
+    assert out["device_paused"] == 0
+    assert out["same_ptr"] and out["zeros"]
+
+
+def test_record_stream_holds_a_block_until_the_other_stream_is_done(library):
+    """A side stream's copy reads x after x is freed on the default stream;
+    record_stream must keep x's block from the next allocation until that
+    copy has run. The fake holds the queued copy until someone waits."""
+    out = run(library, """
+        cotenant.enable()
+        data = pattern(4 << 20, seed=8)
+        x = data.to("cuda")
+        y = torch.empty_like(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        fake.hold_streams()
+        with torch.cuda.stream(side):
+            y.copy_(x)  # queued on the side stream, held
+        x.record_stream(side)
+        x_ptr = x.data_ptr()
+        del x
+        z = pattern(4 << 20, seed=9).to("cuda")  # waits for its own copy: the hold ends, both streams run
+        out["reused_early"] = z.data_ptr() == x_ptr
+        side.synchronize()
+        out["y_same"] = same(y, data)
+        del z
+        torch.cuda.synchronize()
+        w = torch.empty(4 << 20, dtype=torch.int32, device="cuda")
+        out["reused_after"] = w.data_ptr() == x_ptr
+    """)
+    assert out["reused_early"] is False
+    assert out["y_same"]
+    assert out["reused_after"] is True  # once the side stream is done, the block is free again
+
+
+def test_spilling_waits_for_work_in_flight_on_the_pages(library):
+    """A slow copy on a side stream reads x when spill_all() moves x's pages:
+    the move must wait for it (the fake counts a violation for an unmap or
+    a copy under work in flight), and the copy must see x's values."""
+    out = run(library, """
+        cotenant.enable()
+        data = pattern(4 << 20, seed=12)
+        x = data.to("cuda")
+        y = torch.empty_like(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        fake.set_delay(50_000)  # 50 ms per queued copy
+        with torch.cuda.stream(side):
+            y.copy_(x)
+        out["moved"] = cotenant.spill_all()
+        fake.set_delay(0)
+        side.synchronize()
+        out["y_same"] = same(y, data)
+        out["x_same"] = same(x, data)
+    """)
+    assert out["moved"] >= 16 * MIB
+    assert out["y_same"] and out["x_same"]
+
+
 def test_enable_after_a_cuda_allocation_says_how_to_fix_it(library):
     out = run(library, """
         x = torch.empty(1024, device="cuda")
@@ -254,7 +327,8 @@ def test_a_copy_reads_a_spilled_tensor_at_its_device_address(library):
 def test_tensors_alive_at_interpreter_exit_are_freed_without_terminating(library):
     # A tensor's deleter runs in destructors, at interpreter exit too: a free
     # that fails there must be reported, not call std::terminate.
-    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=1 << 30) + textwrap.dedent("""
+    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=1 << 30, garbage=False)
+    code += textwrap.dedent("""
         cotenant.enable()
         cotenant.set_memory_cap("64MiB")
         keep = [pattern(1 << 20, seed=i).to("cuda") for i in range(24)]  # 96 MiB: some on the host
