@@ -115,6 +115,7 @@ def test_a_spill_shows_as_device_unmap_then_host_map_and_host_segments_in_the_sn
                  and (a["action"], b["action"]) == ("segment_unmap", "segment_map")]
         print(json.dumps({"ptr": ptr, "moves": moves, "segments": segments,
                           "host_bytes": cotenant.memory_stats()["host_bytes"],
+                          "reserved": torch.cuda.memory_reserved(),
                           "mode": cotenant.memory_stats()["mode"], "sum": int(x.sum().item())}))
     """)
     if out["mode"] != "remap":
@@ -124,7 +125,12 @@ def test_a_spill_shows_as_device_unmap_then_host_map_and_host_segments_in_the_sn
     assert sum(m[5] for m in to_host) >= 24 * MIB
     assert all(out["ptr"] <= m[4] < out["ptr"] + 32 * MIB for m in to_host)
     host_segments = [s for s in out["segments"] if s["stream"] == HOST_STREAM]
-    assert sum(s["total_size"] for s in host_segments) == out["host_bytes"] >= 24 * MIB
+    assert out["host_bytes"] >= 24 * MIB
+    # The segments add up to what is reserved; a block part on the host and part on the device belongs to the
+    # segment of the page it starts on (docs/allocator.md, "Memory history"), so host segments hold at least
+    # the host bytes.
+    assert sum(s["total_size"] for s in out["segments"]) == out["reserved"]
+    assert sum(s["total_size"] for s in host_segments) >= out["host_bytes"]
     # The tensor is one block in exactly one segment, whichever residency it starts in.
     assert sum(s["allocated"].count(out["ptr"]) for s in out["segments"]) == 1
 

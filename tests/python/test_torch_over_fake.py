@@ -408,3 +408,39 @@ def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library, tmp_pa
     assert result["device"] <= result["cap"]
     assert result["host"] >= 64 * MIB
     assert result["same"]  # the bytes survived the move
+
+
+HOST_STREAM = -1  # the stream host-resident memory reports (docs/allocator.md, "Memory history")
+
+
+def test_a_spill_shows_in_memory_history_as_device_unmap_then_host_map(library):
+    out = run(library, """
+        cotenant.enable()
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+        data = pattern(8 << 20, seed=13)  # 32 MiB
+        x = data.to("cuda")
+        out["ptr"] = x.data_ptr()
+        cotenant.set_memory_cap("8MiB")
+        cotenant.safe_point()
+        snap = torch.cuda.memory._snapshot()
+        trace = snap["device_traces"][0]
+        out["segments"] = [{"total_size": s["total_size"], "stream": s["stream"],
+                            "allocated": [b["address"] for b in s["blocks"] if b["state"] == "active_allocated"]}
+                           for s in snap["segments"]]
+        out["moves"] = [(a["stream"], b["stream"], a["addr"], a["size"]) for a, b in zip(trace, trace[1:])
+                        if a["addr"] == b.get("addr") and (a["action"], b["action"]) == ("segment_unmap", "segment_map")]
+        out["host_bytes"] = cotenant.memory_stats()["host_bytes"]
+        out["reserved"] = torch.cuda.memory_reserved()
+        out["same"] = same(x, data)
+    """)
+    assert out["same"]
+    to_host = [m for m in out["moves"] if m[0] != HOST_STREAM and m[1] == HOST_STREAM]
+    assert sum(m[3] for m in to_host) >= 24 * MIB
+    assert all(out["ptr"] <= m[2] < out["ptr"] + 32 * MIB for m in to_host)
+    host_segments = [s for s in out["segments"] if s["stream"] == HOST_STREAM]
+    assert out["host_bytes"] == 24 * MIB
+    # The segments add up to what is reserved; the tensor is one block in one segment, that of the page it
+    # starts on (a host page: the coldest pages, its first, moved), which runs to its end.
+    assert sum(s["total_size"] for s in out["segments"]) == out["reserved"] == 32 * MIB
+    assert sum(s["total_size"] for s in host_segments) == 32 * MIB
+    assert sum(s["allocated"].count(out["ptr"]) for s in out["segments"]) == 1
