@@ -283,6 +283,54 @@ def test_spilling_waits_for_work_in_flight_on_the_pages(library):
     assert out["y_same"] and out["x_same"]
 
 
+def test_cap_changes_from_another_thread_keep_every_value(library):
+    """A job allocates, copies and frees tensors of many sizes while another
+    thread cuts the cap to a third of what it holds, lifts it and restores
+    everything, over and over: every value read back is the one written."""
+    out = run(library, """
+        import random, threading, time
+        cotenant.enable()
+        stop = threading.Event()
+        def move_the_cap():
+            held = None
+            while not stop.is_set():
+                held = held or cotenant.memory_stats()["device_bytes"]
+                cotenant.set_memory_cap(max(held // 3, 8 << 20))
+                time.sleep(0.005)
+                cotenant.set_memory_cap(None)
+                cotenant.restore_all()
+                time.sleep(0.005)
+        rng = random.Random(0)
+        live, wrong, checks = [], 0, 0
+        for seed in range(20):  # a warm-up, so the mover has something to cut
+            live.append((pattern(rng.randrange(1, 1 << 20), seed), None))
+        live = [(data, data.to("cuda")) for data, _ in live]
+        mover = threading.Thread(target=move_the_cap)
+        mover.start()
+        try:
+            for step in range(150):
+                if live and rng.random() < 0.45:
+                    data, tensor = live.pop(rng.randrange(len(live)))
+                    wrong += not same(tensor, data)
+                    checks += 1
+                else:
+                    data = pattern(rng.randrange(1, 1 << 20), 100 + step)
+                    live.append((data, data.to("cuda")))
+                cotenant.safe_point()
+        finally:
+            stop.set()
+            mover.join()
+        for data, tensor in live:
+            wrong += not same(tensor, data)
+            checks += 1
+        out["wrong"], out["checks"] = wrong, checks
+        out["spilled"] = cotenant.memory_stats()["spilled_bytes"]
+    """)
+    assert out["checks"] > 80
+    assert out["wrong"] == 0
+    assert out["spilled"] > 0  # the cap did move pages while the job ran
+
+
 def test_enable_after_a_cuda_allocation_says_how_to_fix_it(library):
     out = run(library, """
         x = torch.empty(1024, device="cuda")
