@@ -215,3 +215,37 @@ def readable_code_copy():
         for name in files:
             os.chmod(os.path.join(directory, name), 0o644)
     return root
+
+
+def cap_a_job_through_the_coordinator(job_code, cap, env, name="capjob"):
+    """Starts a coordinator and `cotenant run --opportunistic --name NAME --
+    python -c JOB_CODE` with `env`, sets the job's cap to `cap` through the
+    coordinator once the job has registered, and returns the JSON object the
+    job prints last. Both processes are stopped at the end."""
+    directory = tempfile.mkdtemp(prefix="ctc-", dir="/tmp")  # Unix socket paths are short
+    sock = os.path.join(directory, "c.sock")
+    coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
+                                    "--gpus", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    job = None
+    try:
+        deadline = time.time() + 30
+        while not os.path.exists(sock) and time.time() < deadline:
+            time.sleep(0.05)
+        job = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--name", name,
+                                "--socket", sock, "--", sys.executable, "-c", job_code],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and job.poll() is None:
+            if any(j.get("name") == name for j in client.status(sock).get("jobs", [])):
+                break
+            time.sleep(0.1)
+        client.set_cap(name, cap, socket=sock)
+        out, err = job.communicate(timeout=180)
+        assert job.returncode == 0, err
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        for process in (job, coordinator):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)

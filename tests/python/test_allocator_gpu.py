@@ -431,38 +431,10 @@ print(json.dumps({"cap": s["memory_cap"], "device": s["device_bytes"], "host": s
 
 
 def test_a_cap_set_through_the_coordinator_reaches_a_running_job():
-    import tempfile
-    import time
+    from coordinator_harness import cap_a_job_through_the_coordinator
 
-    from cotenant.coordinator import client
-
-    directory = tempfile.mkdtemp(prefix="ctg-", dir="/tmp")  # Unix socket paths are short
-    sock = os.path.join(directory, "c.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
-    coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
-                                    "--gpus", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    job = None
-    try:
-        deadline = time.time() + 30
-        while not os.path.exists(sock) and time.time() < deadline:
-            time.sleep(0.05)
-        job = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--name", "capjob",
-                                "--socket", sock, "--", sys.executable, "-c", CAPPED_JOB],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if any(j.get("name") == "capjob" for j in client.status(sock).get("jobs", [])):
-                break
-            time.sleep(0.1)
-        client.set_cap("capjob", "128MiB", socket=sock)
-        out, err = job.communicate(timeout=180)
-        assert job.returncode == 0, err
-        result = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for process in (job, coordinator):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                process.wait(timeout=30)
+    result = cap_a_job_through_the_coordinator(CAPPED_JOB, "128MiB", env)
     assert result["cap"] == 128 * MIB
     assert result["device"] <= result["cap"]
     assert result["sum"] == 256 * MIB  # the bytes survived the move

@@ -15,7 +15,6 @@ Every test also asserts that the fake saw no violation.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -416,41 +415,12 @@ print(json.dumps({{"cap": s["memory_cap"], "device": s["device_bytes"], "host": 
 '''
 
 
-def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library, tmp_path):
-    import tempfile
-    import time
+def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library):
+    from coordinator_harness import cap_a_job_through_the_coordinator
 
-    from cotenant.coordinator import client
-
-    directory = tempfile.mkdtemp(prefix="ctf-", dir="/tmp")  # Unix socket paths are short
-    sock = os.path.join(directory, "c.sock")
     env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
     job_code = CAPPED_JOB.format(over_fake_dir=OVER_FAKE_DIR, library=library)
-    coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
-                                    "--gpus", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    job = None
-    try:
-        deadline = time.time() + 30
-        while not os.path.exists(sock) and time.time() < deadline:
-            time.sleep(0.05)
-        job = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--name", "capjob",
-                                "--socket", sock, "--", sys.executable, "-c", job_code],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 60
-        while time.time() < deadline and job.poll() is None:
-            if any(j.get("name") == "capjob" for j in client.status(sock).get("jobs", [])):
-                break
-            time.sleep(0.1)
-        client.set_cap("capjob", "64MiB", socket=sock)
-        out, err = job.communicate(timeout=120)
-        assert job.returncode == 0, err
-        result = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for process in (job, coordinator):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                process.wait(timeout=30)
-        shutil.rmtree(directory, ignore_errors=True)
+    result = cap_a_job_through_the_coordinator(job_code, "64MiB", env)
     assert result["violations"] == []
     assert result["cap"] == 64 * MIB
     assert result["device"] <= result["cap"]
