@@ -1,8 +1,11 @@
-# pytorch_replay: PyTorch's own CUDA caching allocator (libc10_cuda.so from
-# the torch wheel) replaying a trace on the CPU, over the fake CUDA runtime
-# (tests/fake_cuda) built as the libcudart.so.N that libc10_cuda.so links.
-# benchmarks/bench_beside_pytorch.py runs it. Built where the torch wheel has
-# CUDA (libc10_cuda.so); a CPU-only wheel has no CUDA allocator to run.
+# The fake CUDA runtime (tests/fake_cuda) built as the libcudart.so.N that
+# the torch wheel links, and pytorch_replay: PyTorch's own CUDA caching
+# allocator (libc10_cuda.so from the wheel) replaying a trace on the CPU over
+# it. benchmarks/bench_beside_pytorch.py runs pytorch_replay; a Python
+# process that preloads the fake (benchmarks/pytorch_allocator/over_fake.py)
+# runs torch itself over it: snapshot_over_fake.py and
+# tests/python/test_torch_over_fake.py. Built where the torch wheel has CUDA
+# (libc10_cuda.so); a CPU-only wheel has no CUDA allocator to run.
 if(NOT Python3_EXECUTABLE)
   find_package(Python3 COMPONENTS Interpreter)
 endif()
