@@ -330,6 +330,58 @@ def test_cap_changes_from_another_thread_keep_every_value(library):
     assert out["spilled"] > 0  # the cap did move pages while the job ran
 
 
+def test_a_paused_region_refuses_allocations_and_unknown_names_with_the_fix(library):
+    out = run(library, """
+        cotenant.enable()
+        with cotenant.region("kv_cache"):
+            kv = pattern(1 << 20, seed=6).to("cuda")
+        cotenant.pause_region("kv_cache", keep=False)
+        try:
+            with cotenant.region("kv_cache"):
+                torch.empty(1 << 20, device="cuda")
+            out["allocate"] = None
+        except RuntimeError as error:
+            out["allocate"] = str(error)
+        del kv  # freeing a paused region's tensor is fine
+        cotenant.resume_region("kv_cache")
+        try:
+            cotenant.pause_region("nope", keep=True)
+            out["unknown"] = None
+        except RuntimeError as error:
+            out["unknown"] = str(error)
+        with cotenant.region("kv_cache"):
+            again = pattern(1 << 20, seed=7).to("cuda")
+        out["again_same"] = same(again, pattern(1 << 20, seed=7))
+    """)
+    assert "resume_region" in out["allocate"]
+    assert "'nope'" in out["unknown"] and "'kv_cache'" in out["unknown"]
+    assert out["again_same"]
+
+
+def test_a_mem_pool_serves_its_tensors_and_gives_its_memory_back(library):
+    out = run(library, """
+        import gc
+        cotenant.enable()
+        pool = torch.cuda.MemPool()
+        data = pattern(4 << 20, seed=14)
+        with torch.cuda.use_mem_pool(pool):
+            x = data.to("cuda")
+        out["pool_segments"] = len(pool.snapshot())
+        out["same"] = same(x, data)
+        out["reserved_with_pool"] = torch.cuda.memory_reserved()
+        del x, pool
+        gc.collect()
+        torch.cuda.empty_cache()
+        out["reserved_after"] = torch.cuda.memory_reserved()
+        y = pattern(1 << 20, seed=15).to("cuda")
+        out["after_same"] = same(y, pattern(1 << 20, seed=15))
+    """)
+    assert out["pool_segments"] >= 1 and out["same"]
+    assert out["reserved_with_pool"] >= 16 * MIB
+    assert out["reserved_after"] == 0  # the pool's memory went back with it
+    assert out["after_same"]
+
+
 def test_enable_after_a_cuda_allocation_says_how_to_fix_it(library):
     out = run(library, """
         x = torch.empty(1024, device="cuda")
@@ -462,3 +514,31 @@ def test_a_spill_shows_in_memory_history_as_device_unmap_then_host_map(library):
     assert sum(s["total_size"] for s in out["segments"]) == out["reserved"] == 32 * MIB
     assert sum(s["total_size"] for s in host_segments) == 32 * MIB
     assert sum(s["allocated"].count(out["ptr"]) for s in out["segments"]) == 1
+
+
+AUTOENABLED_JOB = r'''
+import json, sys
+sys.path.insert(0, {over_fake_dir!r})
+import over_fake
+fake = over_fake.Fake({library!r})  # no reset: the start-up hook may have enabled cotenant already
+import torch, cotenant
+over_fake.check_torch_sees_the_fake(torch)
+x = torch.arange(1000, dtype=torch.int32).to("cuda")
+print(json.dumps({{"enabled": cotenant.is_enabled(), "cap": cotenant.memory_cap(),
+                   "allocated": torch.cuda.memory_allocated() == cotenant.memory_stats()["allocated_bytes"],
+                   "violations": fake.violations()}}))
+'''
+
+
+def test_the_start_up_hook_enables_cotenant_from_the_environment(library):
+    from coordinator_harness import AS_JOB
+
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    autoenable = os.path.join(HERE, "..", "..", "python", "cotenant", "_autoenable")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [autoenable, env.get("PYTHONPATH")]))
+    env.update({"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "1GiB"})
+    code = AUTOENABLED_JOB.format(over_fake_dir=OVER_FAKE_DIR, library=library)
+    done = subprocess.run([*AS_JOB, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"enabled": True, "cap": 1 << 30, "allocated": True, "violations": []}
