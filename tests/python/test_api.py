@@ -400,13 +400,9 @@ def test_allocator_benchmark_script_parses_and_lists_its_figures():
 
 
 def _load_benchmark_module():
-    import importlib.util
+    from script_loader import load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_allocator", os.path.join(REPO, "benchmarks", "bench_allocator.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.path.join(REPO, "benchmarks", "bench_allocator.py"))
 
 
 def test_allocator_benchmark_turns_measurements_into_every_figure():

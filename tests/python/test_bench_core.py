@@ -1,21 +1,19 @@
 """benchmarks/bench_core.py: the project's targets, the verdict per trace, and
 the result file's figures (a short run: the pair measurement shrunk)."""
 
-import importlib.util
 import json
 import os
 
 import pytest
+
+from script_loader import load_script
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_core.py")
 
 
 @pytest.fixture(scope="module")
 def bench_core():
-    spec = importlib.util.spec_from_file_location("bench_core", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PATH)
 
 
 def test_the_targets_are_the_issues(bench_core):

@@ -3,7 +3,6 @@ caching allocator (the wheel's libc10_cuda.so) replaying traces over the fake
 CUDA runtime, beside cotenant's allocator on the same traces."""
 
 import glob
-import importlib.util
 import json
 import os
 import pickle
@@ -11,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from script_loader import load_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATH = os.path.join(HERE, "..", "..", "benchmarks", "bench_beside_pytorch.py")
@@ -21,10 +22,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_beside_pytorch", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PATH)
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,20 @@
 """The co-location benchmark's parts that need no GPU: arguments, summaries of
 iteration times, the figures (names and arithmetic) and the auto share step."""
 
-import importlib.util
 import math
 import os
 import py_compile
 
 import pytest
 
+from script_loader import load_script
+
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "colocate.py")
 
 
 @pytest.fixture(scope="module")
 def colocate():
-    spec = importlib.util.spec_from_file_location("colocate", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PATH)
 
 
 def test_the_script_compiles():

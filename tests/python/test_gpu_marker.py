@@ -1,18 +1,16 @@
 """The ``gpu`` marker: a GPU test skips with a visible reason on a machine without one."""
 
-import importlib.util
 import os
 
 import pytest
+
+from script_loader import load_script
 
 CONFTEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
 
 
 def load_conftest():
-    spec = importlib.util.spec_from_file_location("cotenant_tests_conftest", CONFTEST)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(CONFTEST, "cotenant_tests_conftest")
 
 
 class FakeItem:

@@ -1,10 +1,11 @@
 """benchmarks/gpu_test_summary.py: a GPU test run's JUnit XML becomes a result file."""
 
-import importlib.util
 import json
 import os
 
 import pytest
+
+from script_loader import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,11 +25,7 @@ E       assert -6 == 0</failure></testcase>
 
 @pytest.fixture(scope="module")
 def summary_module():
-    path = os.path.join(REPO, "benchmarks", "gpu_test_summary.py")
-    spec = importlib.util.spec_from_file_location("gpu_test_summary", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.path.join(REPO, "benchmarks", "gpu_test_summary.py"))
 
 
 def test_a_junit_report_becomes_outcomes_with_the_reason_for_each_failure(summary_module, tmp_path):

@@ -2,7 +2,6 @@
 error where there is no CUDA, the workers' environment (cotenant off), and
 one training step of each workload on the CPU at a small size."""
 
-import importlib.util
 import os
 import py_compile
 import subprocess
@@ -10,15 +9,14 @@ import sys
 
 import pytest
 
+from script_loader import load_script
+
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "record_snapshots.py")
 
 
 @pytest.fixture(scope="module")
 def record_snapshots():
-    spec = importlib.util.spec_from_file_location("record_snapshots", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(PATH)
 
 
 def test_the_script_compiles():
