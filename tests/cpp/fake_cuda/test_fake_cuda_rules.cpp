@@ -340,3 +340,35 @@ TEST_CASE("fake_cuda_calls_it_does_not_model_fail_and_count_a_violation", "[fake
   CHECK(status == cudaStreamCaptureStatusNone);
   CHECK(violation_count() == 2);
 }
+
+// What nvcc's host code calls while a library loads (crt/host_runtime.h).
+extern "C" void** __cudaRegisterFatBinary(void* fatCubin);
+extern "C" void __cudaRegisterFatBinaryEnd(void** handle);
+
+TEST_CASE("fake_cuda_registers_kernels_but_refuses_to_launch_them", "[fake_cuda]") {
+  fake_cuda::reset();
+  void** handle = __cudaRegisterFatBinary(nullptr);  // a library of kernels loads: nothing to count
+  REQUIRE(handle != nullptr);
+  __cudaRegisterFatBinaryEnd(handle);
+  CHECK(violation_count() == 0);
+  CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(&violation_count), dim3(1), dim3(1), nullptr, 0, nullptr) ==
+        cudaErrorNotSupported);
+  CHECK(violation_count() == 1);
+  CHECK(fake_cuda::violations().messages.back() == "cudaLaunchKernel is not modelled by the fake CUDA runtime");
+}
+
+TEST_CASE("fake_cuda_event_record_with_the_default_flag_is_an_event_record", "[fake_cuda]") {
+  fake_cuda::reset();
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  cudaEvent_t event = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&event, cudaEventDisableTiming) == cudaSuccess);
+  CHECK(cudaEventRecordWithFlags(event, stream, cudaEventRecordDefault) == cudaSuccess);
+  CHECK(cudaEventSynchronize(event) == cudaSuccess);
+  CHECK(cudaEventQuery(event) == cudaSuccess);
+  CHECK(violation_count() == 0);
+  CHECK(cudaEventRecordWithFlags(event, stream, cudaEventRecordExternal) == cudaErrorNotSupported);  // graphs only
+  CHECK(violation_count() == 1);
+  CHECK(cudaEventDestroy(event) == cudaSuccess);
+  CHECK(cudaStreamDestroy(stream) == cudaSuccess);
+}
