@@ -24,6 +24,12 @@
 // libc10_cuda links (benchmarks/pytorch_allocator) is answered for one
 // device with no peer access and no stream capture; a call nothing here
 // models (IPC, memory pools, cudaMallocAsync, ...) counts a violation.
+// Built as the wheel's libcudart.so.N (benchmarks/pytorch_allocator) and
+// preloaded, it carries torch itself: the rest of the wheel's libraries
+// register their kernels with it (registration keeps nothing), a kernel
+// launch counts a violation, and the few driver entry points looked up by
+// name in libcuda.so.1 (cuInit, cuDeviceGetCount, cuGetErrorName,
+// cuDevicePrimaryCtxGetState) are exported under their own names.
 //
 // Not modelled: the legacy default stream's implicit synchronization with
 // other blocking streams (each stream, the default one too, runs on its own),
