@@ -12,13 +12,17 @@
 
 extern "C" {
 
+// fake_cuda_reset's flags.
+constexpr int kGarbageInNewPages = 1;  // new pages hold 0xA5 bytes: the driver does not promise zeros
+constexpr int kNoHostVmm = 2;          // the device cannot map host pages (cotenant's pinned fallback mode)
+
 // Waits for every stream and forgets all state, as fake_cuda::reset does,
-// with a device of `device_capacity` bytes; `garbage_in_new_pages` nonzero:
-// new pages hold 0xA5 bytes, as the driver does not promise zeros.
-void fake_cuda_reset(std::uint64_t device_capacity, int garbage_in_new_pages) {
+// with a device of `device_capacity` bytes and the `flags` above.
+void fake_cuda_reset(std::uint64_t device_capacity, int flags) {
   fake_cuda::Config config;
   config.device_capacity = device_capacity;
-  config.garbage_in_new_pages = garbage_in_new_pages != 0;
+  config.garbage_in_new_pages = (flags & kGarbageInNewPages) != 0;
+  config.host_vmm = (flags & kNoHostVmm) == 0;
   fake_cuda::reset(config);
 }
 

@@ -78,11 +78,13 @@ class Fake:
         self.lib.fake_cuda_violation.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64]
         self.lib.fake_cuda_violation.restype = ctypes.c_int64
 
-    def reset(self, device_capacity: int, garbage_in_new_pages: bool = False) -> None:
+    def reset(self, device_capacity: int, garbage_in_new_pages: bool = False, host_vmm: bool = True) -> None:
         """A device of `device_capacity` bytes, nothing counted yet. Before
         torch touches CUDA. `garbage_in_new_pages`: new pages hold 0xA5
-        bytes (the driver does not promise zeros), not zeros."""
-        self.lib.fake_cuda_reset(device_capacity, int(garbage_in_new_pages))
+        bytes (the driver does not promise zeros), not zeros. `host_vmm`
+        False: the device cannot map host pages, as on GPUs where cotenant
+        runs in pinned fallback mode."""
+        self.lib.fake_cuda_reset(device_capacity, (1 if garbage_in_new_pages else 0) | (0 if host_vmm else 2))
 
     def set_delay(self, microseconds: int) -> None:
         """Each queued copy waits this long on its stream before it runs, so
@@ -110,11 +112,12 @@ class Fake:
         return messages
 
 
-def open_preloaded(library: str, device_capacity: int, garbage_in_new_pages: bool = False) -> Fake:
+def open_preloaded(library: str, device_capacity: int, garbage_in_new_pages: bool = False,
+                   host_vmm: bool = True) -> Fake:
     """The fake this process preloaded, reset (see Fake.reset). Call it
     before importing torch. NotPreloaded when it is not loaded."""
     fake = Fake(library)
-    fake.reset(device_capacity, garbage_in_new_pages)
+    fake.reset(device_capacity, garbage_in_new_pages, host_vmm)
     return fake
 
 

@@ -32,7 +32,7 @@ PRELUDE = r'''
 import json, sys
 sys.path.insert(0, {over_fake_dir!r})
 import over_fake
-fake = over_fake.open_preloaded({library!r}, {capacity}, garbage_in_new_pages={garbage})
+fake = over_fake.open_preloaded({library!r}, {capacity}, garbage_in_new_pages={garbage}, host_vmm={host_vmm})
 import torch
 over_fake.check_torch_sees_the_fake(torch)
 import cotenant
@@ -63,9 +63,10 @@ def library():
         pytest.skip(f"{error} (COTENANT_PYTORCH_REPLAY names the core build's pytorch_replay)")
 
 
-def run(library, body, capacity=1 << 30, garbage=False):
+def run(library, body, capacity=1 << 30, garbage=False, host_vmm=True):
     """Runs `body` after the prelude in a fresh process over the fake; the JSON it prints."""
-    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity, garbage=garbage)
+    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity, garbage=garbage,
+                          host_vmm=host_vmm)
     code += textwrap.dedent(body) + EPILOGUE
     env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -160,6 +161,33 @@ def test_a_job_larger_than_the_device_spills_under_a_cap_instead_of_running_out_
     assert out["device_bytes"] <= 60 * MIB
     assert out["host_bytes"] >= 120 * MIB - out["device_bytes"]
     assert out["same"] == [True] * 5
+
+
+def test_without_host_vmm_allocations_over_the_cap_go_to_pinned_host_memory(library):
+    """On a device that cannot map host pages, cotenant runs in pinned
+    fallback mode: what does not fit under the cap is allocated in pinned
+    host memory the device reaches directly; values survive and, once freed,
+    that memory goes back."""
+    out = run(library, """
+        cotenant.enable()
+        out["mode"] = cotenant.memory_stats()["mode"]
+        cotenant.set_memory_cap("32MiB")
+        datas = [pattern(4 << 20, seed=20 + i) for i in range(4)]  # 4 x 16 MiB
+        xs = [data.to("cuda") for data in datas]
+        stats = cotenant.memory_stats()
+        out["device_bytes"], out["host_bytes"] = stats["device_bytes"], stats["host_bytes"]
+        out["pinned_allocs"] = fake.calls("cuMemHostAlloc")
+        out["same"] = [same(x, data) for x, data in zip(xs, datas)]
+        del xs
+        torch.cuda.empty_cache()
+        out["host_after"] = cotenant.memory_stats()["host_bytes"]
+        out["pinned_frees"] = fake.calls("cuMemFreeHost")
+    """, host_vmm=False)
+    assert out["mode"] == "pinned_fallback"
+    assert out["device_bytes"] <= 32 * MIB and out["host_bytes"] >= 32 * MIB
+    assert out["pinned_allocs"] >= 2
+    assert out["same"] == [True] * 4
+    assert out["host_after"] == 0 and out["pinned_frees"] == out["pinned_allocs"]
 
 
 def test_a_cap_cut_below_the_working_set_and_raised_again_keeps_the_values(library):
@@ -426,7 +454,8 @@ def test_a_copy_reads_a_spilled_tensor_at_its_device_address(library):
 def test_tensors_alive_at_interpreter_exit_are_freed_without_terminating(library):
     # A tensor's deleter runs in destructors, at interpreter exit too: a free
     # that fails there must be reported, not call std::terminate.
-    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=1 << 30, garbage=False)
+    code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=1 << 30, garbage=False,
+                          host_vmm=True)
     code += textwrap.dedent("""
         cotenant.enable()
         cotenant.set_memory_cap("64MiB")
