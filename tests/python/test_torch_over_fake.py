@@ -190,6 +190,28 @@ def test_without_host_vmm_allocations_over_the_cap_go_to_pinned_host_memory(libr
     assert out["host_after"] == 0 and out["pinned_frees"] == out["pinned_allocs"]
 
 
+def test_the_fix_the_out_of_memory_message_names_works_spill_without_a_cap(library):
+    """COTENANT_SPILL_WITHOUT_CAP=1, which the OutOfMemoryError names: with
+    no cap, what does not fit on the full device spills to the host."""
+    out = run(library, """
+        import os
+        os.environ["COTENANT_SPILL_WITHOUT_CAP"] = "1"
+        cotenant.enable()
+        datas = [pattern(6 << 20, seed=30 + i) for i in range(5)]  # 5 x 24 MiB on a 64 MiB device
+        xs = []
+        for data in datas:
+            xs.append(data.to("cuda"))
+            cotenant.safe_point()
+        stats = cotenant.memory_stats()
+        out["cap"] = stats["memory_cap"]
+        out["device_bytes"], out["host_bytes"] = stats["device_bytes"], stats["host_bytes"]
+        out["same"] = [same(x, data) for x, data in zip(xs, datas)]
+    """, capacity=64 * MIB)
+    assert out["cap"] is None
+    assert out["device_bytes"] <= 64 * MIB and out["host_bytes"] >= 120 * MIB - 64 * MIB
+    assert out["same"] == [True] * 5
+
+
 def test_a_cap_cut_below_the_working_set_and_raised_again_keeps_the_values(library):
     out = run(library, """
         cotenant.enable()
