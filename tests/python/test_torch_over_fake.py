@@ -549,7 +549,8 @@ def test_a_spill_shows_in_memory_history_as_device_unmap_then_host_map(library):
                             "allocated": [b["address"] for b in s["blocks"] if b["state"] == "active_allocated"]}
                            for s in snap["segments"]]
         out["moves"] = [(a["stream"], b["stream"], a["addr"], a["size"]) for a, b in zip(trace, trace[1:])
-                        if a["addr"] == b.get("addr") and (a["action"], b["action"]) == ("segment_unmap", "segment_map")]
+                        if a["addr"] == b.get("addr")
+                        and (a["action"], b["action"]) == ("segment_unmap", "segment_map")]
         out["host_bytes"] = cotenant.memory_stats()["host_bytes"]
         out["reserved"] = torch.cuda.memory_reserved()
         out["same"] = same(x, data)
