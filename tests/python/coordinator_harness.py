@@ -1,5 +1,6 @@
 """Starts coordinators and simulated jobs as real processes for the coordinator tests."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -249,3 +250,33 @@ def cap_a_job_through_the_coordinator(job_code, cap, env, name="capjob"):
                 process.terminate()
                 process.wait(timeout=30)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def guaranteed_and_opportunistic(worker_code, env, directory):
+    """A coordinator and two jobs `cotenant run` starts on GPU 0: `python -c
+    WORKER_CODE PROGRESS_PATH`, one --guaranteed (named "guaranteed"), one
+    --opportunistic (named "opportunistic"). Yields (socket, {role: progress
+    path}); stops them all at the end."""
+    sock_dir = tempfile.mkdtemp(prefix="ctp-", dir="/tmp")  # Unix socket paths are short
+    sock = os.path.join(sock_dir, "c.sock")
+    coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
+                                    "--gpus", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    jobs = []
+    try:
+        wait_until(lambda: os.path.exists(sock), timeout=30)
+        progress = {role: os.path.join(str(directory), f"{role}.json") for role in ("guaranteed", "opportunistic")}
+        for role, path in progress.items():
+            jobs.append(subprocess.Popen([sys.executable, "-m", "cotenant.cli", "run", f"--{role}", "--name", role,
+                                          "--socket", sock, "--", sys.executable, "-c", worker_code, path], env=env))
+        yield sock, progress
+    finally:
+        for process in (*jobs, coordinator):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        shutil.rmtree(sock_dir, ignore_errors=True)

@@ -18,8 +18,8 @@ WORKER = textwrap.dedent("""
     import json, os, sys, time
     import torch
     import cotenant
-    role, progress_path = sys.argv[1], sys.argv[2]
-    cotenant.enable(role=role, device=0)
+    assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+    role, progress_path = cotenant.gate.role(), sys.argv[1]
     x = torch.randn(2048, 2048, device="cuda")
     steps = 0
     while True:
@@ -58,55 +58,41 @@ def wait_for(condition, timeout):
     return condition()
 
 
-@pytest.fixture
-def pair(tmp_path):
-    from cotenant import _core as core
+def test_opportunistic_process_progresses_pauses_and_resumes(tmp_path):
+    """Two jobs `cotenant run` starts on the GPU; the coordinator's share of 0
+    stops the opportunistic one at its next op while the guaranteed one goes
+    on, a share of 1 resumes it. (tests/python/test_torch_over_fake.py runs
+    the same with copies over the fake CUDA runtime.)"""
+    from coordinator_harness import guaranteed_and_opportunistic
 
-    segment = f"/cotenant-test-gpu-gate-{os.getpid()}"
-    core.GpuPeerSegment.remove(segment)
-    env = dict(os.environ, COTENANT_GPU_SEGMENT=segment)
-    paths = {role: str(tmp_path / f"{role}.json") for role in ("guaranteed", "opportunistic")}
-    processes = [subprocess.Popen([sys.executable, "-c", WORKER, role, paths[role]], env=env)
-                 for role in ("guaranteed", "opportunistic")]
-    try:
-        yield core, segment, paths
-    finally:
-        for p in processes:
-            p.kill()
-            p.wait(10)
-        core.GpuPeerSegment.remove(segment)
+    from cotenant.coordinator import client
 
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
+    with guaranteed_and_opportunistic(WORKER, env, tmp_path) as (sock, paths):
+        guaranteed = wait_for(lambda: read_progress(paths["guaranteed"]), 120)
+        assert guaranteed, "the guaranteed job made no progress"
+        assert guaranteed["gate"]["role"] == "guaranteed" and guaranteed["gate"]["iteration_count"] > 0
+        first = wait_for(lambda: read_progress(paths["opportunistic"]), 120)
+        assert first, "the opportunistic job made no progress"
+        moving = wait_for(lambda: (read_progress(paths["opportunistic"]) or {}).get("steps", 0) > first["steps"], 30)
+        assert moving, "the opportunistic job stopped before it was paused"
 
-def test_opportunistic_process_progresses_pauses_and_resumes(pair):
-    core, segment_name, paths = pair
-    assert wait_for(lambda: read_progress(paths["guaranteed"]), 120), "the guaranteed job made no progress"
-    first = wait_for(lambda: read_progress(paths["opportunistic"]), 120)
-    assert first, "the opportunistic job made no progress"
+        client.set_share("opportunistic", 0, socket=sock)
+        time.sleep(1.0)  # ops already admitted finish
+        paused_at = read_progress(paths["opportunistic"])["steps"]
+        time.sleep(2.0)
+        assert read_progress(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
+        guaranteed_before = read_progress(paths["guaranteed"])["steps"]
+        time.sleep(1.0)
+        assert read_progress(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
 
-    segment = core.GpuPeerSegment.open(segment_name, 0)
-    view = segment.view()
-    assert view["guaranteed"]["live"]
-    assert view["guaranteed"]["iterations"]["iterations"] > 0
-    (slot,) = [o["slot"] for o in view["opportunistic"] if o["live"]]
-    moving = wait_for(lambda: (read_progress(paths["opportunistic"]) or {}).get("steps", 0) > first["steps"], 30)
-    assert moving, "the opportunistic job stopped before it was paused"
-
-    segment.set_share(slot, 0.0)  # as the coordinator pauses it
-    time.sleep(1.0)  # ops already admitted finish
-    paused_at = read_progress(paths["opportunistic"])["steps"]
-    time.sleep(2.0)
-    assert read_progress(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
-    guaranteed_before = read_progress(paths["guaranteed"])["steps"]
-    time.sleep(1.0)
-    assert read_progress(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
-
-    segment.set_share(slot, 1.0)
-    resumed = wait_for(lambda: read_progress(paths["opportunistic"])["steps"] > paused_at + 10, 30)
-    assert resumed, "raising the share did not resume the job"
-    stats = read_progress(paths["opportunistic"])["gate"]
-    assert stats["role"] == "opportunistic"
-    assert stats["admitted_ops"] > 0
-    assert stats["waits_paused"] > 0
+        client.set_share("opportunistic", 1, socket=sock)
+        resumed = wait_for(lambda: read_progress(paths["opportunistic"])["steps"] > paused_at + 10, 30)
+        assert resumed, "raising the share did not resume the job"
+        stats = read_progress(paths["opportunistic"])["gate"]
+        assert stats["role"] == "opportunistic"
+        assert stats["admitted_ops"] > 0
+        assert stats["waits_paused"] > 0
 
 
 def test_explicit_gate_and_graph_replay_are_admitted_as_one_op():

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -594,3 +595,88 @@ def test_the_start_up_hook_enables_cotenant_from_the_environment(library):
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == {"enabled": True, "cap": 1 << 30, "allocated": True, "violations": []}
+
+
+# ---- the launch gate: a guaranteed and an opportunistic job under the coordinator ---------------
+
+GATE_WORKER = r'''
+import json, os, sys, time
+sys.path.insert(0, {over_fake_dir!r})
+import over_fake
+fake = over_fake.Fake({library!r})  # no reset: cotenant run's start-up hook has enabled cotenant already
+import torch, cotenant
+over_fake.check_torch_sees_the_fake(torch)
+assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+role, progress_path = cotenant.gate.role(), sys.argv[1]
+x = torch.arange(1 << 20, dtype=torch.int32).to("cuda")
+y = torch.empty_like(x)
+steps = 0
+while True:
+    if role == "guaranteed":
+        with cotenant.gate.iteration():
+            for _ in range(4):
+                y.copy_(x)  # an op that reaches the device: a copy on the stream
+            torch.cuda.synchronize()
+        time.sleep(0.005)  # leaves the device idle about half the time
+    else:
+        y.copy_(x)
+        torch.cuda.synchronize()
+    steps += 1
+    if steps % 5 == 0:
+        with open(progress_path + ".tmp", "w") as f:
+            json.dump({{"steps": steps, "gate": cotenant.gate.stats(), "violations": fake.violations()}}, f)
+        os.replace(progress_path + ".tmp", progress_path)
+'''
+
+
+def read_progress(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(condition, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    return condition()
+
+
+def test_the_coordinator_pauses_and_resumes_an_opportunistic_job_beside_a_guaranteed_one(library, tmp_path):
+    """Two jobs `cotenant run` starts (each over its own fake device, one
+    GPU to the coordinator): a share of 0 set through the coordinator stops
+    the opportunistic job at its next op while the guaranteed one goes on;
+    a share of 1 resumes it."""
+    from coordinator_harness import guaranteed_and_opportunistic
+
+    from cotenant.coordinator import client
+
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    worker = GATE_WORKER.format(over_fake_dir=OVER_FAKE_DIR, library=library)
+    with guaranteed_and_opportunistic(worker, env, tmp_path) as (sock, paths):
+        guaranteed = wait_for(lambda: read_progress(paths["guaranteed"]), 60)
+        assert guaranteed, "the guaranteed job made no progress"
+        assert guaranteed["gate"]["role"] == "guaranteed" and guaranteed["gate"]["iteration_count"] > 0
+        first = wait_for(lambda: read_progress(paths["opportunistic"]), 60)
+        assert first, "the opportunistic job made no progress"
+
+        client.set_share("opportunistic", 0, socket=sock)
+        time.sleep(0.5)  # ops already admitted finish
+        paused_at = read_progress(paths["opportunistic"])["steps"]
+        guaranteed_before = read_progress(paths["guaranteed"])["steps"]
+        time.sleep(1.5)
+        assert read_progress(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
+        assert read_progress(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
+
+        client.set_share("opportunistic", 1, socket=sock)
+        assert wait_for(lambda: read_progress(paths["opportunistic"])["steps"] > paused_at + 10, 30), \
+            "raising the share did not resume the job"
+        opportunistic = read_progress(paths["opportunistic"])
+        assert opportunistic["gate"]["role"] == "opportunistic"
+        assert opportunistic["gate"]["admitted_ops"] > 0 and opportunistic["gate"]["waits_paused"] > 0
+        assert opportunistic["violations"] == [] and read_progress(paths["guaranteed"])["violations"] == []
