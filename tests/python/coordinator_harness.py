@@ -44,6 +44,15 @@ def wait_until(predicate, timeout=5.0, interval=0.02):
         time.sleep(interval)
 
 
+def read_json(path):
+    """The JSON object in the file at `path`, or None while it is missing or half written."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 class Node:
     """One coordinator socket path with its coordinator process and jobs; cleans up everything."""
 

@@ -3,7 +3,6 @@ opportunistic one makes progress, pauses when its share goes to 0 and
 resumes when it is raised. Marked `gpu`: skipped, with the reason shown, on
 machines without one."""
 
-import json
 import os
 import subprocess
 import sys
@@ -40,56 +39,39 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def read_progress(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def wait_for(condition, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    return condition()
-
-
 def test_opportunistic_process_progresses_pauses_and_resumes(tmp_path):
     """Two jobs `cotenant run` starts on the GPU; the coordinator's share of 0
     stops the opportunistic one at its next op while the guaranteed one goes
     on, a share of 1 resumes it. (tests/python/test_torch_over_fake.py runs
     the same with copies over the fake CUDA runtime.)"""
-    from coordinator_harness import guaranteed_and_opportunistic
+    from coordinator_harness import guaranteed_and_opportunistic, read_json, wait_until
 
     from cotenant.coordinator import client
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
     with guaranteed_and_opportunistic(WORKER, env, tmp_path) as (sock, paths):
-        guaranteed = wait_for(lambda: read_progress(paths["guaranteed"]), 120)
+        guaranteed = wait_until(lambda: read_json(paths["guaranteed"]), timeout=120)
         assert guaranteed, "the guaranteed job made no progress"
         assert guaranteed["gate"]["role"] == "guaranteed" and guaranteed["gate"]["iteration_count"] > 0
-        first = wait_for(lambda: read_progress(paths["opportunistic"]), 120)
+        first = wait_until(lambda: read_json(paths["opportunistic"]), timeout=120)
         assert first, "the opportunistic job made no progress"
-        moving = wait_for(lambda: (read_progress(paths["opportunistic"]) or {}).get("steps", 0) > first["steps"], 30)
+        moving = wait_until(lambda: (read_json(paths["opportunistic"]) or {}).get("steps", 0) > first["steps"],
+                            timeout=30)
         assert moving, "the opportunistic job stopped before it was paused"
 
         client.set_share("opportunistic", 0, socket=sock)
         time.sleep(1.0)  # ops already admitted finish
-        paused_at = read_progress(paths["opportunistic"])["steps"]
+        paused_at = read_json(paths["opportunistic"])["steps"]
         time.sleep(2.0)
-        assert read_progress(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
-        guaranteed_before = read_progress(paths["guaranteed"])["steps"]
+        assert read_json(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
+        guaranteed_before = read_json(paths["guaranteed"])["steps"]
         time.sleep(1.0)
-        assert read_progress(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
+        assert read_json(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
 
         client.set_share("opportunistic", 1, socket=sock)
-        resumed = wait_for(lambda: read_progress(paths["opportunistic"])["steps"] > paused_at + 10, 30)
+        resumed = wait_until(lambda: read_json(paths["opportunistic"])["steps"] > paused_at + 10, timeout=30)
         assert resumed, "raising the share did not resume the job"
-        stats = read_progress(paths["opportunistic"])["gate"]
+        stats = read_json(paths["opportunistic"])["gate"]
         assert stats["role"] == "opportunistic"
         assert stats["admitted_ops"] > 0
         assert stats["waits_paused"] > 0

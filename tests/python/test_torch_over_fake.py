@@ -629,54 +629,36 @@ while True:
 '''
 
 
-def read_progress(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def wait_for(condition, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    return condition()
-
-
 def test_the_coordinator_pauses_and_resumes_an_opportunistic_job_beside_a_guaranteed_one(library, tmp_path):
     """Two jobs `cotenant run` starts (each over its own fake device, one
     GPU to the coordinator): a share of 0 set through the coordinator stops
     the opportunistic job at its next op while the guaranteed one goes on;
     a share of 1 resumes it."""
-    from coordinator_harness import guaranteed_and_opportunistic
+    from coordinator_harness import guaranteed_and_opportunistic, read_json, wait_until
 
     from cotenant.coordinator import client
 
     env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
     worker = GATE_WORKER.format(over_fake_dir=OVER_FAKE_DIR, library=library)
     with guaranteed_and_opportunistic(worker, env, tmp_path) as (sock, paths):
-        guaranteed = wait_for(lambda: read_progress(paths["guaranteed"]), 60)
+        guaranteed = wait_until(lambda: read_json(paths["guaranteed"]), timeout=60)
         assert guaranteed, "the guaranteed job made no progress"
         assert guaranteed["gate"]["role"] == "guaranteed" and guaranteed["gate"]["iteration_count"] > 0
-        first = wait_for(lambda: read_progress(paths["opportunistic"]), 60)
+        first = wait_until(lambda: read_json(paths["opportunistic"]), timeout=60)
         assert first, "the opportunistic job made no progress"
 
         client.set_share("opportunistic", 0, socket=sock)
         time.sleep(0.5)  # ops already admitted finish
-        paused_at = read_progress(paths["opportunistic"])["steps"]
-        guaranteed_before = read_progress(paths["guaranteed"])["steps"]
+        paused_at = read_json(paths["opportunistic"])["steps"]
+        guaranteed_before = read_json(paths["guaranteed"])["steps"]
         time.sleep(1.5)
-        assert read_progress(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
-        assert read_progress(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
+        assert read_json(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
+        assert read_json(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
 
         client.set_share("opportunistic", 1, socket=sock)
-        assert wait_for(lambda: read_progress(paths["opportunistic"])["steps"] > paused_at + 10, 30), \
+        assert wait_until(lambda: read_json(paths["opportunistic"])["steps"] > paused_at + 10, timeout=30), \
             "raising the share did not resume the job"
-        opportunistic = read_progress(paths["opportunistic"])
+        opportunistic = read_json(paths["opportunistic"])
         assert opportunistic["gate"]["role"] == "opportunistic"
         assert opportunistic["gate"]["admitted_ops"] > 0 and opportunistic["gate"]["waits_paused"] > 0
-        assert opportunistic["violations"] == [] and read_progress(paths["guaranteed"])["violations"] == []
+        assert opportunistic["violations"] == [] and read_json(paths["guaranteed"])["violations"] == []
