@@ -60,7 +60,6 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TRACES = sorted(glob.glob(os.path.join(HERE, "traces", "*.jsonl.gz")))
 EXPANDABLE = "expandable_segments:True"
 # PyTorch's two configurations: name -> PYTORCH_CUDA_ALLOC_CONF
@@ -70,15 +69,11 @@ PAGE = 2 << 20  # cotenant's page, the replay's default granularity
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "pytorch_allocator"))
 from result_file import cpu_model, torch_version  # noqa: E402
+from over_fake import default_pytorch_replay as default_tool  # noqa: E402
+from over_fake import fake_cudart_beside  # noqa: E402
 from snapshot_over_fake import record as record_snapshot  # noqa: E402
 
 from cotenant.replay import Trace, load_trace, replay_trace  # noqa: E402
-
-
-def default_tool() -> str:
-    """Where the core build puts pytorch_replay: $COTENANT_PYTORCH_REPLAY, or
-    build/core/pytorch_replay (scripts/test.sh's core build)."""
-    return os.environ.get("COTENANT_PYTORCH_REPLAY") or os.path.join(ROOT, "build", "core", "pytorch_replay")
 
 
 def operations_text(trace: Trace) -> str:
@@ -247,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      "build/core) next to a torch wheel with CUDA, or give its path with --tool")
 
     traces = {}
-    fake_dir = os.path.join(os.path.dirname(os.path.abspath(args.tool)), "fake_cudart")
+    fake_dir = fake_cudart_beside(args.tool)
     with tempfile.TemporaryDirectory(prefix="cotenant-snapshots-") as work_dir:
         for path in args.traces or TRACES:
             trace = load_trace(path)

@@ -27,11 +27,20 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 FAKE_DEVICE_NAME = "fake CUDA device (cotenant tests)"  # tests/fake_cuda's cudaGetDeviceProperties
 
 
+def fake_cudart_beside(pytorch_replay: str) -> str:
+    """The fake_cudart directory the core's CMake build writes next to `pytorch_replay`."""
+    return os.path.join(os.path.dirname(os.path.abspath(pytorch_replay)), "fake_cudart")
+
+
+def default_pytorch_replay() -> str:
+    """Where the core build puts pytorch_replay: $COTENANT_PYTORCH_REPLAY, or
+    build/core/pytorch_replay (scripts/test.sh's core build)."""
+    return os.environ.get("COTENANT_PYTORCH_REPLAY") or os.path.join(ROOT, "build", "core", "pytorch_replay")
+
+
 def default_fake_cudart() -> str:
-    """The fake_cudart directory the core's CMake build writes next to
-    pytorch_replay ($COTENANT_PYTORCH_REPLAY, or build/core/pytorch_replay)."""
-    tool = os.environ.get("COTENANT_PYTORCH_REPLAY") or os.path.join(ROOT, "build", "core", "pytorch_replay")
-    return os.path.join(os.path.dirname(os.path.abspath(tool)), "fake_cudart")
+    """The fake_cudart directory next to the default pytorch_replay."""
+    return fake_cudart_beside(default_pytorch_replay())
 
 
 def fake_library(fake_dir: Optional[str] = None) -> str:

@@ -395,6 +395,27 @@ CUresult fake_cuGetErrorName(CUresult error, const char** str) {
   return name != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+CUresult fake_cuInit(unsigned int flags) {
+  FAKE_DRIVER_ENTRY("cuInit");
+  return flags == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult fake_cuDeviceGetCount(int* count) {
+  FAKE_DRIVER_ENTRY("cuDeviceGetCount");
+  *count = s.config.device_count;
+  return CUDA_SUCCESS;
+}
+
+// The fake has no contexts apart from its device: its primary context is
+// always active.
+CUresult fake_cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
+  FAKE_DRIVER_ENTRY("cuDevicePrimaryCtxGetState");
+  if (dev < 0 || dev >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
+  *flags = 0;
+  *active = 1;
+  return CUDA_SUCCESS;
+}
+
 CUresult fake_cuDeviceGet(CUdevice* device, int ordinal) {
   FAKE_DRIVER_ENTRY("cuDeviceGet");
   if (ordinal < 0 || ordinal >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
@@ -1350,31 +1371,9 @@ FAKE_RUNTIME_NOT_MODELLED(__cudaLaunchKernel, (cudaKernel_t, dim3, dim3, void**,
 // whether it sees the GPU before it starts a job; with a link libcuda.so.1 ->
 // this library on the search path, they find these.
 
-CUresult cuInit(unsigned int flags) {
-  fake_cuda::State& s = state();
-  Lock lock(s.mutex);
-  ++s.calls["cuInit"];
-  return flags == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-}
-
-CUresult cuDeviceGetCount(int* count) {
-  fake_cuda::State& s = state();
-  Lock lock(s.mutex);
-  ++s.calls["cuDeviceGetCount"];
-  *count = s.config.device_count;
-  return CUDA_SUCCESS;
-}
-
+CUresult cuInit(unsigned int flags) { return fake_cuda::fake_cuInit(flags); }
+CUresult cuDeviceGetCount(int* count) { return fake_cuda::fake_cuDeviceGetCount(count); }
 CUresult cuGetErrorName(CUresult error, const char** str) { return fake_cuda::fake_cuGetErrorName(error, str); }
-
-// The fake has no contexts apart from its device: its primary context is
-// always active.
 CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
-  fake_cuda::State& s = state();
-  Lock lock(s.mutex);
-  ++s.calls["cuDevicePrimaryCtxGetState"];
-  if (dev < 0 || dev >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
-  *flags = 0;
-  *active = 1;
-  return CUDA_SUCCESS;
+  return fake_cuda::fake_cuDevicePrimaryCtxGetState(dev, flags, active);
 }

@@ -289,3 +289,37 @@ def guaranteed_and_opportunistic(worker_code, env, directory):
                     process.kill()
                     process.wait()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def check_the_share_pauses_and_resumes(sock, paths, start_timeout, settle_s, pause_s):
+    """With the jobs of guaranteed_and_opportunistic() running and writing
+    progress files ({"steps": N, "gate": cotenant.gate.stats(), ...}): both
+    make progress; a share of 0 set through the coordinator stops the
+    opportunistic job (after `settle_s` for admitted ops, no more than 5 steps
+    over `pause_s`) while the guaranteed one goes on (over 1 s); a share of 1
+    resumes it. Returns the last progress of (guaranteed, opportunistic)."""
+    guaranteed = wait_until(lambda: read_json(paths["guaranteed"]), timeout=start_timeout)
+    assert guaranteed, "the guaranteed job made no progress"
+    assert guaranteed["gate"]["role"] == "guaranteed" and guaranteed["gate"]["iteration_count"] > 0
+    first = wait_until(lambda: read_json(paths["opportunistic"]), timeout=start_timeout)
+    assert first, "the opportunistic job made no progress"
+    moving = wait_until(lambda: (read_json(paths["opportunistic"]) or {}).get("steps", 0) > first["steps"],
+                        timeout=30)
+    assert moving, "the opportunistic job stopped before it was paused"
+
+    client.set_share("opportunistic", 0, socket=sock)
+    time.sleep(settle_s)  # ops already admitted finish
+    paused_at = read_json(paths["opportunistic"])["steps"]
+    time.sleep(pause_s)
+    assert read_json(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
+    guaranteed_before = read_json(paths["guaranteed"])["steps"]
+    time.sleep(1.0)
+    assert read_json(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
+
+    client.set_share("opportunistic", 1, socket=sock)
+    resumed = wait_until(lambda: read_json(paths["opportunistic"])["steps"] > paused_at + 10, timeout=30)
+    assert resumed, "raising the share did not resume the job"
+    opportunistic = read_json(paths["opportunistic"])
+    assert opportunistic["gate"]["role"] == "opportunistic"
+    assert opportunistic["gate"]["admitted_ops"] > 0 and opportunistic["gate"]["waits_paused"] > 0
+    return read_json(paths["guaranteed"]), opportunistic

@@ -15,7 +15,11 @@ from script_loader import load_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATH = os.path.join(HERE, "..", "..", "benchmarks", "bench_beside_pytorch.py")
-RECORDER = os.path.join(HERE, "..", "..", "benchmarks", "pytorch_allocator", "snapshot_over_fake.py")
+OVER_FAKE_DIR = os.path.join(HERE, "..", "..", "benchmarks", "pytorch_allocator")
+RECORDER = os.path.join(OVER_FAKE_DIR, "snapshot_over_fake.py")
+sys.path.insert(0, OVER_FAKE_DIR)
+import over_fake  # noqa: E402
+
 TRACES = sorted(glob.glob(os.path.join(HERE, "..", "..", "benchmarks", "traces", "*.jsonl.gz")))
 MiB = 1 << 20
 
@@ -149,7 +153,7 @@ def test_a_missing_tool_is_named_with_the_fix(bench, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def fake_dir(tool):
-    return os.path.join(os.path.dirname(os.path.abspath(tool)), "fake_cudart")
+    return over_fake.fake_cudart_beside(tool)
 
 
 def trace_path(name):
@@ -239,11 +243,9 @@ def test_a_window_with_segment_events_reconstructs_what_was_reserved_before_it(b
 def test_the_recorder_refuses_a_torch_that_does_not_see_the_fake(fake_dir, tmp_path):
     """Without the fake preloaded, torch would see no device (or a real GPU):
     the child stops before it imports torch or records anything."""
-    library = next(iter(glob.glob(os.path.join(fake_dir, "libcudart.so.[0-9]*"))), None)
-    if library is None:
-        pytest.skip(f"no fake libcudart in {fake_dir}")
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    library = over_fake.fake_library(fake_dir)
+    unloaded = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
+    env = dict(unloaded, CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "never.pickle"
     done = subprocess.run([sys.executable, RECORDER, "--child", library, TRACES[0], str(out)],
                           capture_output=True, text=True, env=env)
@@ -251,9 +253,7 @@ def test_the_recorder_refuses_a_torch_that_does_not_see_the_fake(fake_dir, tmp_p
     assert "is not preloaded, so torch would not see the fake CUDA device" in done.stderr
     assert not out.exists()
     # Preloaded, the same command records.
-    del env["CUDA_VISIBLE_DEVICES"]
-    env["LD_PRELOAD"] = library
-    env["LD_LIBRARY_PATH"] = fake_dir
+    env = over_fake.environment(library, unloaded)
     done = subprocess.run([sys.executable, RECORDER, "--child", library, TRACES[0], str(out), "--max-entries", "10"],
                           capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr

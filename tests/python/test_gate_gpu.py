@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -44,37 +43,11 @@ def test_opportunistic_process_progresses_pauses_and_resumes(tmp_path):
     stops the opportunistic one at its next op while the guaranteed one goes
     on, a share of 1 resumes it. (tests/python/test_torch_over_fake.py runs
     the same with copies over the fake CUDA runtime.)"""
-    from coordinator_harness import guaranteed_and_opportunistic, read_json, wait_until
-
-    from cotenant.coordinator import client
+    from coordinator_harness import check_the_share_pauses_and_resumes, guaranteed_and_opportunistic
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
     with guaranteed_and_opportunistic(WORKER, env, tmp_path) as (sock, paths):
-        guaranteed = wait_until(lambda: read_json(paths["guaranteed"]), timeout=120)
-        assert guaranteed, "the guaranteed job made no progress"
-        assert guaranteed["gate"]["role"] == "guaranteed" and guaranteed["gate"]["iteration_count"] > 0
-        first = wait_until(lambda: read_json(paths["opportunistic"]), timeout=120)
-        assert first, "the opportunistic job made no progress"
-        moving = wait_until(lambda: (read_json(paths["opportunistic"]) or {}).get("steps", 0) > first["steps"],
-                            timeout=30)
-        assert moving, "the opportunistic job stopped before it was paused"
-
-        client.set_share("opportunistic", 0, socket=sock)
-        time.sleep(1.0)  # ops already admitted finish
-        paused_at = read_json(paths["opportunistic"])["steps"]
-        time.sleep(2.0)
-        assert read_json(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
-        guaranteed_before = read_json(paths["guaranteed"])["steps"]
-        time.sleep(1.0)
-        assert read_json(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
-
-        client.set_share("opportunistic", 1, socket=sock)
-        resumed = wait_until(lambda: read_json(paths["opportunistic"])["steps"] > paused_at + 10, timeout=30)
-        assert resumed, "raising the share did not resume the job"
-        stats = read_json(paths["opportunistic"])["gate"]
-        assert stats["role"] == "opportunistic"
-        assert stats["admitted_ops"] > 0
-        assert stats["waits_paused"] > 0
+        check_the_share_pauses_and_resumes(sock, paths, start_timeout=120, settle_s=1.0, pause_s=2.0)
 
 
 def test_explicit_gate_and_graph_replay_are_admitted_as_one_op():

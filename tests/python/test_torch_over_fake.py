@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -496,15 +495,25 @@ def test_tensors_alive_at_interpreter_exit_are_freed_without_terminating(library
     assert "terminate called" not in done.stderr
 
 
-# ---- started by `cotenant run`, capped by the coordinator ----------------------------------------
+# ---- started by `cotenant run` (or the start-up hook), capped by the coordinator -----------------
 
-CAPPED_JOB = r'''
-import json, sys, time
+JOB_PRELUDE = r'''
+import json, os, sys, time
 sys.path.insert(0, {over_fake_dir!r})
 import over_fake
-fake = over_fake.Fake({library!r})  # no reset: cotenant run's start-up hook has enabled cotenant already
+fake = over_fake.Fake({library!r})  # no reset: the start-up hook may have enabled cotenant already
 import torch, cotenant
 over_fake.check_torch_sees_the_fake(torch)
+'''
+
+
+def job_code(library, body):
+    """`body` after the prelude of a process whose start-up hook enables
+    cotenant (`cotenant run`, COTENANT_ENABLE): the fake is used as loaded."""
+    return JOB_PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library) + body
+
+
+CAPPED_JOB = r'''
 assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
 data = torch.arange(32 << 20, dtype=torch.int32)  # 128 MiB
 x = data.to("cuda")
@@ -514,8 +523,8 @@ while time.time() < deadline:
     if s["memory_cap"] is not None and s["memory_cap"] <= 64 << 20 and s["device_bytes"] <= s["memory_cap"]:
         break
     time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
-print(json.dumps({{"cap": s["memory_cap"], "device": s["device_bytes"], "host": s["host_bytes"],
-                   "same": bool(torch.equal(x.to("cpu"), data)), "violations": fake.violations()}}))
+print(json.dumps({"cap": s["memory_cap"], "device": s["device_bytes"], "host": s["host_bytes"],
+                  "same": bool(torch.equal(x.to("cpu"), data)), "violations": fake.violations()}))
 '''
 
 
@@ -523,8 +532,7 @@ def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library):
     from coordinator_harness import cap_a_job_through_the_coordinator
 
     env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
-    job_code = CAPPED_JOB.format(over_fake_dir=OVER_FAKE_DIR, library=library)
-    result = cap_a_job_through_the_coordinator(job_code, "64MiB", env)
+    result = cap_a_job_through_the_coordinator(job_code(library, CAPPED_JOB), "64MiB", env)
     assert result["violations"] == []
     assert result["cap"] == 64 * MIB
     assert result["device"] <= result["cap"]
@@ -570,16 +578,10 @@ def test_a_spill_shows_in_memory_history_as_device_unmap_then_host_map(library):
 
 
 AUTOENABLED_JOB = r'''
-import json, sys
-sys.path.insert(0, {over_fake_dir!r})
-import over_fake
-fake = over_fake.Fake({library!r})  # no reset: the start-up hook may have enabled cotenant already
-import torch, cotenant
-over_fake.check_torch_sees_the_fake(torch)
 x = torch.arange(1000, dtype=torch.int32).to("cuda")
-print(json.dumps({{"enabled": cotenant.is_enabled(), "cap": cotenant.memory_cap(),
-                   "allocated": torch.cuda.memory_allocated() == cotenant.memory_stats()["allocated_bytes"],
-                   "violations": fake.violations()}}))
+print(json.dumps({"enabled": cotenant.is_enabled(), "cap": cotenant.memory_cap(),
+                  "allocated": torch.cuda.memory_allocated() == cotenant.memory_stats()["allocated_bytes"],
+                  "violations": fake.violations()}))
 '''
 
 
@@ -590,8 +592,7 @@ def test_the_start_up_hook_enables_cotenant_from_the_environment(library):
     autoenable = os.path.join(HERE, "..", "..", "python", "cotenant", "_autoenable")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [autoenable, env.get("PYTHONPATH")]))
     env.update({"COTENANT_ENABLE": "1", "COTENANT_MEMORY_CAP": "1GiB"})
-    code = AUTOENABLED_JOB.format(over_fake_dir=OVER_FAKE_DIR, library=library)
-    done = subprocess.run([*AS_JOB, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*AS_JOB, "-c", job_code(library, AUTOENABLED_JOB)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == {"enabled": True, "cap": 1 << 30, "allocated": True, "violations": []}
@@ -600,12 +601,6 @@ def test_the_start_up_hook_enables_cotenant_from_the_environment(library):
 # ---- the launch gate: a guaranteed and an opportunistic job under the coordinator ---------------
 
 GATE_WORKER = r'''
-import json, os, sys, time
-sys.path.insert(0, {over_fake_dir!r})
-import over_fake
-fake = over_fake.Fake({library!r})  # no reset: cotenant run's start-up hook has enabled cotenant already
-import torch, cotenant
-over_fake.check_torch_sees_the_fake(torch)
 assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
 role, progress_path = cotenant.gate.role(), sys.argv[1]
 x = torch.arange(1 << 20, dtype=torch.int32).to("cuda")
@@ -624,7 +619,7 @@ while True:
     steps += 1
     if steps % 5 == 0:
         with open(progress_path + ".tmp", "w") as f:
-            json.dump({{"steps": steps, "gate": cotenant.gate.stats(), "violations": fake.violations()}}, f)
+            json.dump({"steps": steps, "gate": cotenant.gate.stats(), "violations": fake.violations()}, f)
         os.replace(progress_path + ".tmp", progress_path)
 '''
 
@@ -634,31 +629,10 @@ def test_the_coordinator_pauses_and_resumes_an_opportunistic_job_beside_a_guaran
     GPU to the coordinator): a share of 0 set through the coordinator stops
     the opportunistic job at its next op while the guaranteed one goes on;
     a share of 1 resumes it."""
-    from coordinator_harness import guaranteed_and_opportunistic, read_json, wait_until
-
-    from cotenant.coordinator import client
+    from coordinator_harness import check_the_share_pauses_and_resumes, guaranteed_and_opportunistic
 
     env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
-    worker = GATE_WORKER.format(over_fake_dir=OVER_FAKE_DIR, library=library)
-    with guaranteed_and_opportunistic(worker, env, tmp_path) as (sock, paths):
-        guaranteed = wait_until(lambda: read_json(paths["guaranteed"]), timeout=60)
-        assert guaranteed, "the guaranteed job made no progress"
-        assert guaranteed["gate"]["role"] == "guaranteed" and guaranteed["gate"]["iteration_count"] > 0
-        first = wait_until(lambda: read_json(paths["opportunistic"]), timeout=60)
-        assert first, "the opportunistic job made no progress"
-
-        client.set_share("opportunistic", 0, socket=sock)
-        time.sleep(0.5)  # ops already admitted finish
-        paused_at = read_json(paths["opportunistic"])["steps"]
-        guaranteed_before = read_json(paths["guaranteed"])["steps"]
-        time.sleep(1.5)
-        assert read_json(paths["opportunistic"])["steps"] <= paused_at + 5, "share 0 did not pause the job"
-        assert read_json(paths["guaranteed"])["steps"] > guaranteed_before, "the guaranteed job stalled"
-
-        client.set_share("opportunistic", 1, socket=sock)
-        assert wait_until(lambda: read_json(paths["opportunistic"])["steps"] > paused_at + 10, timeout=30), \
-            "raising the share did not resume the job"
-        opportunistic = read_json(paths["opportunistic"])
-        assert opportunistic["gate"]["role"] == "opportunistic"
-        assert opportunistic["gate"]["admitted_ops"] > 0 and opportunistic["gate"]["waits_paused"] > 0
-        assert opportunistic["violations"] == [] and read_json(paths["guaranteed"])["violations"] == []
+    with guaranteed_and_opportunistic(job_code(library, GATE_WORKER), env, tmp_path) as (sock, paths):
+        guaranteed, opportunistic = check_the_share_pauses_and_resumes(sock, paths, start_timeout=60, settle_s=0.5,
+                                                                      pause_s=1.5)
+    assert opportunistic["violations"] == [] and guaranteed["violations"] == []
