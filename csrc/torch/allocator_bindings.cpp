@@ -120,6 +120,17 @@ COTENANT_TORCH_BINDINGS(allocator) {
     return py::int_(cap);
   }, py::arg("device"), "The cap in bytes, or None.");
 
+  m.def("capped_device_bytes", [](int device) -> py::object {
+    // Never creates a device's allocators: a query about a device the job
+    // has not used answers None, as a device without a cap does.
+    auto& allocator = CotenantCudaAllocator::instance();
+    DeviceAllocators* d = allocator.installed() ? allocator.existing(static_cast<c10::DeviceIndex>(device)) : nullptr;
+    if (d == nullptr) return py::none();
+    const std::uint64_t cap = d->main->memory_cap();
+    if (cap == kNoCap) return py::none();
+    return py::make_tuple(cap, d->main->stats().device_resident_bytes.current);
+  }, py::arg("device"), "(cap, device-resident bytes) of the capped allocator, or None without a cap.");
+
   m.def("_driver_call_times", [](int device) {
     using Call = cuda::CudaBackend::DriverCall;
     const cuda::CudaBackend& backend = device_backend(device);

@@ -275,6 +275,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         _C.install()  # raises _C.Error (a RuntimeError) if CUDA memory already exists
         _state.enabled, _state.device, _state.role = True, index, role
         _install_optimizer_safe_point()
+        _report_the_cap_in_mem_get_info()
         _count_graph_replays_as_ops()
         _count_triton_launches_as_ops()
         cap_bytes = None
@@ -562,6 +563,47 @@ def _install_optimizer_safe_point() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     _state.optimizer_hook = register_optimizer_step_post_hook(after_step)
+
+
+def memory_info_under_cap(free: int, total: int, cap: int, device_bytes: int) -> tuple:
+    """What torch.cuda.mem_get_info() reports under a cap: (free, total) as a
+    job that sizes itself from them should see its device. Total is the cap
+    (at most the device), free what the job may still place on the device
+    under it (at most what the driver has free). No GPU needed."""
+    return max(0, min(free, cap - device_bytes)), min(total, cap)
+
+
+def _report_the_cap_in_mem_get_info() -> None:
+    """torch.cuda.mem_get_info() answers with the device as the job may use
+    it: under a cap, (free under the cap, the cap); without one, the driver's
+    figures as before. Jobs that size themselves from it (an inference
+    server's KV cache, accelerate's device_map="auto") then fit the cap
+    instead of filling the device and spilling. The driver's own figures stay
+    at torch.cuda.mem_get_info.__wrapped__ and torch.cuda.cudart().cudaMemGetInfo."""
+    import functools
+
+    import torch
+    import torch.cuda.memory
+
+    original = torch.cuda.memory.mem_get_info
+    if getattr(original, "_cotenant_capped", False):
+        return
+    _C = _extension()
+
+    @functools.wraps(original)
+    def mem_get_info(device=None):
+        free, total = original(device)
+        index = torch.cuda._utils._get_device_index(device, optional=True)  # as torch's own reads it
+        if index is None:
+            index = torch.cuda.current_device()
+        capped = _C.capped_device_bytes(index)
+        if capped is None:
+            return free, total
+        return memory_info_under_cap(free, total, *capped)
+
+    mem_get_info._cotenant_capped = True
+    torch.cuda.memory.mem_get_info = mem_get_info
+    torch.cuda.mem_get_info = mem_get_info
 
 
 def _count_graph_replays_as_ops() -> None:

@@ -230,6 +230,16 @@ def test_memory_stats_split_device_host_and_cached_bytes():
     assert api.summarize_stats({**raw, "memory_cap": -1})["memory_cap"] is None
 
 
+@pytest.mark.parametrize("free, total, cap, device_bytes, expected", [
+    (70 * GIB, 80 * GIB, 8 * GIB, 3 * GIB, (5 * GIB, 8 * GIB)),    # the room under the cap
+    (2 * GIB, 80 * GIB, 8 * GIB, 3 * GIB, (2 * GIB, 8 * GIB)),     # never more than the driver has free
+    (70 * GIB, 80 * GIB, 8 * GIB, 9 * GIB, (0, 8 * GIB)),          # over the cap until the next safe point
+    (70 * GIB, 80 * GIB, 100 * GIB, 3 * GIB, (70 * GIB, 80 * GIB)),  # a cap above the device is the device
+])
+def test_mem_get_info_under_a_cap_reports_the_cap_and_the_room_under_it(free, total, cap, device_bytes, expected):
+    assert api.memory_info_under_cap(free, total, cap, device_bytes) == expected
+
+
 # ---- enabling through the environment -----------------------------------------------------
 
 

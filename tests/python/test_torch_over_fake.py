@@ -212,6 +212,50 @@ def test_the_fix_the_out_of_memory_message_names_works_spill_without_a_cap(libra
     assert out["same"] == [True] * 5
 
 
+def test_mem_get_info_reports_the_cap_so_a_job_that_sizes_itself_fits_under_it(library):
+    """A job that sizes a buffer from torch.cuda.mem_get_info(), as inference
+    servers size their KV cache, fits it under the cap instead of filling the
+    1 GiB device and spilling; without a cap the driver's figures come back."""
+    out = run(library, """
+        def device_bytes():
+            return cotenant.memory_stats()["device_bytes"]
+
+        cotenant.enable(memory_cap="96MiB")
+        weights = pattern(8 << 20, seed=1).to("cuda")  # 32 MiB
+        out["held"] = device_bytes()
+        out["capped"] = torch.cuda.mem_get_info()
+        out["spellings"] = [torch.cuda.mem_get_info("cuda:0"), torch.cuda.mem_get_info(torch.device("cuda", 0)),
+                            torch.cuda.memory.mem_get_info(0)]
+        out["driver"] = torch.cuda.mem_get_info.__wrapped__()
+        free, total = torch.cuda.mem_get_info()
+        cache = torch.empty(int(free * 0.9) // 4, dtype=torch.int32, device="cuda")
+        cotenant.safe_point()
+        stats = cotenant.memory_stats()
+        out["cache_device"], out["cache_host"] = stats["device_bytes"], stats["host_bytes"]
+        out["after_cache"] = torch.cuda.mem_get_info()
+        cotenant.set_memory_cap("16MiB")  # below what the job holds: no room left
+        out["over"] = torch.cuda.mem_get_info()
+        torch.cuda.set_per_process_memory_fraction(0.25)  # a cap of 256 MiB
+        cotenant.safe_point()
+        out["fraction"], out["fraction_held"] = torch.cuda.mem_get_info(), device_bytes()
+        cotenant.set_memory_cap(None)
+        out["uncapped"], out["uncapped_driver"] = torch.cuda.mem_get_info(), torch.cuda.mem_get_info.__wrapped__()
+        out["same"] = same(weights, pattern(8 << 20, seed=1))
+    """)
+    cap = 96 * MIB
+    assert out["held"] >= 32 * MIB
+    assert out["capped"] == [cap - out["held"], cap]
+    assert out["spellings"] == [out["capped"]] * 3
+    assert out["driver"][1] == 1 << 30 and out["driver"][0] > out["capped"][0]
+    # The buffer sized from the capped figures fits: nothing spilled, the device at or under the cap.
+    assert out["cache_host"] == 0 and out["cache_device"] <= cap
+    assert out["after_cache"] == [cap - out["cache_device"], cap]
+    assert out["over"] == [0, 16 * MIB]
+    assert out["fraction"] == [256 * MIB - out["fraction_held"], 256 * MIB]
+    assert out["uncapped"] == out["uncapped_driver"] and out["uncapped"][1] == 1 << 30
+    assert out["same"]
+
+
 def test_a_cap_cut_below_the_working_set_and_raised_again_keeps_the_values(library):
     out = run(library, """
         cotenant.enable()
