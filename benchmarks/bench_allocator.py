@@ -12,6 +12,18 @@ Figures (written to benchmarks/results/allocator-<device>-<time>.json):
 
 Each measurement that needs a fresh CUDA context (native vs cotenant) runs in
 its own worker process: `bench_allocator.py --worker NAME --allocator native|cotenant`.
+
+On the CPU, `bench_allocator.py --over-fake` runs the alloc+free measurement
+alone, with torch over the fake CUDA runtime of tests/fake_cuda
+(benchmarks/pytorch_allocator/over_fake.py; the core build's fake_cudart,
+found as COTENANT_PYTORCH_REPLAY names it): the same torch.empty and del
+through PyTorch's allocator and through cotenant's (torch's allocator
+interface, cotenant's adapter and core). Warm, neither should call the
+driver, so the path is all CPU work and its time carries over to a GPU
+machine with the same CPU; the driver and runtime calls each makes per pair
+in the timed loop are counted to show it. What it leaves out: a driver call
+made there costs nothing over the fake (the counts are what show one), and
+GPU-side time. Writes results/alloc_free_over_fake.json.
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")
 GIB = 1 << 30
 MIB = 1 << 20
+
+OVER_FAKE_VARIABLE = "COTENANT_BENCH_OVER_FAKE"  # a worker's: the fake libcudart it runs over
 
 FIGURES = [
     "alloc_free_ratio_vs_native",
@@ -185,7 +199,15 @@ def _train_step(torch, model, x, y, opt):
 
 
 def worker_alloc_free(allocator: str, args) -> Dict:
+    fake = None
+    if os.environ.get(OVER_FAKE_VARIABLE):  # --over-fake: the fake first, then torch
+        sys.path.insert(0, os.path.join(HERE, "pytorch_allocator"))
+        import over_fake
+
+        fake = over_fake.open_preloaded(os.environ[OVER_FAKE_VARIABLE], 80 * GIB)
     torch = _setup(allocator)
+    if fake is not None:
+        over_fake.check_torch_sees_the_fake(torch)
     sizes = size_sequence(args.alloc_pairs)
     live_window = 32  # tensors alive at once, as in a forward pass
 
@@ -199,11 +221,18 @@ def worker_alloc_free(allocator: str, args) -> Dict:
 
     run()  # fills the cache: both allocators measured warm
     torch.cuda.synchronize()
+    calls_before = fake.all_calls() if fake is not None else {}
     start = time.perf_counter()
     for _ in range(args.repeats):
         run()
     elapsed = time.perf_counter() - start
-    return {"s_per_pair": elapsed / (args.repeats * len(sizes))}
+    pairs = args.repeats * len(sizes)
+    result = {"s_per_pair": elapsed / pairs}
+    if fake is not None:
+        calls = {name: count - calls_before.get(name, 0) for name, count in fake.all_calls().items()}
+        result["calls_per_pair"] = {name: count / pairs for name, count in sorted(calls.items()) if count}
+        result["violations"] = fake.violations()
+    return result
 
 
 def worker_step_time(allocator: str, args) -> Dict:
@@ -308,13 +337,55 @@ WORKERS = {
 # ---- the driver ---------------------------------------------------------------------------
 
 
-def _run_worker(name: str, allocator: str, extra: List[str]) -> Dict:
+def _run_worker(name: str, allocator: str, extra: List[str], env: Optional[Dict[str, str]] = None) -> Dict:
     command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--allocator", allocator, *extra]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.stderr.write(f"worker {name}/{allocator} failed:\n{result.stderr}\n")
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def over_fake_table(measured: Dict[str, Dict]) -> List[str]:
+    """Lines of the --over-fake table: microseconds and driver or runtime
+    calls per alloc+free pair, per allocator."""
+    lines = [f"{'allocator':<10} {'us/pair':>8}  calls per pair (timed loop, warm)"]
+    for allocator in ("native", "cotenant"):
+        row = measured[allocator]
+        if "s_per_pair" not in row:
+            lines.append(f"{allocator:<10} {'-':>8}  failed: {row.get('error')}")
+            continue
+        calls = ", ".join(f"{name} {count:g}" for name, count in row["calls_per_pair"].items()) or "none"
+        lines.append(f"{allocator:<10} {row['s_per_pair'] * 1e6:8.3f}  {calls}")
+    return lines
+
+
+def main_over_fake(args, extra: List[str]) -> int:
+    """--over-fake: the alloc+free measurement with torch over the fake CUDA runtime, on the CPU."""
+    sys.path.insert(0, os.path.join(HERE, "pytorch_allocator"))
+    import over_fake
+    from result_file import cpu_model, torch_version
+
+    try:
+        library = over_fake.fake_library()
+    except ValueError as error:
+        sys.stderr.write(f"{error} (COTENANT_PYTORCH_REPLAY names the core build's pytorch_replay)\n")
+        return 2
+    env = {**over_fake.environment(library), OVER_FAKE_VARIABLE: library}
+    env = {k: v for k, v in env.items() if not k.startswith("COTENANT_") or k == OVER_FAKE_VARIABLE}
+    measured = {allocator: _run_worker("alloc_free", allocator, extra, env) for allocator in ("native", "cotenant")}
+    figures = {"alloc_free_ratio_vs_native": ratio(measured["cotenant"].get("s_per_pair"),
+                                                   measured["native"].get("s_per_pair"))}
+    result = {"device": f"simulated (CPU: {cpu_model()}), torch over the fake CUDA runtime", "torch": torch_version(),
+              "benchmark": "alloc_free_over_fake", "figures": figures, "measured": measured, "quick": args.quick}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "alloc_free_over_fake.json")
+    write_json(result, path)
+    print("\n".join(over_fake_table(measured)))
+    print(json.dumps(figures, indent=2))
+    print(f"wrote {path}")
+    failed = [a for a, row in measured.items() if "s_per_pair" not in row or row.get("violations")]
+    return 1 if failed else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -322,6 +393,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON result")
     parser.add_argument("--quick", action="store_true", help="fewer steps and smaller sizes (a smoke run)")
+    parser.add_argument("--over-fake", action="store_true",
+                        help="on the CPU: only the alloc+free measurement, torch over the fake CUDA runtime")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--allocator", choices=["native", "cotenant"], default="cotenant", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
@@ -339,6 +412,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     quick = ["--steps", "5", "--warmup", "2", "--alloc-pairs", "2000", "--repeats", "2", "--move-gib", "1",
              "--shrink-gib", "1"] if args.quick else []
+    if args.over_fake:
+        return main_over_fake(args, quick)
     measured: Dict[str, Dict] = {}
     native = _run_worker("alloc_free", "native", quick)
     ours = _run_worker("alloc_free", "cotenant", quick)

@@ -36,6 +36,16 @@ void fake_cuda_hold_streams() { fake_cuda::hold_streams(); }
 
 std::uint64_t fake_cuda_calls(const char* entry) { return fake_cuda::calls(entry); }
 
+// Every entry called since the reset, one "name count" line each, written
+// to `out` (NUL-terminated) when `size` is large enough; returns the size
+// the text needs, NUL included.
+std::uint64_t fake_cuda_call_table(char* out, std::uint64_t size) {
+  std::string text;
+  for (const auto& [entry, count] : fake_cuda::all_calls()) text += entry + " " + std::to_string(count) + "\n";
+  if (out != nullptr && size > text.size()) std::memcpy(out, text.c_str(), text.size() + 1);
+  return text.size() + 1;
+}
+
 std::uint64_t fake_cuda_device_bytes_created() { return fake_cuda::device_bytes_created(); }
 
 std::uint64_t fake_cuda_violation_count() { return fake_cuda::violations().count; }

@@ -86,6 +86,8 @@ class Fake:
         self.lib.fake_cuda_violation_count.restype = ctypes.c_uint64
         self.lib.fake_cuda_violation.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64]
         self.lib.fake_cuda_violation.restype = ctypes.c_int64
+        self.lib.fake_cuda_call_table.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        self.lib.fake_cuda_call_table.restype = ctypes.c_uint64
 
     def reset(self, device_capacity: int, garbage_in_new_pages: bool = False, host_vmm: bool = True) -> None:
         """A device of `device_capacity` bytes, nothing counted yet. Before
@@ -108,6 +110,17 @@ class Fake:
 
     def calls(self, entry: str) -> int:
         return int(self.lib.fake_cuda_calls(entry.encode()))
+
+    def all_calls(self) -> Dict[str, int]:
+        """Every entry called since the reset: name -> count."""
+        size = self.lib.fake_cuda_call_table(None, 0)
+        while True:  # another thread may call a new entry in between: the table grows
+            buffer = ctypes.create_string_buffer(size)
+            size = self.lib.fake_cuda_call_table(buffer, len(buffer))
+            if size <= len(buffer):
+                break
+        lines = buffer.value.decode().splitlines()
+        return {name: int(count) for name, count in (line.rsplit(" ", 1) for line in lines)}
 
     def device_bytes_created(self) -> int:
         return int(self.lib.fake_cuda_device_bytes_created())

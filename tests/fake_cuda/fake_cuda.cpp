@@ -837,6 +837,11 @@ std::uint64_t calls(const std::string& entry) {
   return it == state().calls.end() ? 0 : it->second;
 }
 
+std::map<std::string, std::uint64_t> all_calls() {
+  Lock lock(state().mutex);
+  return state().calls;
+}
+
 bool device_can_access(int device, const void* p, std::size_t bytes) {
   State& s = state();
   Lock lock(s.mutex);

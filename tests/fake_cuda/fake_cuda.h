@@ -42,6 +42,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -105,6 +106,8 @@ void fail_nth(const std::string& entry, int n, int code);
 
 // How many times `entry` was called since reset().
 std::uint64_t calls(const std::string& entry);
+// Every entry called since reset(), with its count.
+std::map<std::string, std::uint64_t> all_calls();
 
 // Whether [p, p + bytes) is safe to touch from the CPU: outside every
 // reservation, or mapped and made accessible. Tests ask before reading

@@ -225,6 +225,11 @@ TEST_CASE("fake_cuda_fail_nth_fails_exactly_that_call", "[fake_cuda]") {
   REQUIRE(api().cuMemRelease(h[0]) == CUDA_SUCCESS);
   REQUIRE(api().cuMemRelease(h[2]) == CUDA_SUCCESS);
   CHECK_FALSE(fake_cuda::leaks().any());
+  // The whole table holds what each entry's count says, and nothing uncalled.
+  const auto table = fake_cuda::all_calls();
+  CHECK(table.at("cuMemCreate") == 3);
+  CHECK(table.at("cuMemRelease") == 2);
+  CHECK(table.count("cuMemMap") == 0);
 }
 
 TEST_CASE("fake_cuda_unmap_while_a_delayed_copy_touches_the_page_is_a_violation", "[fake_cuda]") {
