@@ -13,10 +13,14 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "cotenant/errors.h"
@@ -147,6 +151,31 @@ IterationTracker& iteration_tracker() {
   return *tracker;
 }
 
+// ATen ops that never put work on the GPU, whatever their inputs: views,
+// metadata and uninitialized allocations. An opportunistic job's outermost op
+// among them is not gated: it would only wait for a slot it does not use and
+// cost an event record and query. Composite ops that may copy (reshape,
+// contiguous, flatten) are not here: their copy runs inside them, ungated
+// once the outermost op is let through. tests/python/test_torch_over_fake.py
+// runs each of these over the fake CUDA runtime, where a kernel launch is a
+// violation.
+constexpr std::string_view kOpsThatLaunchNoKernel[] = {
+    "aten::_reshape_alias", "aten::_unsafe_view", "aten::alias",       "aten::as_strided",
+    "aten::chunk",          "aten::detach",       "aten::diagonal",    "aten::empty",
+    "aten::empty_like",     "aten::empty_strided", "aten::expand",     "aten::expand_as",
+    "aten::movedim",        "aten::narrow",       "aten::new_empty",   "aten::permute",
+    "aten::select",         "aten::slice",        "aten::split",       "aten::split_with_sizes",
+    "aten::squeeze",        "aten::t",            "aten::transpose",   "aten::unbind",
+    "aten::unflatten",      "aten::unsqueeze",    "aten::view",        "aten::view_as",
+};
+
+bool launches_no_kernel(const char* op_name) {
+  if (op_name == nullptr) return false;
+  static const std::unordered_set<std::string_view> ops(std::begin(kOpsThatLaunchNoKernel),
+                                                        std::end(kOpsThatLaunchNoKernel));
+  return ops.count(std::string_view(op_name)) != 0;
+}
+
 // Set in a child forked after activation (DataLoader workers): the child
 // has no pulse thread and must not touch CUDA, and its CPU ops must never
 // wait for the guaranteed job. The gate is off there.
@@ -160,9 +189,10 @@ thread_local int exit_depth = 0;
 thread_local int explicit_depth = 0;
 
 // Hooks must not throw into ATen: a failure to gate lets the op through.
-void opportunistic_entry(const OpEntry& /*op*/, void* context) {
+void opportunistic_entry(const OpEntry& op, void* context) {
   auto* state = static_cast<ProcessGate*>(context);
   if (explicit_depth > 0 || admitted_op) return;  // inside admitted work
+  if (launches_no_kernel(op.name)) return;        // nothing for the GPU: nothing to wait for or mark
   if (in_forked_child.load(std::memory_order_relaxed)) return;
   try {
     if (capturing(state->activation.device)) return;
@@ -481,6 +511,10 @@ COTENANT_TORCH_BINDINGS(launch_gate) {
     if (LaunchGate* gate = process_launch_gate()) gate->reopen();
   });
   m.def("gate_stats", &gate_stats_dict);
+  m.def("ops_that_launch_no_kernel", [] {
+    std::vector<std::string> names(std::begin(kOpsThatLaunchNoKernel), std::end(kOpsThatLaunchNoKernel));
+    return names;
+  }, "The ATen ops an opportunistic job runs without passing the gate: they put no work on the GPU.");
   m.def("iteration_boundary", [] { iteration_boundary(); });
   m.def("iteration_begin", [] { iteration_begin(); });
 }

@@ -702,3 +702,97 @@ def test_the_warm_allocation_path_calls_the_driver_no_more_than_pytorchs_own(lib
     assert extra == {}, f"cotenant's warm path calls the driver where PyTorch's does not: {extra}"
     assert result["figures"]["alloc_free_ratio_vs_native"] > 0
     assert "cotenant" in done.stdout and "us/pair" in done.stdout
+
+
+NO_KERNEL_CALLS = r'''
+x = torch.empty(4, 4, device="cuda")
+calls = {
+    "aten::_reshape_alias": lambda: torch.ops.aten._reshape_alias(x, [16], [1]),
+    "aten::_unsafe_view": lambda: torch.ops.aten._unsafe_view(x, [16]),
+    "aten::alias": lambda: torch.ops.aten.alias(x),
+    "aten::as_strided": lambda: x.as_strided((2, 2), (1, 2)),
+    "aten::chunk": lambda: x.chunk(2),
+    "aten::detach": lambda: x.detach(),
+    "aten::diagonal": lambda: x.diagonal(),
+    "aten::empty": lambda: torch.empty(3, device="cuda"),
+    "aten::empty_like": lambda: torch.empty_like(x),
+    "aten::empty_strided": lambda: torch.empty_strided((2, 2), (2, 1), device="cuda"),
+    "aten::expand": lambda: x[:1].expand(3, 4),
+    "aten::expand_as": lambda: x[:1].expand_as(x),
+    "aten::movedim": lambda: torch.movedim(x, 0, 1),
+    "aten::narrow": lambda: x.narrow(0, 1, 2),
+    "aten::new_empty": lambda: x.new_empty(5),
+    "aten::permute": lambda: x.permute(1, 0),
+    "aten::select": lambda: x.select(0, 1),
+    "aten::slice": lambda: x[1:3],
+    "aten::split": lambda: x.split(2),
+    "aten::split_with_sizes": lambda: x.split([1, 3]),
+    "aten::squeeze": lambda: x[:1].squeeze(0),
+    "aten::t": lambda: x.t(),
+    "aten::transpose": lambda: x.transpose(0, 1),
+    "aten::unbind": lambda: x.unbind(),
+    "aten::unflatten": lambda: x.unflatten(1, (2, 2)),
+    "aten::unsqueeze": lambda: x.unsqueeze(0),
+    "aten::view": lambda: x.view(-1),
+    "aten::view_as": lambda: x.view(-1).view_as(x),
+}
+'''
+
+
+def test_the_ops_the_gate_lets_through_launch_no_kernel(library):
+    """An opportunistic job's views, metadata ops and uninitialized
+    allocations pass without the gate (they put no work on the GPU). Each
+    listed op runs here over the fake, where a kernel launch is a violation,
+    and is recorded by PyTorch under the listed name (a misspelt name would
+    never match, and the op would be gated after all)."""
+    out = run(library, textwrap.dedent("""
+        from torch.profiler import ProfilerActivity, profile
+        from cotenant import _C
+        cotenant.enable()
+    """) + NO_KERNEL_CALLS + textwrap.dedent("""
+        out["listed"], out["tried"] = sorted(_C.ops_that_launch_no_kernel()), sorted(calls)
+        out["recorded"] = []
+        for name, call in calls.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                call()
+            if name in {event.name for event in prof.events()}:
+                out["recorded"].append(name)
+    """))
+    assert out["listed"] == out["tried"]
+    assert sorted(out["recorded"]) == out["listed"]
+
+
+def test_a_paused_opportunistic_job_runs_views_and_holds_its_copies(library):
+    """Share 0 holds an opportunistic job at its next op that reaches the
+    device (a copy here) until the share rises; ops that put nothing on the
+    GPU (views, an empty tensor) go on meanwhile, without an event each."""
+    out = run(library, """
+        import threading
+        cotenant.enable(role="opportunistic")
+        data = pattern(1 << 16, seed=3)
+        x = data.to("cuda").view(256, 256)
+        cotenant.gate.set_share(0)
+        views_done, copy_done, copied = threading.Event(), threading.Event(), {}
+
+        def views():
+            for _ in range(100):
+                x.view(-1), x[1:3], x.t(), x.unsqueeze(0), torch.empty_like(x), x.expand(2, 256, 256)
+            views_done.set()
+
+        def copy_back():
+            copied["value"] = x.to("cpu")
+            copy_done.set()
+
+        records_before = fake.calls("cudaEventRecord")
+        threading.Thread(target=views, daemon=True).start()
+        out["views_ran_while_paused"] = views_done.wait(30)
+        out["events_for_views"] = fake.calls("cudaEventRecord") - records_before
+        threading.Thread(target=copy_back, daemon=True).start()
+        out["copy_held"] = not copy_done.wait(1.0)
+        cotenant.gate.set_share(1)
+        out["copy_resumed"] = copy_done.wait(30)
+        out["same"] = bool(torch.equal(copied["value"].view(-1), data)) if out["copy_resumed"] else False
+    """)
+    assert out["views_ran_while_paused"]
+    assert out["events_for_views"] == 0
+    assert out["copy_held"] and out["copy_resumed"] and out["same"]
