@@ -728,10 +728,13 @@ struct CachingAllocator::State {
     }
     if (!target) return false;
     const DevicePtr address = segment.base + live.index * page_bytes;
-    // A failed driver call leaves the page where it was, mapped, and the
-    // target released; the error goes on to the caller.
+    // The new page takes the old one's place at its address, then the bytes
+    // follow from the old page, which the backend reaches without its old
+    // mapping: one mapping fewer per move than copying first, when both
+    // pages would need mapping at once. A failed driver call puts the old
+    // page back where it was, bytes unchanged, and releases the target; the
+    // error goes on to the caller.
     try {
-      backend.copy_page(target, page.handle);
       backend.unmap(address);
     } catch (...) {
       backend.release_page(target);
@@ -741,7 +744,15 @@ struct CachingAllocator::State {
       backend.map(address, target);
     } catch (...) {
       backend.release_page(target);
-      backend.map(address, page.handle);  // its bytes are unchanged
+      backend.map(address, page.handle);
+      throw;
+    }
+    try {
+      backend.copy_into(address, page.handle);
+    } catch (...) {
+      backend.unmap(address);
+      backend.release_page(target);
+      backend.map(address, page.handle);
       throw;
     }
     backend.release_page(page.handle);

@@ -153,11 +153,15 @@ void SimulatedBackend::unmap(DevicePtr address) {
   mappings_.erase(it);
 }
 
-void SimulatedBackend::copy_page(PageHandle dst, PageHandle src) {
+void SimulatedBackend::copy_into(DevicePtr address, PageHandle src) {
   std::lock_guard lock(mutex_);
-  ++calls_.copy_page;
-  Page& to = *pages_.at(dst.id);
-  const Page& from = *pages_.at(src.id);
+  ++calls_.copy_into;
+  auto mapped = mappings_.find(address);
+  if (mapped == mappings_.end()) throw Error(fmt::format("copy into 0x{:x}, which is not mapped", address));
+  auto source = pages_.find(src.id);
+  if (source == pages_.end()) throw Error(fmt::format("copy from unknown page {}", src.id));
+  Page& to = *pages_.at(mapped->second);
+  const Page& from = *source->second;
   if (!from.bytes) {
     to.bytes.reset();  // an unwritten page reads as zeros; so does its copy
     return;

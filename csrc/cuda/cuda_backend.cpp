@@ -114,11 +114,11 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   }
   granularity_ = gran;
 
-  staging_base_ = reserve(kStagingSlots * 2 * granularity_);
+  staging_base_ = reserve(kStagingSlots * granularity_);
   if (staging_base_ == 0) throw Error("cotenant could not reserve address space for page copies.");
   staging_slots_.resize(kStagingSlots);
   for (std::size_t i = 0; i < kStagingSlots; ++i) {
-    staging_slots_[i].base = staging_base_ + i * 2 * granularity_;
+    staging_slots_[i].base = staging_base_ + i * granularity_;
     cudaEvent_t done = nullptr;
     check_runtime(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     staging_slots_[i].done = done;
@@ -135,11 +135,10 @@ CudaBackend::~CudaBackend() {
     if (slot.busy) {
       cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
       driver().cuMemUnmap(slot.base, granularity_);
-      driver().cuMemUnmap(slot.base + granularity_, granularity_);
     }
     cudaEventDestroy(static_cast<cudaEvent_t>(slot.done));
   }
-  if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, kStagingSlots * 2 * granularity_);
+  if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, kStagingSlots * granularity_);
   std::lock_guard<std::mutex> lock(pinned_mutex_);
   for (auto& [address, host] : pinned_host_) driver().cuMemFreeHost(host);
 }
@@ -350,36 +349,26 @@ void CudaBackend::retire(StagingSlot& slot) {
     Timed timed(*this, DriverCall::kCopyWait);
     err = cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
   }
-  unmap_now(slot.base + granularity_);
   unmap_now(slot.base);
   check_runtime(err, "copying a page between device and host");
 }
 
-void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
-  // A physical page may be mapped at several addresses at once, so the
-  // pages stay mapped where the allocator has them while we copy; and a
-  // page released while a staging mapping still holds it lives until the
-  // staging slot is retired.
+void CudaBackend::copy_into(DevicePtr address, PageHandle src) {
+  // The source is mapped at a staging slot for the copy; a page released
+  // while that mapping still holds it lives until the slot is retired.
   std::lock_guard<std::mutex> lock(staging_mutex_);
   CurrentDevice current(device_);
   StagingSlot& slot = staging_slots_[next_slot_];
   next_slot_ = (next_slot_ + 1) % staging_slots_.size();
   retire(slot);
   const DevicePtr src_va = slot.base;
-  const DevicePtr dst_va = slot.base + granularity_;
   map(src_va, src);
-  try {
-    map(dst_va, dst);
-  } catch (...) {
-    unmap_now(src_va);
-    throw;
-  }
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   const bool pipelined = quiescent_.load(std::memory_order_acquire);
   cudaError_t err;
   {
     Timed timed(*this, DriverCall::kCopyIssue);
-    err = cudaMemcpyAsync(reinterpret_cast<void*>(dst_va), reinterpret_cast<void*>(src_va), granularity_,
+    err = cudaMemcpyAsync(reinterpret_cast<void*>(address), reinterpret_cast<void*>(src_va), granularity_,
                           cudaMemcpyDefault, stream);
     if (err == cudaSuccess && pipelined) err = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream);
   }
@@ -391,8 +380,7 @@ void CudaBackend::copy_page(PageHandle dst, PageHandle src) {
     Timed timed(*this, DriverCall::kCopyWait);
     err = cudaStreamSynchronize(stream);
   }
-  unmap_now(dst_va);  // the copy finished or failed: nothing uses the staging mappings
-  unmap_now(src_va);
+  unmap_now(src_va);  // the copy finished or failed: nothing uses the staging mapping
   check_runtime(err, "copying a page between device and host");
 }
 

@@ -57,7 +57,7 @@ class CudaBackend final : public Backend {
   // At a safe point the caller has synchronized the device and no launch can
   // start, so unmap() need not synchronize again for every page it moves.
   // Set only by the thread holding the launch pause, around the page moves.
-  // While quiescent, copy_page() also returns before its copy finished:
+  // While quiescent, copy_into() also returns before its copy finished:
   // copies run back to back on the copy stream while the next page is being
   // mapped. finish_copies() must run before launches resume (and before
   // set_quiescent(false)); it waits for them and unmaps the staging slots.
@@ -109,7 +109,7 @@ class CudaBackend final : public Backend {
   void unmap(DevicePtr address) override;
   bool synchronize_for_unmap() override;
   void unmap_synchronized(DevicePtr address) override;
-  void copy_page(PageHandle dst, PageHandle src) override;
+  void copy_into(DevicePtr address, PageHandle src) override;
   // cudaMemsetAsync on the copy stream, waited for before it returns.
   void zero(DevicePtr address, std::size_t bytes) override;
 
@@ -147,10 +147,10 @@ class CudaBackend final : public Backend {
   std::atomic<bool> graph_capture_{false};
   std::atomic<bool> quiescent_{false};
 
-  // Staging slots for copy_page: each is two pages of address space (source
-  // at base, destination at base + granularity) and the event of the last
-  // copy through it. A busy slot still has both pages mapped; it is retired
-  // (event waited for, pages unmapped) before reuse and in finish_copies().
+  // Staging slots for copy_into: each is one page of address space, where
+  // the source page is mapped, and the event of the last copy through it. A
+  // busy slot still has its page mapped; it is retired (event waited for,
+  // page unmapped) before reuse and in finish_copies().
   // Guarded by staging_mutex_, which also serialises copies on copy_stream_.
   struct StagingSlot {
     DevicePtr base = 0;

@@ -94,9 +94,12 @@ class Backend {
   }
   virtual void unmap_synchronized(DevicePtr address) { unmap(address); }
 
-  // Copies one page's bytes to another page. Synchronous: the copy is done
-  // when it returns.
-  virtual void copy_page(PageHandle dst, PageHandle src) = 0;
+  // Copies page `src`'s bytes into the page mapped at `address`. `src` need
+  // not be mapped anywhere (a page move unmaps it first and maps its
+  // replacement in its place); the caller may release it as soon as this
+  // returns. Synchronous: the copy is done when it returns (CudaBackend lets
+  // copies at a safe point run on until finish_copies()).
+  virtual void copy_into(DevicePtr address, PageHandle src) = 0;
 
   // Sets `bytes` at `address` (mapped, accessible) to zero. Synchronous. A
   // new page's bytes are unspecified (the driver does not promise zeros), so

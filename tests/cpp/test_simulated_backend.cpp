@@ -30,9 +30,9 @@ TEST_CASE("simulated_pages_keep_their_bytes_across_remapping", "[simulated]") {
   CHECK(holds(device, base + 100, 7, 5000));
 
   PageHandle host = device.create_page(Residency::kHost);
-  device.copy_page(host, first);
   device.unmap(base);
   device.map(base, host);
+  device.copy_into(base, first);
   device.release_page(first);
   CHECK(device.residency_at(base) == Residency::kHost);
   CHECK(holds(device, base + 100, 7, 5000));

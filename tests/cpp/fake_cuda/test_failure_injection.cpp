@@ -98,9 +98,10 @@ TEST_CASE("failure_create_error_during_allocation_leaves_no_page_behind", "[fake
   device.check_clean();
 }
 
-// Regression (csrc/core/caching_allocator.cpp, move_page): when copy_page()
-// threw (here: mapping the staging page fails), the target page move_page
-// had created was never released.
+// Regression (csrc/core/caching_allocator.cpp, move_page): when the copy
+// threw (here: mapping the old page at a staging slot fails, after the new
+// page took its place), the target page move_page had created was never
+// released. Now the old page goes back in its place too, bytes unchanged.
 TEST_CASE("failure_staging_map_error_during_a_page_move_leaks_no_handle", "[fake_cuda][failure]") {
   FakeCudaDevice device;
   {
@@ -108,7 +109,8 @@ TEST_CASE("failure_staging_map_error_during_a_page_move_leaks_no_handle", "[fake
     std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(4 * kMiB, 0), 3}};
     device.fill(blocks[0].first, 3, 4 * kMiB);
     allocator.spill_all();
-    fake_cuda::fail_nth("cuMemMap", 1, CUDA_ERROR_OUT_OF_MEMORY);  // the first staging map
+    // The new page in the old one's place, then the old page at the staging slot.
+    fake_cuda::fail_nth("cuMemMap", 2, CUDA_ERROR_OUT_OF_MEMORY);
     CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
     live_blocks_hold(device, blocks, 4 * kMiB);
     allocator.restore_all();
@@ -133,14 +135,35 @@ TEST_CASE("failure_remap_error_during_a_page_move_keeps_the_block_mapped", "[fak
     std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(2 * kMiB, 0), 4}};
     device.fill(blocks[0].first, 4, 2 * kMiB);
     allocator.spill_all();
-    // Two staging maps for the copy, then the map of the new page in place.
-    fake_cuda::fail_nth("cuMemMap", 3, CUDA_ERROR_OUT_OF_MEMORY);
+    // The first map of a move is the new page's, in the old one's place.
+    fake_cuda::fail_nth("cuMemMap", 1, CUDA_ERROR_OUT_OF_MEMORY);
     CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
     REQUIRE(live_blocks_hold(device, blocks, 2 * kMiB));
     CHECK(allocator.is_device_resident(blocks[0].first));
     CHECK(allocator.apply_pending_migrations() == 2 * kMiB);  // the retry moves it
     CHECK_FALSE(allocator.is_device_resident(blocks[0].first));
     live_blocks_hold(device, blocks, 2 * kMiB);
+  }
+  device.check_clean();
+}
+
+// A copy the driver refuses, after the new page took the old one's place:
+// the old page goes back, bytes unchanged, and a retry moves it.
+TEST_CASE("failure_copy_error_during_a_page_move_puts_the_old_page_back", "[fake_cuda][failure]") {
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(4 * kMiB, 0), 6}};
+    device.fill(blocks[0].first, 6, 4 * kMiB);
+    allocator.spill_all();
+    fake_cuda::fail_nth("cudaMemcpyAsync", 1, cudaErrorInvalidValue);
+    CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
+    REQUIRE(live_blocks_hold(device, blocks, 4 * kMiB));
+    CHECK(allocator.is_device_resident(blocks[0].first));
+    CHECK(allocator.apply_pending_migrations() == 4 * kMiB);
+    CHECK_FALSE(allocator.is_device_resident(blocks[0].first));
+    CHECK(live_blocks_hold(device, blocks, 4 * kMiB));
+    allocator.check_invariants();
   }
   device.check_clean();
 }
