@@ -125,42 +125,31 @@ TEST_CASE("failure_staging_map_error_during_a_page_move_leaks_no_handle", "[fake
 // threw, the address was left unmapped while the page table still recorded
 // the old page there: the live block's bytes were unreachable (a kernel
 // would fault), the new page leaked, and ~CachingAllocator threw from
-// cuMemUnmap of the unmapped address (std::terminate). The check reads the
-// block only where the fake says it is mapped, so a regression fails here
-// instead of faulting.
-TEST_CASE("failure_remap_error_during_a_page_move_keeps_the_block_mapped", "[fake_cuda][failure]") {
+// cuMemUnmap of the unmapped address (std::terminate). A copy the driver
+// refuses, after the new page took the old one's place, must put the old
+// page back too. The check reads the block only where the fake says it is
+// mapped, so a regression fails here instead of faulting.
+TEST_CASE("failure_remap_or_copy_error_during_a_page_move_keeps_the_block_mapped", "[fake_cuda][failure]") {
+  struct Failure {
+    const char* entry;  // the first call of it fails
+    int code;
+  };
+  // The first map of a move is the new page's, in the old one's place; the
+  // copy follows it.
+  const Failure failure = GENERATE(Failure{"cuMemMap", CUDA_ERROR_OUT_OF_MEMORY},
+                                   Failure{"cudaMemcpyAsync", cudaErrorInvalidValue});
+  CAPTURE(failure.entry);
   FakeCudaDevice device;
   {
     CachingAllocator allocator(device.backend());
-    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(2 * kMiB, 0), 4}};
-    device.fill(blocks[0].first, 4, 2 * kMiB);
+    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(4 * kMiB, 0), 4}};
+    device.fill(blocks[0].first, 4, 4 * kMiB);
     allocator.spill_all();
-    // The first map of a move is the new page's, in the old one's place.
-    fake_cuda::fail_nth("cuMemMap", 1, CUDA_ERROR_OUT_OF_MEMORY);
-    CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
-    REQUIRE(live_blocks_hold(device, blocks, 2 * kMiB));
-    CHECK(allocator.is_device_resident(blocks[0].first));
-    CHECK(allocator.apply_pending_migrations() == 2 * kMiB);  // the retry moves it
-    CHECK_FALSE(allocator.is_device_resident(blocks[0].first));
-    live_blocks_hold(device, blocks, 2 * kMiB);
-  }
-  device.check_clean();
-}
-
-// A copy the driver refuses, after the new page took the old one's place:
-// the old page goes back, bytes unchanged, and a retry moves it.
-TEST_CASE("failure_copy_error_during_a_page_move_puts_the_old_page_back", "[fake_cuda][failure]") {
-  FakeCudaDevice device;
-  {
-    CachingAllocator allocator(device.backend());
-    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(4 * kMiB, 0), 6}};
-    device.fill(blocks[0].first, 6, 4 * kMiB);
-    allocator.spill_all();
-    fake_cuda::fail_nth("cudaMemcpyAsync", 1, cudaErrorInvalidValue);
+    fake_cuda::fail_nth(failure.entry, 1, failure.code);
     CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
     REQUIRE(live_blocks_hold(device, blocks, 4 * kMiB));
     CHECK(allocator.is_device_resident(blocks[0].first));
-    CHECK(allocator.apply_pending_migrations() == 4 * kMiB);
+    CHECK(allocator.apply_pending_migrations() == 4 * kMiB);  // the retry moves it
     CHECK_FALSE(allocator.is_device_resident(blocks[0].first));
     CHECK(live_blocks_hold(device, blocks, 4 * kMiB));
     allocator.check_invariants();
