@@ -716,13 +716,19 @@ struct CachingAllocator::State {
   }
 
   // Moves one page to `where`, keeping its address and bytes. Returns false
-  // when no page can be had there.
-  bool move_page(const LivePage& live, Residency where) {
+  // when no page can be had there. `given_up` holds the device pages that
+  // moves to the host of the same batch gave up: a move to the device takes
+  // one of them before creating a page, and a move to the host adds its old
+  // page instead of releasing it (the caller releases what is left).
+  bool move_page(const LivePage& live, Residency where, std::vector<PageHandle>& given_up) {
     Segment& segment = *live.segment;
     Page& page = segment.pages[live.index];
     PageHandle target;
     if (where == Residency::kHost && !spill_targets.empty()) {
       target = take_spill_target();
+    } else if (where == Residency::kDevice && !given_up.empty()) {
+      target = given_up.back();
+      given_up.pop_back();
     } else {
       target = backend.create_page(where);
     }
@@ -755,7 +761,11 @@ struct CachingAllocator::State {
       backend.map(address, page.handle);
       throw;
     }
-    backend.release_page(page.handle);
+    if (page.handle.where == Residency::kDevice) {
+      given_up.push_back(page.handle);  // still backs the copy just issued; the stream orders any reuse after it
+    } else {
+      backend.release_page(page.handle);
+    }
     count_mapped(segment, page.handle.where, false);
     count_mapped(segment, where, true);
     page.handle = target;
@@ -786,15 +796,31 @@ struct CachingAllocator::State {
     const MigrationPlan moves = plan(&pages);
     if (moves.empty()) return 0;
     backend.synchronize_device();
+    // Device pages the spills give up back the restores of the batch (a
+    // host page hotter than a device page swaps places with it): a page
+    // creation and a release fewer per swap. What is left goes back to the
+    // driver, also when a move throws.
+    struct GivenUp {
+      State& state;
+      std::vector<PageHandle> pages;
+      ~GivenUp() {
+        for (PageHandle page : pages) {
+          try {
+            state.backend.release_page(page);
+          } catch (...) {
+          }
+        }
+      }
+    } given_up{*this, {}};
     std::size_t moved = 0;
     for (std::size_t id : moves.to_host) {
-      if (!move_page(pages[id], Residency::kHost)) break;  // host exhausted: stay over the cap
+      if (!move_page(pages[id], Residency::kHost, given_up.pages)) break;  // host exhausted: stay over the cap
       moved += page_bytes;
     }
     for (std::size_t id : moves.to_device) {
       // A spill that failed above leaves no room under the cap.
       if (device_bytes() + page_bytes > effective_cap()) break;
-      if (!move_page(pages[id], Residency::kDevice)) break;  // device taken by others: try later
+      if (!move_page(pages[id], Residency::kDevice, given_up.pages)) break;  // device taken by others: try later
       moved += page_bytes;
     }
     return moved;

@@ -182,12 +182,18 @@ TEST_CASE("a_host_page_hotter_than_a_device_page_swaps_with_it_at_the_safe_point
   fill(device, hot, 6, 4 * kMiB);
   fill(device, other, 7, 4 * kMiB);
   allocator.set_memory_cap(4 * kMiB);      // re-plans: the hot host page swaps with the colder device page
+  const auto created_before = device.calls().create_page, released_before = device.calls().release_page;
   CHECK(allocator.apply_pending_migrations() == 8 * kMiB);
   CHECK(allocator.is_device_resident(hot));
   CHECK_FALSE(allocator.is_device_resident(other));
   CHECK(holds(device, hot, 6, 4 * kMiB));
   CHECK(holds(device, other, 7, 4 * kMiB));
   CHECK(allocator.stats().device_resident_bytes.current == 4 * kMiB);
+  // The two device pages `other` gave up back `hot` on the device: only its
+  // two host pages are created, and only `hot`'s two old host pages released.
+  CHECK(device.calls().create_page - created_before == 2);
+  CHECK(device.calls().release_page - released_before == 2);
+  allocator.check_invariants();
 }
 
 TEST_CASE("spill_all_moves_every_live_page_to_host_and_restore_all_brings_them_back", "[cap]") {

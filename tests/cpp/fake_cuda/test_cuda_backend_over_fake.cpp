@@ -284,6 +284,47 @@ TEST_CASE("cuda_backend_over_fake_an_allocator_going_away_synchronizes_once", "[
   device.check_clean();
 }
 
+// A swap at a safe point: the device pages a cold block gives up back a hot
+// block coming back, while the copies out of them may still be in flight
+// (2 ms each on the copy stream). The stream runs the copy out before the
+// copy in, so both blocks keep their bytes, and no device page is created.
+TEST_CASE("cuda_backend_over_fake_a_swap_reuses_the_device_pages_given_up_with_copies_in_flight",
+          "[fake_cuda][backend]") {
+  using Call = cuda::CudaBackend::DriverCall;
+  FakeCudaDevice device;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(4 * kMiB);
+    const DevicePtr hot = allocator.allocate(4 * kMiB, 0);
+    device.fill(hot, 6, 4 * kMiB);
+    allocator.spill_all();
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 4 * kMiB);
+    allocator.restore_all();
+    const DevicePtr cold = allocator.allocate(4 * kMiB, 1);  // fills the cap on the device
+    device.fill(cold, 7, 4 * kMiB);
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 0);
+    allocator.free(hot);  // a free and an allocation on the host pages make them the hottest
+    REQUIRE(allocator.allocate(4 * kMiB, 0) == hot);
+    device.fill(hot, 8, 4 * kMiB);
+    fake_cuda::set_delay(std::chrono::milliseconds(2));
+    backend.reset_driver_call_times();
+    allocator.set_memory_cap(4 * kMiB);  // re-plans: the swap
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 8 * kMiB);
+    fake_cuda::set_delay(std::chrono::microseconds(0));
+    CHECK(allocator.is_device_resident(hot));
+    CHECK_FALSE(allocator.is_device_resident(cold));
+    CHECK(device.holds(hot, 8, 4 * kMiB));
+    CHECK(device.holds(cold, 7, 4 * kMiB));
+    CHECK(backend.driver_call_time(Call::kCreateDevicePage).calls == 0);
+    CHECK(backend.driver_call_time(Call::kReleaseDevicePage).calls == 0);
+    CHECK(backend.driver_call_time(Call::kCreateHostPage).calls == 2);
+    allocator.free(hot);
+    allocator.free(cold);
+  }
+  device.check_clean();
+}
+
 TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_spill_and_a_restore",
           "[fake_cuda][backend]") {
   using Call = cuda::CudaBackend::DriverCall;
