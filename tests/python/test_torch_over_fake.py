@@ -796,3 +796,88 @@ def test_a_paused_opportunistic_job_runs_views_and_holds_its_copies(library):
     assert out["views_ran_while_paused"]
     assert out["events_for_views"] == 0
     assert out["copy_held"] and out["copy_resumed"] and out["same"]
+
+
+def test_threads_streams_and_a_moving_cap_keep_every_value(library):
+    """Randomized, seeded: three threads allocate (on their own stream or the
+    default one, some with record_stream), copy device to device, check and
+    free tensors, while a fourth moves the cap, empties the cache, spills
+    and restores everything and runs safe points, for six seconds on a
+    256 MiB device whose new pages hold garbage. Every value read back must
+    be the one written."""
+    out = run(library, """
+        import random, threading, time
+        errors, checked = [], [0]
+        stop = time.time() + 6
+
+        def worker(seed):
+            rng, stream, live, n = random.Random(seed), torch.cuda.Stream(), {}, 0
+            try:
+                while time.time() < stop:
+                    op = rng.random()
+                    if op < 0.5 or not live:
+                        data = pattern(rng.choice([100, 5000, 1 << 16, 1 << 18, 3 << 18, 1 << 20]),
+                                       rng.randrange(1 << 20))
+                        if rng.random() < 0.5:
+                            with torch.cuda.stream(stream):
+                                t = data.to("cuda")
+                            if rng.random() < 0.3:
+                                t.record_stream(torch.cuda.current_stream())
+                        else:
+                            t = data.to("cuda")
+                        live[n], n = (t, data), n + 1
+                    elif op < 0.8:
+                        t, data = live.pop(rng.choice(list(live)))
+                        if not same(t, data):
+                            errors.append(f"worker {seed}: wrong values")
+                        checked[0] += 1
+                    else:
+                        t, data = live[rng.choice(list(live))]
+                        copy = torch.empty_like(t)
+                        copy.copy_(t)  # device to device
+                        live[n], n = (copy, data), n + 1
+                    if len(live) > 40:
+                        live.pop(rng.choice(list(live)))
+                for t, data in live.values():
+                    if not same(t, data):
+                        errors.append(f"worker {seed}: wrong values at the end")
+                    checked[0] += 1
+            except Exception as error:
+                errors.append(f"worker {seed}: {type(error).__name__}: {error}")
+
+        def mover():
+            rng = random.Random(99)
+            while time.time() < stop:
+                r = rng.random()
+                try:
+                    if r < 0.3:
+                        cotenant.set_memory_cap(rng.choice([16, 32, 64, 128]) * MIB)
+                    elif r < 0.4:
+                        cotenant.set_memory_cap(None)
+                    elif r < 0.5:
+                        torch.cuda.empty_cache()
+                    elif r < 0.55:
+                        cotenant.spill_all()
+                    elif r < 0.6:
+                        cotenant.restore_all()
+                    else:
+                        cotenant.safe_point()
+                except Exception as error:
+                    errors.append(f"mover: {type(error).__name__}: {error}")
+                time.sleep(rng.random() * 0.01)
+
+        cotenant.enable()
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+        threads.append(threading.Thread(target=mover))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stats = cotenant.memory_stats()
+        out.update(errors=errors, checked=checked[0], spilled=stats["spilled_bytes"],
+                   restored=stats["restored_bytes"], allocated=stats["allocated_bytes"])
+    """, capacity=256 * MIB, garbage=True)
+    assert out["errors"] == []
+    assert out["checked"] > 100
+    assert out["spilled"] > 0 and out["restored"] > 0  # the mover's caps did move pages
+    assert out["allocated"] == 0
