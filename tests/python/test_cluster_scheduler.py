@@ -442,3 +442,48 @@ def test_a_starting_scheduler_reads_its_saved_state_again_while_the_gcs_does_not
     with pytest.raises(RuntimeError, match=r"cannot read its saved state .*ConnectionError: GCS unavailable.*"
                                            r"cotenant cluster up"):
         runtime._read_saved_state(Store(failures=10 ** 6))
+
+
+# ---- `cotenant cluster up`'s options, without Ray ------------------------------------------------
+
+
+@pytest.mark.parametrize("option, value", [("--gang-timeout", "0"), ("--gang-timeout", "soon"),
+                                           ("--agent-timeout", "-1"), ("--agent-timeout", "inf")])
+def test_cluster_up_refuses_a_timeout_that_is_not_a_positive_number_of_seconds(option, value, capsys):
+    from cotenant import cli
+
+    with pytest.raises(SystemExit) as exit_status:
+        cli.main(["cluster", "up", option, value])
+    assert exit_status.value.code == 2
+    assert f"{option} takes a number of seconds above 0, like 30; not {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_cluster_up_starts_the_scheduler_with_its_timeouts_and_says_when_one_runs_already(running, monkeypatch,
+                                                                                         capsys):
+    from cotenant import cli
+    from cotenant.cluster import command, runtime
+
+    started = {}
+
+    class Ray:
+        @staticmethod
+        def nodes():
+            return [{"Alive": True, "Resources": {"GPU": 2.0}}]
+
+    def scheduler_handle(ray):
+        if not running:
+            raise LookupError("no cotenant scheduler runs on this Ray cluster")
+        return object()
+
+    monkeypatch.setattr(runtime, "ray_module", lambda: object())
+    monkeypatch.setattr(command, "_connect", lambda address: Ray())
+    monkeypatch.setattr(runtime, "scheduler_handle", scheduler_handle)
+    monkeypatch.setattr(runtime, "start_scheduler", lambda ray, **options: started.update(options))
+    assert cli.main(["cluster", "up", "--address", "10.0.0.1:6379", "--gang-timeout", "45",
+                     "--agent-timeout", "5"]) == 0
+    assert started["gang_timeout_s"] == 45.0 and started["agent_timeout_s"] == 5.0
+    assert started["policy"] == "antman"
+    out = capsys.readouterr()
+    assert "1 node(s), 2 GPU(s)" in out.out
+    assert ("runs on this Ray cluster already" in out.err) == running

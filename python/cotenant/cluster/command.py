@@ -47,6 +47,19 @@ def _speed(text: str) -> Tuple[str, float]:
     return gpu_type, speed
 
 
+def _seconds(option: str):
+    """An argparse type: a number of seconds above 0 for `option`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{option} takes a number of seconds above 0, like 30; not {text!r}")
+        return value
+    return parse
+
+
 def add_cluster_command(subparsers) -> None:
     p = subparsers.add_parser("cluster", help="schedule jobs across nodes: AntMan's global scheduler on Ray",
                               description="The global scheduler and a node agent per node, on Ray; see "
@@ -68,6 +81,12 @@ def add_cluster_command(subparsers) -> None:
                    help="GPUs a tenant may hold as guaranteed; beyond it its jobs run opportunistic (repeat)")
     q.add_argument("--socket", help="the cotenant coordinator's socket on every node (default: the node's "
                                     "default, /run/cotenant/coordinator.sock)")
+    q.add_argument("--gang-timeout", type=_seconds("--gang-timeout"), default=10.0, metavar="SECONDS",
+                   help="how long Ray may take to reserve all of a guaranteed job's GPUs at once before the job "
+                        "goes back to waiting (default 10; more on clusters whose nodes are slow to answer)")
+    q.add_argument("--agent-timeout", type=_seconds("--agent-timeout"), default=2.0, metavar="SECONDS",
+                   help="how long the scheduler waits for a node agent's answer before it counts the node as not "
+                        "answering (default 2)")
     q.set_defaults(func=cmd_up)
 
     q = with_address(sub.add_parser("submit", help="submit a job to the cluster",
@@ -178,7 +197,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not args.address and not os.environ.get("RAY_ADDRESS") and not _ray_running(ray_module):
         _start_ray_head()
     ray = _connect(args.address)
-    scheduler = runtime.start_scheduler(ray, policy=args.policy, quotas=dict(args.quota) or None, socket=args.socket)
+    try:
+        runtime.scheduler_handle(ray)
+        already = True
+    except LookupError:
+        already = False
+    if already:
+        print("a cotenant scheduler runs on this Ray cluster already: it keeps its policy and timeouts (quotas "
+              "given here apply); `cotenant cluster down` first to start one with others", file=sys.stderr)
+    scheduler = runtime.start_scheduler(ray, policy=args.policy, quotas=dict(args.quota) or None, socket=args.socket,
+                                        gang_timeout_s=args.gang_timeout, agent_timeout_s=args.agent_timeout)
     for tenant, gpus in args.quota:
         ray.get(scheduler.set_quota.remote(tenant, gpus))
     nodes = [n for n in ray.nodes() if n.get("Alive")]
