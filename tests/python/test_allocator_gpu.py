@@ -431,6 +431,30 @@ print(json.dumps({"cap": s["memory_cap"], "device": s["device_bytes"], "host": s
 '''
 
 
+def test_mem_get_info_reports_the_cap_so_a_buffer_sized_from_it_fits_under_it():
+    """As an inference server sizes its KV cache: 0.9 of the free memory
+    torch.cuda.mem_get_info() reports, under a 1 GiB cap, fits without a
+    spill; the driver's own figures stay at __wrapped__."""
+    out = run_script("""
+        cotenant.set_memory_cap("1GiB")
+        weights = torch.ones(64 << 20, device="cuda")  # 256 MiB, written by a kernel
+        held = cotenant.memory_stats()["device_bytes"]
+        free, total = torch.cuda.mem_get_info()
+        driver_free, driver_total = torch.cuda.mem_get_info.__wrapped__()
+        cache = torch.zeros(int(free * 0.9) // 4, device="cuda")
+        torch.cuda.synchronize()
+        cotenant.safe_point()
+        stats = cotenant.memory_stats()
+        print(json.dumps({"held": held, "free": free, "total": total, "driver_total": driver_total,
+                          "driver_free": driver_free, "host": stats["host_bytes"], "device": stats["device_bytes"],
+                          "ones": bool((weights == 1).all()), "cache_zero": bool((cache == 0).all())}))
+    """)
+    assert out["total"] == 1 << 30 and out["free"] == (1 << 30) - out["held"]
+    assert out["driver_total"] > out["total"] and out["driver_free"] > out["free"]
+    assert out["host"] == 0 and out["device"] <= 1 << 30
+    assert out["ones"] and out["cache_zero"]
+
+
 def test_a_cap_set_through_the_coordinator_reaches_a_running_job():
     from coordinator_harness import cap_a_job_through_the_coordinator
 
