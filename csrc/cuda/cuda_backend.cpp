@@ -366,17 +366,21 @@ void CudaBackend::copy_into(DevicePtr address, PageHandle src) {
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   const bool pipelined = quiescent_.load(std::memory_order_acquire);
   cudaError_t err;
+  bool marked = false;  // the copy's event is recorded: the slot can be retired later
   {
     Timed timed(*this, DriverCall::kCopyIssue);
     err = cudaMemcpyAsync(reinterpret_cast<void*>(address), reinterpret_cast<void*>(src_va), granularity_,
                           cudaMemcpyDefault, stream);
-    if (err == cudaSuccess && pipelined) err = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream);
+    if (err == cudaSuccess && pipelined) {
+      marked = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream) == cudaSuccess;
+      if (!marked) (void)cudaGetLastError();  // not sticky: the copy is waited for below instead
+    }
   }
-  if (err == cudaSuccess && pipelined) {
+  if (marked) {
     slot.busy = true;  // finish_copies() or the slot's next use waits for it
     return;
   }
-  if (err == cudaSuccess) {
+  if (err == cudaSuccess) {  // the copy was issued: it may still read the staging mapping
     Timed timed(*this, DriverCall::kCopyWait);
     err = cudaStreamSynchronize(stream);
   }

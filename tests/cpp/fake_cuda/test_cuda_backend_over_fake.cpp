@@ -325,6 +325,29 @@ TEST_CASE("cuda_backend_over_fake_a_swap_reuses_the_device_pages_given_up_with_c
   device.check_clean();
 }
 
+// At a safe point a copy's completion event marks when its staging slot may
+// be unmapped. When that event cannot be recorded, the copy (issued, 2 ms on
+// its stream) is waited for before the slot is unmapped, and the move stands:
+// unmapping it at once broke the driver's rule and failed the move.
+TEST_CASE("cuda_backend_over_fake_a_copy_whose_event_cannot_be_recorded_is_waited_for", "[fake_cuda][backend]") {
+  FakeCudaDevice device;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  {
+    CachingAllocator allocator(device.backend());
+    const DevicePtr block = allocator.allocate(4 * kMiB, 0);
+    device.fill(block, 9, 4 * kMiB);
+    allocator.spill_all();
+    fake_cuda::set_delay(std::chrono::milliseconds(2));
+    fake_cuda::fail_nth("cudaEventRecord", 1, cudaErrorInvalidValue);
+    CHECK(migrate_at_safe_point(allocator, backend) == 4 * kMiB);
+    fake_cuda::set_delay(std::chrono::microseconds(0));
+    CHECK_FALSE(allocator.is_device_resident(block));
+    CHECK(device.holds(block, 9, 4 * kMiB));
+    allocator.free(block);
+  }
+  device.check_clean();
+}
+
 TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_spill_and_a_restore",
           "[fake_cuda][backend]") {
   using Call = cuda::CudaBackend::DriverCall;
