@@ -348,6 +348,13 @@ void CudaBackend::retire(StagingSlot& slot) {
   {
     Timed timed(*this, DriverCall::kCopyWait);
     err = cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
+    if (err != cudaSuccess) {
+      // The event could not be waited for: wait for the copy itself (the
+      // copy stream runs in order), so that the slot is unmapped only once
+      // nothing reads it; an error of the copy's own shows here.
+      (void)cudaGetLastError();
+      err = cudaStreamSynchronize(static_cast<cudaStream_t>(copy_stream_));
+    }
   }
   unmap_now(slot.base);
   check_runtime(err, "copying a page between device and host");

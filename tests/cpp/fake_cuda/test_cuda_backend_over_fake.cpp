@@ -326,10 +326,14 @@ TEST_CASE("cuda_backend_over_fake_a_swap_reuses_the_device_pages_given_up_with_c
 }
 
 // At a safe point a copy's completion event marks when its staging slot may
-// be unmapped. When that event cannot be recorded, the copy (issued, 2 ms on
-// its stream) is waited for before the slot is unmapped, and the move stands:
-// unmapping it at once broke the driver's rule and failed the move.
-TEST_CASE("cuda_backend_over_fake_a_copy_whose_event_cannot_be_recorded_is_waited_for", "[fake_cuda][backend]") {
+// be unmapped. When that event cannot be recorded, or not waited for, the
+// copy (issued, 2 ms on its stream) is waited for before the slot is
+// unmapped, and the move stands: unmapping at once broke the driver's rule
+// (and, for the record, failed the move).
+TEST_CASE("cuda_backend_over_fake_a_copy_whose_event_fails_is_waited_for_before_its_slot_is_unmapped",
+          "[fake_cuda][backend]") {
+  const char* failing = GENERATE("cudaEventRecord", "cudaEventSynchronize");
+  CAPTURE(failing);
   FakeCudaDevice device;
   cuda::CudaBackend& backend = device.cuda_backend();
   {
@@ -338,7 +342,7 @@ TEST_CASE("cuda_backend_over_fake_a_copy_whose_event_cannot_be_recorded_is_waite
     device.fill(block, 9, 4 * kMiB);
     allocator.spill_all();
     fake_cuda::set_delay(std::chrono::milliseconds(2));
-    fake_cuda::fail_nth("cudaEventRecord", 1, cudaErrorInvalidValue);
+    fake_cuda::fail_nth(failing, 1, cudaErrorInvalidValue);
     CHECK(migrate_at_safe_point(allocator, backend) == 4 * kMiB);
     fake_cuda::set_delay(std::chrono::microseconds(0));
     CHECK_FALSE(allocator.is_device_resident(block));
