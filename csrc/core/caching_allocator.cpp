@@ -178,13 +178,16 @@ struct CachingAllocator::State {
     Page& page = segment.pages[index];
     if (synchronized) backend.unmap_synchronized(segment.base + index * page_bytes);
     else backend.unmap(segment.base + index * page_bytes);
-    backend.release_page(page.handle);
-    count_mapped(segment, page.handle.where, false);
-    if (page.live_blocks == 0) cached_of(page.handle.where) -= page_bytes;
+    const PageHandle handle = page.handle;
+    count_mapped(segment, handle.where, false);
+    if (page.live_blocks == 0) cached_of(handle.where) -= page_bytes;
     emit(AllocatorEvent::Kind::kPageUnmapped, segment.base + index * page_bytes, page_bytes, segment.stream,
-         page.handle.where);
+         handle.where);
     page.handle = {};
     ++stats.num_device_free;
+    // Last: the books already say the page is gone. A release the driver
+    // refuses leaves the page with the process until it exits.
+    backend.release_page(handle);
   }
 
   // Releases mapped pages no live block touches, on `where` (or both when
@@ -761,18 +764,21 @@ struct CachingAllocator::State {
       backend.map(address, page.handle);
       throw;
     }
-    if (page.handle.where == Residency::kDevice) {
-      given_up.push_back(page.handle);  // still backs the copy just issued; the stream orders any reuse after it
-    } else {
-      backend.release_page(page.handle);
-    }
-    count_mapped(segment, page.handle.where, false);
+    const PageHandle old = page.handle;
+    count_mapped(segment, old.where, false);
     count_mapped(segment, where, true);
     page.handle = target;
     emit(AllocatorEvent::Kind::kPageMoved, address, page_bytes, segment.stream, where);
     const auto bytes = static_cast<std::int64_t>(page_bytes);
     (where == Residency::kHost ? stats.spilled_bytes : stats.restored_bytes) += bytes;
     ++stats.num_migrations;
+    // Last: the move is in the books. A release the driver refuses leaves the
+    // old page with the process until it exits, and the error goes on.
+    if (old.where == Residency::kDevice) {
+      given_up.push_back(old);  // still backs the copy just issued; the stream orders any reuse after it
+    } else {
+      backend.release_page(old);
+    }
     return true;
   }
 

@@ -132,10 +132,8 @@ CudaBackend::~CudaBackend() {
   // Best effort: at process exit the driver may already be shutting down.
   if (copy_stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
   for (StagingSlot& slot : staging_slots_) {
-    if (slot.busy) {
-      cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
-      driver().cuMemUnmap(slot.base, granularity_);
-    }
+    if (slot.busy) cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
+    if (slot.mapped) driver().cuMemUnmap(slot.base, granularity_);
     cudaEventDestroy(static_cast<cudaEvent_t>(slot.done));
   }
   if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, kStagingSlots * granularity_);
@@ -342,10 +340,9 @@ void CudaBackend::unmap_now(DevicePtr address) {
 }
 
 void CudaBackend::retire(StagingSlot& slot) {
-  if (!slot.busy) return;
-  slot.busy = false;
-  cudaError_t err;
-  {
+  cudaError_t err = cudaSuccess;
+  if (slot.busy) {
+    slot.busy = false;
     Timed timed(*this, DriverCall::kCopyWait);
     err = cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
     if (err != cudaSuccess) {
@@ -356,8 +353,14 @@ void CudaBackend::retire(StagingSlot& slot) {
       err = cudaStreamSynchronize(static_cast<cudaStream_t>(copy_stream_));
     }
   }
-  unmap_now(slot.base);
+  unmap_slot(slot);
   check_runtime(err, "copying a page between device and host");
+}
+
+void CudaBackend::unmap_slot(StagingSlot& slot) {
+  if (!slot.mapped) return;
+  unmap_now(slot.base);  // a refusal leaves the slot mapped: its next use, or finish_copies(), tries again
+  slot.mapped = false;
 }
 
 void CudaBackend::copy_into(DevicePtr address, PageHandle src) {
@@ -370,6 +373,7 @@ void CudaBackend::copy_into(DevicePtr address, PageHandle src) {
   retire(slot);
   const DevicePtr src_va = slot.base;
   map(src_va, src);
+  slot.mapped = true;
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   const bool pipelined = quiescent_.load(std::memory_order_acquire);
   cudaError_t err;
@@ -391,7 +395,7 @@ void CudaBackend::copy_into(DevicePtr address, PageHandle src) {
     Timed timed(*this, DriverCall::kCopyWait);
     err = cudaStreamSynchronize(stream);
   }
-  unmap_now(src_va);  // the copy finished or failed: nothing uses the staging mapping
+  unmap_slot(slot);  // the copy finished or failed: nothing uses the staging mapping
   check_runtime(err, "copying a page between device and host");
 }
 

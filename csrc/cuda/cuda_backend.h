@@ -155,10 +155,12 @@ class CudaBackend final : public Backend {
   struct StagingSlot {
     DevicePtr base = 0;
     void* done = nullptr;  // cudaEvent_t
-    bool busy = false;
+    bool busy = false;     // a copy through it may still run
+    bool mapped = false;   // a page is mapped at base
   };
   static constexpr std::size_t kStagingSlots = 8;
-  void retire(StagingSlot& slot);  // staging_mutex_ held
+  void retire(StagingSlot& slot);      // staging_mutex_ held
+  void unmap_slot(StagingSlot& slot);  // staging_mutex_ held; the slot's copy is done
   std::mutex staging_mutex_;
   DevicePtr staging_base_ = 0;
   std::vector<StagingSlot> staging_slots_;

@@ -400,3 +400,60 @@ TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_sp
   }
   device.check_clean();
 }
+
+// Every driver and runtime call a page move makes, failing once at each of
+// its first calls, at a safe point with copies in flight (1 ms each): the
+// failed batch throws or completes, a retry finishes the moves, and then, and
+// after the pages come back, every block holds its bytes; no driver rule is
+// broken and nothing leaks (but the page whose release the driver refused:
+// it stays with the process, as it would with a real driver).
+TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_byte_and_breaks_no_rule",
+          "[fake_cuda][backend][failure]") {
+  const char* entry = GENERATE("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease",
+                               "cudaMemcpyAsync", "cudaEventRecord", "cudaEventSynchronize", "cudaStreamSynchronize");
+  const int nth = GENERATE(1, 2, 3, 5, 8);
+  CAPTURE(entry, nth);
+  FakeCudaDevice device;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  {
+    CachingAllocator allocator(device.backend());
+    std::vector<std::pair<DevicePtr, std::uint64_t>> blocks;
+    for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+      blocks.push_back({allocator.allocate(4 * kMiB, 0), seed});
+      device.fill(blocks.back().first, seed, 4 * kMiB);
+    }
+    auto migrate_until_done = [&] {
+      for (int attempt = 0; attempt < 4 && allocator.has_pending_migrations(); ++attempt) {
+        try {
+          migrate_at_safe_point(allocator, backend);
+        } catch (const Error&) {
+          // the injected failure: the next attempt goes on
+        }
+      }
+    };
+    fake_cuda::set_delay(std::chrono::milliseconds(1));
+    allocator.spill_all();
+    fake_cuda::fail_nth(entry, nth, std::string(entry).rfind("cuda", 0) == 0 ? cudaErrorInvalidValue
+                                                                            : CUDA_ERROR_INVALID_VALUE);
+    migrate_until_done();
+    CHECK_FALSE(allocator.has_pending_migrations());
+    CHECK(allocator.stats().num_migrations == 6);  // each page moved once: a failed move is undone, not counted
+    for (const auto& [address, seed] : blocks) CHECK(device.holds(address, seed, 4 * kMiB));
+    allocator.restore_all();
+    migrate_until_done();
+    fake_cuda::set_delay(std::chrono::microseconds(0));
+    CHECK_FALSE(allocator.has_pending_migrations());
+    CHECK(allocator.stats().num_migrations == 12);
+    for (const auto& [address, seed] : blocks) {
+      CHECK(allocator.is_device_resident(address));
+      CHECK(device.holds(address, seed, 4 * kMiB));
+    }
+    allocator.check_invariants();
+    for (const auto& block : blocks) allocator.free(block.first);
+  }
+  if (std::string(entry) == "cuMemRelease") {
+    device.check_clean_but_one_unreleased_page();
+  } else {
+    device.check_clean();
+  }
+}
