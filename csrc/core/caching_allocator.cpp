@@ -1303,6 +1303,10 @@ std::size_t CachingAllocator::discard_pages() {
                 "captured so far may use them. Discard after the capture ends.");
   }
   s.release_spill_targets();
+  // Discarded from the first page on: when the driver refuses an unmap part
+  // way, the allocator still refuses allocations and back_discarded_pages()
+  // backs (and zeroes) what is gone.
+  s.discarded = true;
   std::size_t released = 0;
   for (auto& [base, segment] : s.segments) {
     for (std::size_t i = 0; i < segment->pages.size(); ++i) {
@@ -1311,7 +1315,6 @@ std::size_t CachingAllocator::discard_pages() {
       released += s.page_bytes;
     }
   }
-  s.discarded = true;
   s.mark_pending(pending_migrations_);
   return released;
 }
@@ -1331,7 +1334,14 @@ std::size_t CachingAllocator::back_discarded_pages() {
     if (segment->pinned_fallback) continue;
     for (std::size_t i = 0; i < segment->pages.size(); ++i) {
       Page& page = segment->pages[i];
-      if (page.handle || page.live_blocks == 0) continue;
+      if (page.live_blocks == 0) continue;
+      if (page.handle) {
+        // A page a failed discard left mapped: its bytes are zeroed too.
+        const DevicePtr address = segment->base + i * s.page_bytes;
+        if (!runs.empty() && runs.back().first + runs.back().second == address) runs.back().second += s.page_bytes;
+        else runs.emplace_back(address, s.page_bytes);
+        continue;
+      }
       const PageHandle handle = s.backend.create_page(Residency::kDevice);
       if (!handle) {
         zero_runs();

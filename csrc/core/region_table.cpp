@@ -115,6 +115,25 @@ DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAlloc
   return region.allocator->allocate(bytes, stream);
 }
 
+namespace {
+
+// Moves every page of `a` to the host (to_host) or back, as far as it can:
+// how a pause or resume that failed part way leaves the region as it was.
+// Its own failure is not the caller's error: the first one goes on.
+void move_back_quietly(CachingAllocator& a, bool to_host) {
+  try {
+    if (to_host) {
+      a.spill_all();
+    } else {
+      a.restore_all();
+    }
+    a.apply_pending_migrations();
+  } catch (const Error&) {
+  }
+}
+
+}  // namespace
+
 std::size_t RegionTable::pause(const std::string& name, bool keep) {
   std::lock_guard lock(mutex_);
   Region& region = find_locked(name, "pause");
@@ -126,7 +145,14 @@ std::size_t RegionTable::pause(const std::string& name, bool keep) {
   refuse_during_capture(name, "pause");
   CachingAllocator& a = *region.allocator;
   if (!keep) {
-    const std::size_t released = a.discard_pages();
+    std::size_t released = 0;
+    try {
+      released = a.discard_pages();
+    } catch (const Error&) {
+      // Part of it is gone: the region is paused, and resume() backs all of it again, zeroed.
+      if (a.discarded()) region.state = RegionState::kPausedDiscarded;
+      throw;
+    }
     region.state = RegionState::kPausedDiscarded;
     return released;
   }
@@ -137,7 +163,13 @@ std::size_t RegionTable::pause(const std::string& name, bool keep) {
                             name));
   }
   a.spill_all();
-  std::size_t moved = a.apply_pending_migrations();
+  std::size_t moved = 0;
+  try {
+    moved = a.apply_pending_migrations();
+  } catch (const Error&) {
+    move_back_quietly(a, /*to_host=*/false);  // a driver error part way: the region stays active, on the device
+    throw;
+  }
   if (a.has_pending_migrations()) {
     // The host ran out of pages: the region stays where it can run.
     a.restore_all();
@@ -165,7 +197,13 @@ std::size_t RegionTable::resume(const std::string& name) {
     return mapped;
   }
   a.restore_all();
-  const std::size_t moved = a.apply_pending_migrations();
+  std::size_t moved = 0;
+  try {
+    moved = a.apply_pending_migrations();
+  } catch (const Error&) {
+    move_back_quietly(a, /*to_host=*/true);  // a driver error part way: the region stays paused, on the host
+    throw;
+  }
   if (a.has_pending_migrations()) {
     const std::size_t left = static_cast<std::size_t>(a.stats().host_resident_bytes.current);
     a.spill_all();  // still paused: what came back goes out again, so the region is whole on the host

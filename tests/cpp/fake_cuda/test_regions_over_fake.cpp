@@ -145,3 +145,120 @@ TEST_CASE("a_region_freed_while_discarded_leaves_nothing_behind_over_fake", "[fa
   backend.reset();
   check_fake_cuda_clean();
 }
+
+// Every driver or runtime call of a kept pause and its resume failing once,
+// at its 1st to 8th call, with copies 1 ms in flight: a pause or resume the
+// failure hits throws and leaves the region as it was (active, or paused),
+// the next try succeeds, the bytes survive, no rule is broken, and nothing
+// leaks but a page whose release the driver refused.
+TEST_CASE("a_kept_pause_and_resume_under_any_failing_call_keep_the_bytes_over_fake", "[fake_cuda][regions][failure]") {
+  const char* entry = GENERATE("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease",
+                               "cudaMemcpyAsync", "cudaEventRecord", "cudaEventSynchronize");
+  const int nth = GENERATE(1, 2, 3, 5, 8);
+  CAPTURE(entry, nth);
+  auto backend = garbage_device();
+  {
+    RegionTable table(*backend);
+    CachingAllocator* kv = nullptr;
+    DevicePtr cache = 0;
+    {
+      InRegion in("kv_cache");
+      cache = table.allocate(7 * kMiB, 0, &kv);
+    }
+    fill_bytes(cache, 5, 7 * kMiB);
+    fake_cuda::set_delay(std::chrono::milliseconds(1));
+    fake_cuda::fail_nth(entry, nth, std::string(entry).rfind("cuda", 0) == 0 ? cudaErrorInvalidValue
+                                                                            : CUDA_ERROR_INVALID_VALUE);
+    auto until_it_holds = [&](RegionState wanted, auto&& action) {
+      for (int attempt = 0; attempt < 4 && table.state("kv_cache") != wanted; ++attempt) {
+        try {
+          at_safe_point(*backend, action);
+        } catch (const Error&) {
+          // The injected failure: the region is as it was (an active one
+          // whole on the device, a paused one whole on the host), and the
+          // next try goes on.
+          const bool active = table.state("kv_cache") == RegionState::kActive;
+          const auto& stats = kv->stats();
+          CHECK((active ? stats.host_resident_bytes.current : stats.device_resident_bytes.current) == 0);
+          CHECK_FALSE(kv->has_pending_migrations());
+        }
+      }
+      CHECK(table.state("kv_cache") == wanted);
+      CHECK(holds_bytes(cache, 5, 7 * kMiB));
+    };
+    until_it_holds(RegionState::kPausedKept, [&] { table.pause("kv_cache", /*keep=*/true); });
+    CHECK(kv->stats().device_resident_bytes.current == 0);
+    until_it_holds(RegionState::kActive, [&] { table.resume("kv_cache"); });
+    CHECK(kv->stats().host_resident_bytes.current == 0);
+    fake_cuda::set_delay(std::chrono::microseconds(0));
+    kv->check_invariants();
+    CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
+  }
+  backend.reset();
+  if (std::string(entry) == "cuMemRelease") {
+    const fake_cuda::Violations v = fake_cuda::violations();
+    for (const std::string& message : v.messages) FAIL_CHECK("fake CUDA rule violated: " << message);
+    CHECK(fake_cuda::leaks().handles <= 1);
+  } else {
+    check_fake_cuda_clean();
+  }
+}
+
+// The same for a pause that discards: a failure part way leaves the region
+// paused (what is gone is gone) or, before anything went, active; the resume
+// backs all of it again with zeros, and the region's neighbour keeps its bytes.
+TEST_CASE("a_discarding_pause_and_resume_under_any_failing_call_resume_as_zeros_over_fake",
+          "[fake_cuda][regions][failure]") {
+  struct Entry {
+    const char* name;
+    int calls;  // calls of it before the teardown: the failure fires in the pause or the resume
+  };
+  const Entry failing = GENERATE(Entry{"cuMemCreate", 3}, Entry{"cuMemMap", 3}, Entry{"cuMemSetAccess", 3},
+                                 Entry{"cuMemUnmap", 3}, Entry{"cuMemRelease", 3}, Entry{"cudaMemsetAsync", 1},
+                                 Entry{"cudaDeviceSynchronize", 2});
+  const char* entry = failing.name;
+  const int nth = std::min(GENERATE(1, 2, 3), failing.calls);
+  CAPTURE(entry, nth);
+  auto backend = garbage_device();
+  {
+    CachingAllocator main(*backend);
+    const DevicePtr other = main.allocate(3 * kMiB, 0);
+    fill_bytes(other, 1, 3 * kMiB);
+    RegionTable table(*backend);
+    CachingAllocator* kv = nullptr;
+    DevicePtr cache = 0;
+    {
+      InRegion in("kv_cache");
+      cache = table.allocate(7 * kMiB, 0, &kv);
+    }
+    fill_bytes(cache, 5, 7 * kMiB);
+    fake_cuda::fail_nth(entry, nth, std::string(entry).rfind("cuda", 0) == 0 ? cudaErrorInvalidValue
+                                                                            : CUDA_ERROR_INVALID_VALUE);
+    auto until = [&](RegionState wanted, auto&& action) {
+      for (int attempt = 0; attempt < 4 && table.state("kv_cache") != wanted; ++attempt) {
+        try {
+          at_safe_point(*backend, action);
+        } catch (const Error&) {
+          // the injected failure; the next try goes on
+        }
+      }
+      CHECK(table.state("kv_cache") == wanted);
+    };
+    until(RegionState::kPausedDiscarded, [&] { table.pause("kv_cache", /*keep=*/false); });
+    until(RegionState::kActive, [&] { table.resume("kv_cache"); });
+    CHECK(fake_cuda::device_can_access(0, reinterpret_cast<void*>(cache), 7 * kMiB));
+    CHECK(all_zero(cache, 7 * kMiB));
+    CHECK(holds_bytes(other, 1, 3 * kMiB));
+    kv->check_invariants();
+    main.check_invariants();
+    CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
+  }
+  backend.reset();
+  if (std::string(entry) == "cuMemRelease") {
+    const fake_cuda::Violations v = fake_cuda::violations();
+    for (const std::string& message : v.messages) FAIL_CHECK("fake CUDA rule violated: " << message);
+    CHECK(fake_cuda::leaks().handles <= 1);
+  } else {
+    check_fake_cuda_clean();
+  }
+}
