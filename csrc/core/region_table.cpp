@@ -117,18 +117,25 @@ DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAlloc
 
 namespace {
 
-// Moves every page of `a` to the host (to_host) or back, as far as it can:
-// how a pause or resume that failed part way leaves the region as it was.
-// Its own failure is not the caller's error: the first one goes on.
-void move_back_quietly(CachingAllocator& a, bool to_host) {
+// Applies the moves a pause (spill_all) or a resume (restore_all) asked for.
+// When the driver fails one part way, the pages that moved go back where
+// they were (to the host when `back_to_host`), so the region is whole where
+// it was, and the first error goes on (a failure of the way back is not
+// the caller's error).
+std::size_t apply_or_move_back(CachingAllocator& a, bool back_to_host) {
   try {
-    if (to_host) {
-      a.spill_all();
-    } else {
-      a.restore_all();
-    }
-    a.apply_pending_migrations();
+    return a.apply_pending_migrations();
   } catch (const Error&) {
+    try {
+      if (back_to_host) {
+        a.spill_all();
+      } else {
+        a.restore_all();
+      }
+      a.apply_pending_migrations();
+    } catch (const Error&) {
+    }
+    throw;
   }
 }
 
@@ -163,13 +170,7 @@ std::size_t RegionTable::pause(const std::string& name, bool keep) {
                             name));
   }
   a.spill_all();
-  std::size_t moved = 0;
-  try {
-    moved = a.apply_pending_migrations();
-  } catch (const Error&) {
-    move_back_quietly(a, /*to_host=*/false);  // a driver error part way: the region stays active, on the device
-    throw;
-  }
+  const std::size_t moved = apply_or_move_back(a, /*back_to_host=*/false);  // a driver error: active, on the device
   if (a.has_pending_migrations()) {
     // The host ran out of pages: the region stays where it can run.
     a.restore_all();
@@ -197,13 +198,7 @@ std::size_t RegionTable::resume(const std::string& name) {
     return mapped;
   }
   a.restore_all();
-  std::size_t moved = 0;
-  try {
-    moved = a.apply_pending_migrations();
-  } catch (const Error&) {
-    move_back_quietly(a, /*to_host=*/true);  // a driver error part way: the region stays paused, on the host
-    throw;
-  }
+  const std::size_t moved = apply_or_move_back(a, /*back_to_host=*/true);  // a driver error: paused, on the host
   if (a.has_pending_migrations()) {
     const std::size_t left = static_cast<std::size_t>(a.stats().host_resident_bytes.current);
     a.spill_all();  // still paused: what came back goes out again, so the region is whole on the host

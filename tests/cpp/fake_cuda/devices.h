@@ -41,6 +41,30 @@ inline void check_fake_cuda_clean() {
   CHECK_FALSE(leaks.any());
 }
 
+// The `nth` call of `entry` from now fails with its API's invalid-value
+// error (a runtime entry's cudaError_t, a driver entry's CUresult).
+inline void fail_once(const char* entry, int nth) {
+  const bool runtime = std::string(entry).rfind("cuda", 0) == 0;
+  fake_cuda::fail_nth(entry, nth, runtime ? static_cast<int>(cudaErrorInvalidValue) : CUDA_ERROR_INVALID_VALUE);
+}
+
+// check_fake_cuda_clean() after a test that failed `entry` once, except that
+// a page whose release the driver refused (entry cuMemRelease) stays with
+// the process, as it would with a real driver.
+inline void check_fake_cuda_clean_after_failing(const char* entry) {
+  if (std::string(entry) != "cuMemRelease") {
+    check_fake_cuda_clean();
+    return;
+  }
+  const fake_cuda::Violations v = fake_cuda::violations();
+  for (const std::string& message : v.messages) FAIL_CHECK("fake CUDA rule violated: " << message);
+  const fake_cuda::Leaks leaks = fake_cuda::leaks();
+  INFO("leaked: " << leaks.describe());
+  CHECK(leaks.handles <= 1);
+  CHECK(leaks.mappings == 0);
+  CHECK(leaks.reservations == 0);
+}
+
 class SimulatedDevice {
  public:
   static constexpr const char* kName = "simulated";
@@ -135,17 +159,10 @@ class FakeCudaDevice {
     CHECK(fake_cuda::device_bytes_in_use() == 0);
     check_fake_cuda_clean();
   }
-  // For a test where the driver refused to release one page on purpose: no
-  // rule broken, and nothing left behind but that page.
-  void check_clean_but_one_unreleased_page() {
+  // check_clean() after a test that failed `entry` once (see check_fake_cuda_clean_after_failing).
+  void check_clean_after_failing(const char* entry) {
     shut_down();
-    const fake_cuda::Violations v = fake_cuda::violations();
-    for (const std::string& message : v.messages) FAIL_CHECK("fake CUDA rule violated: " << message);
-    const fake_cuda::Leaks leaks = fake_cuda::leaks();
-    INFO("leaked: " << leaks.describe());
-    CHECK(leaks.handles <= 1);
-    CHECK(leaks.mappings == 0);
-    CHECK(leaks.reservations == 0);
+    check_fake_cuda_clean_after_failing(entry);
   }
   // For a test that broke a rule on purpose: only that nothing leaked.
   void check_leaks_only() {

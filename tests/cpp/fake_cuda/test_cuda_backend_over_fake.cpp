@@ -435,8 +435,7 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
     };
     fake_cuda::set_delay(std::chrono::milliseconds(1));
     allocator.spill_all();
-    fake_cuda::fail_nth(entry, nth, std::string(entry).rfind("cuda", 0) == 0 ? cudaErrorInvalidValue
-                                                                            : CUDA_ERROR_INVALID_VALUE);
+    fail_once(entry, nth);
     migrate_until_done();
     CHECK_FALSE(allocator.has_pending_migrations());
     CHECK(allocator.stats().num_migrations == 6);  // each page moved once: a failed move is undone, not counted
@@ -454,11 +453,7 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
     for (const auto& block : blocks) allocator.free(block.first);
     CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
   }
-  if (std::string(entry) == "cuMemRelease") {
-    device.check_clean_but_one_unreleased_page();
-  } else {
-    device.check_clean();
-  }
+  device.check_clean_after_failing(entry);
 }
 
 // The same sweep over a job's own calls under a cap: allocations (over the cap
@@ -486,8 +481,7 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_in_a_capped_job_loses_no_byte
     CachingAllocator allocator(device.backend());
     allocator.set_memory_cap(8 * kMiB);
     fake_cuda::set_delay(std::chrono::milliseconds(1));
-    fake_cuda::fail_nth(entry, nth, std::string(entry).rfind("cuda", 0) == 0 ? cudaErrorInvalidValue
-                                                                            : CUDA_ERROR_INVALID_VALUE);
+    fail_once(entry, nth);
     std::vector<std::pair<DevicePtr, std::uint64_t>> live;
     auto step = [&](auto&& action) {
       try {
@@ -525,9 +519,5 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_in_a_capped_job_loses_no_byte
     step([&] { allocator.empty_cache(); });
     CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
   }
-  if (std::string(entry) == "cuMemRelease") {
-    device.check_clean_but_one_unreleased_page();
-  } else {
-    device.check_clean();
-  }
+  device.check_clean_after_failing(entry);
 }

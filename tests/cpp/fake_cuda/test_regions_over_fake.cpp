@@ -62,6 +62,34 @@ bool holds_bytes(DevicePtr address, std::uint64_t seed, std::size_t bytes) {
   return std::memcmp(reinterpret_cast<const void*>(address), pattern(seed, bytes).data(), bytes) == 0;
 }
 
+// A block of `bytes` allocated in region `name` and filled from `seed`;
+// `allocator` receives the region's allocator.
+DevicePtr filled_region_block(RegionTable& table, const std::string& name, std::size_t bytes, std::uint64_t seed,
+                              CachingAllocator** allocator) {
+  DevicePtr block = 0;
+  {
+    InRegion in(name);
+    block = table.allocate(bytes, 0, allocator);
+  }
+  fill_bytes(block, seed, bytes);
+  return block;
+}
+
+// Runs `action` at a safe point until region `name` is `wanted` (4 tries at
+// most), calling `after_failure` on each Error (an injected failure).
+template <typename Action, typename AfterFailure>
+void retry_until(cuda::CudaBackend& backend, RegionTable& table, const std::string& name, RegionState wanted,
+                 Action&& action, AfterFailure&& after_failure) {
+  for (int attempt = 0; attempt < 4 && table.state(name) != wanted; ++attempt) {
+    try {
+      at_safe_point(backend, action);
+    } catch (const Error&) {
+      after_failure();
+    }
+  }
+  CHECK(table.state(name) == wanted);
+}
+
 }  // namespace
 
 TEST_CASE("discarded_region_keeps_its_addresses_reserved_and_resumes_with_zeroed_pages_over_fake",
@@ -106,12 +134,7 @@ TEST_CASE("kept_region_moves_to_host_pages_and_back_with_its_bytes_over_fake", "
   {
     RegionTable table(*backend);
     CachingAllocator* kv = nullptr;
-    DevicePtr cache = 0;
-    {
-      InRegion in("weights");
-      cache = table.allocate(9 * kMiB, 0, &kv);
-    }
-    fill_bytes(cache, 4, 9 * kMiB);
+    const DevicePtr cache = filled_region_block(table, "weights", 9 * kMiB, 4, &kv);
     at_safe_point(*backend, [&] { table.pause("weights", /*keep=*/true); });
     CHECK(fake_cuda::device_bytes_in_use() == 0);
     CHECK(fake_cuda::host_bytes_in_use() == 10 * kMiB);
@@ -160,48 +183,30 @@ TEST_CASE("a_kept_pause_and_resume_under_any_failing_call_keep_the_bytes_over_fa
   {
     RegionTable table(*backend);
     CachingAllocator* kv = nullptr;
-    DevicePtr cache = 0;
-    {
-      InRegion in("kv_cache");
-      cache = table.allocate(7 * kMiB, 0, &kv);
-    }
-    fill_bytes(cache, 5, 7 * kMiB);
+    const DevicePtr cache = filled_region_block(table, "kv_cache", 7 * kMiB, 5, &kv);
     fake_cuda::set_delay(std::chrono::milliseconds(1));
-    fake_cuda::fail_nth(entry, nth, std::string(entry).rfind("cuda", 0) == 0 ? cudaErrorInvalidValue
-                                                                            : CUDA_ERROR_INVALID_VALUE);
-    auto until_it_holds = [&](RegionState wanted, auto&& action) {
-      for (int attempt = 0; attempt < 4 && table.state("kv_cache") != wanted; ++attempt) {
-        try {
-          at_safe_point(*backend, action);
-        } catch (const Error&) {
-          // The injected failure: the region is as it was (an active one
-          // whole on the device, a paused one whole on the host), and the
-          // next try goes on.
-          const bool active = table.state("kv_cache") == RegionState::kActive;
-          const auto& stats = kv->stats();
-          CHECK((active ? stats.host_resident_bytes.current : stats.device_resident_bytes.current) == 0);
-          CHECK_FALSE(kv->has_pending_migrations());
-        }
-      }
-      CHECK(table.state("kv_cache") == wanted);
-      CHECK(holds_bytes(cache, 5, 7 * kMiB));
+    fail_once(entry, nth);
+    // After the injected failure the region is as it was (an active one whole
+    // on the device, a paused one whole on the host), and the next try goes on.
+    auto as_it_was = [&] {
+      const bool active = table.state("kv_cache") == RegionState::kActive;
+      const auto stats = kv->stats();
+      CHECK((active ? stats.host_resident_bytes.current : stats.device_resident_bytes.current) == 0);
+      CHECK_FALSE(kv->has_pending_migrations());
     };
-    until_it_holds(RegionState::kPausedKept, [&] { table.pause("kv_cache", /*keep=*/true); });
+    retry_until(*backend, table, "kv_cache", RegionState::kPausedKept,
+                [&] { table.pause("kv_cache", /*keep=*/true); }, as_it_was);
+    CHECK(holds_bytes(cache, 5, 7 * kMiB));
     CHECK(kv->stats().device_resident_bytes.current == 0);
-    until_it_holds(RegionState::kActive, [&] { table.resume("kv_cache"); });
+    retry_until(*backend, table, "kv_cache", RegionState::kActive, [&] { table.resume("kv_cache"); }, as_it_was);
+    CHECK(holds_bytes(cache, 5, 7 * kMiB));
     CHECK(kv->stats().host_resident_bytes.current == 0);
     fake_cuda::set_delay(std::chrono::microseconds(0));
     kv->check_invariants();
     CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
   }
   backend.reset();
-  if (std::string(entry) == "cuMemRelease") {
-    const fake_cuda::Violations v = fake_cuda::violations();
-    for (const std::string& message : v.messages) FAIL_CHECK("fake CUDA rule violated: " << message);
-    CHECK(fake_cuda::leaks().handles <= 1);
-  } else {
-    check_fake_cuda_clean();
-  }
+  check_fake_cuda_clean_after_failing(entry);
 }
 
 // The same for a pause that discards: a failure part way leaves the region
@@ -226,26 +231,12 @@ TEST_CASE("a_discarding_pause_and_resume_under_any_failing_call_resume_as_zeros_
     fill_bytes(other, 1, 3 * kMiB);
     RegionTable table(*backend);
     CachingAllocator* kv = nullptr;
-    DevicePtr cache = 0;
-    {
-      InRegion in("kv_cache");
-      cache = table.allocate(7 * kMiB, 0, &kv);
-    }
-    fill_bytes(cache, 5, 7 * kMiB);
-    fake_cuda::fail_nth(entry, nth, std::string(entry).rfind("cuda", 0) == 0 ? cudaErrorInvalidValue
-                                                                            : CUDA_ERROR_INVALID_VALUE);
-    auto until = [&](RegionState wanted, auto&& action) {
-      for (int attempt = 0; attempt < 4 && table.state("kv_cache") != wanted; ++attempt) {
-        try {
-          at_safe_point(*backend, action);
-        } catch (const Error&) {
-          // the injected failure; the next try goes on
-        }
-      }
-      CHECK(table.state("kv_cache") == wanted);
-    };
-    until(RegionState::kPausedDiscarded, [&] { table.pause("kv_cache", /*keep=*/false); });
-    until(RegionState::kActive, [&] { table.resume("kv_cache"); });
+    const DevicePtr cache = filled_region_block(table, "kv_cache", 7 * kMiB, 5, &kv);
+    fail_once(entry, nth);
+    auto go_on = [] {};  // the injected failure; the next try goes on
+    retry_until(*backend, table, "kv_cache", RegionState::kPausedDiscarded,
+                [&] { table.pause("kv_cache", /*keep=*/false); }, go_on);
+    retry_until(*backend, table, "kv_cache", RegionState::kActive, [&] { table.resume("kv_cache"); }, go_on);
     CHECK(fake_cuda::device_can_access(0, reinterpret_cast<void*>(cache), 7 * kMiB));
     CHECK(all_zero(cache, 7 * kMiB));
     CHECK(holds_bytes(other, 1, 3 * kMiB));
@@ -254,11 +245,5 @@ TEST_CASE("a_discarding_pause_and_resume_under_any_failing_call_resume_as_zeros_
     CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
   }
   backend.reset();
-  if (std::string(entry) == "cuMemRelease") {
-    const fake_cuda::Violations v = fake_cuda::violations();
-    for (const std::string& message : v.messages) FAIL_CHECK("fake CUDA rule violated: " << message);
-    CHECK(fake_cuda::leaks().handles <= 1);
-  } else {
-    check_fake_cuda_clean();
-  }
+  check_fake_cuda_clean_after_failing(entry);
 }
