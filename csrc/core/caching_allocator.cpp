@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -580,8 +581,8 @@ struct CachingAllocator::State {
       Segment& segment = *it->second;
       ++it;
       if (!segment.pinned_fallback || !segment.first->in_pool) continue;
+      backend.free_pinned_host_synchronized(segment.base, segment.size);  // a refusal: the segment stays cached
       pinned_free.erase(segment.first);
-      backend.free_pinned_host_synchronized(segment.base, segment.size);
       emit(AllocatorEvent::Kind::kSegmentFreed, segment.base, segment.size, segment.stream, Residency::kHost);
       const auto bytes = static_cast<std::int64_t>(segment.size);
       stats.host_resident_bytes.decrease(bytes);
@@ -922,26 +923,49 @@ struct CachingAllocator::State {
     if (stats.segment.all.current != static_cast<std::int64_t>(segments.size())) fail("segment count drifted");
   }
 
+  // Gives everything back. A call the driver refuses does not stop the
+  // rest: what it refused stays with the process, and the first error goes
+  // on once everything else is released.
   void release_everything() {
-    synchronize_waiting();
-    release_spill_targets();
+    std::exception_ptr first_error;
+    auto attempt = [&](auto&& release) {
+      try {
+        release();
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    };
+    attempt([&] { synchronize_waiting(); });
+    attempt([&] { release_spill_targets(); });
     // One wait covers every page and pinned segment (none is possible during
     // a graph capture: then each release waits as it can).
-    const bool synchronized = !segments.empty() && backend.synchronize_for_unmap();
+    bool synchronized = false;
+    attempt([&] { synchronized = !segments.empty() && backend.synchronize_for_unmap(); });
     for (auto& [base, segment] : segments) {
+      bool all_unmapped = true;
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
-        if (segment->pages[i].handle) {
-          if (synchronized) backend.unmap_synchronized(segment->base + i * page_bytes);
-          else backend.unmap(segment->base + i * page_bytes);
-          backend.release_page(segment->pages[i].handle);
+        const PageHandle handle = segment->pages[i].handle;
+        if (!handle) continue;
+        const DevicePtr address = segment->base + i * page_bytes;
+        bool unmapped = false;
+        attempt([&] {
+          if (synchronized) backend.unmap_synchronized(address);
+          else backend.unmap(address);
+          unmapped = true;
+        });
+        if (unmapped) attempt([&] { backend.release_page(handle); });
+        all_unmapped = all_unmapped && unmapped;
+      }
+      // A range that still has a page mapped in it cannot be given back.
+      if (all_unmapped) attempt([&] {
+        if (!segment->pinned_fallback) {
+          backend.release(segment->base, segment->size);
+        } else if (synchronized) {
+          backend.free_pinned_host_synchronized(segment->base, segment->size);
+        } else {
+          backend.free_pinned_host(segment->base, segment->size);
         }
-      }
-      if (segment->pinned_fallback) {
-        if (synchronized) backend.free_pinned_host_synchronized(segment->base, segment->size);
-        else backend.free_pinned_host(segment->base, segment->size);
-      } else {
-        backend.release(segment->base, segment->size);
-      }
+      });
       for (Block* block = segment->first; block;) {
         Block* next = block->next;
         delete block;
@@ -949,8 +973,9 @@ struct CachingAllocator::State {
       }
     }
     segments.clear();
-    for (EventHandle event : spare_events) backend.destroy_event(event);
+    for (EventHandle event : spare_events) attempt([&] { backend.destroy_event(event); });
     spare_events.clear();
+    if (first_error) std::rethrow_exception(first_error);
   }
 };
 

@@ -521,3 +521,62 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_in_a_capped_job_loses_no_byte
   }
   device.check_clean_after_failing(entry);
 }
+
+// The sweep in pinned fallback mode (no host virtual memory management):
+// allocations over the cap come from pinned host memory, are freed, cached
+// and given back by empty_cache(), each driver or runtime call failing once.
+// What the failure hits throws; every live block keeps its bytes; no rule is
+// broken; nothing leaks but what the driver refused to free (and an
+// allocator going away gives back everything else).
+TEST_CASE("cuda_backend_over_fake_any_call_failing_in_pinned_fallback_mode_loses_no_byte_and_breaks_no_rule",
+          "[fake_cuda][backend][failure]") {
+  struct Entry {
+    const char* name;
+    int calls;  // at least this many calls of it in the run: the failure always fires
+  };
+  const Entry failing = GENERATE(Entry{"cuMemCreate", 3}, Entry{"cuMemMap", 3}, Entry{"cuMemSetAccess", 3},
+                                 Entry{"cuMemHostAlloc", 2}, Entry{"cuMemFreeHost", 2},
+                                 Entry{"cuMemHostGetDevicePointer", 2}, Entry{"cudaDeviceSynchronize", 1});
+  const char* entry = failing.name;
+  const int nth = std::min(GENERATE(1, 2, 4), failing.calls);
+  CAPTURE(entry, nth);
+  DeviceSpec spec;
+  spec.host_mappable = false;
+  FakeCudaDevice device(spec);
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(4 * kMiB);
+    fail_once(entry, nth);
+    std::vector<std::pair<DevicePtr, std::uint64_t>> live;
+    auto step = [&](auto&& action) {
+      try {
+        action();
+      } catch (const Error&) {
+        // the injected failure; the job goes on
+      }
+    };
+    for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+      step([&] {
+        const DevicePtr block = allocator.allocate(2 * kMiB, seed % 2 == 0 ? 0 : device.stream(1));
+        device.fill(block, seed, 2 * kMiB);
+        live.push_back({block, seed});
+      });
+      if (seed % 2 == 0 && !live.empty()) {
+        step([&] {
+          allocator.free(live.front().first);
+          live.erase(live.begin());
+        });
+      }
+    }
+    step([&] { allocator.empty_cache(); });
+    for (const auto& [address, seed] : live) {
+      CHECK(fake_cuda::accessible(reinterpret_cast<void*>(address), 2 * kMiB));
+      CHECK(device.holds(address, seed, 2 * kMiB));
+    }
+    allocator.check_invariants();
+    for (const auto& block : live) step([&] { allocator.free(block.first); });
+    step([&] { allocator.empty_cache(); });
+    CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
+  }
+  device.check_clean_after_failing(entry);
+}
