@@ -39,6 +39,70 @@ struct Live {
   std::uint64_t seed;
 };
 
+// A driver or runtime entry a failure sweep fails once, and how many times
+// the sweep's run calls it at least (so that the failure always fires).
+struct FailingEntry {
+  const char* name;
+  int calls;
+};
+
+// Runs `action`; an Error (the injected failure) is the job's to survive.
+template <typename Action>
+void despite_failure(Action&& action) {
+  try {
+    action();
+  } catch (const Error&) {
+  }
+}
+
+// A job's calls while something fails: `count` blocks of `bytes` on two
+// streams, each filled from its seed, the oldest freed after every other
+// allocation, a safe point whenever moves are pending; then empty_cache()
+// and, with `lift_cap`, no cap and the moves that follows. What a failure
+// hits is skipped. Returns the blocks still live, with their seeds.
+std::vector<std::pair<DevicePtr, std::uint64_t>> job_despite_failures(FakeCudaDevice& device,
+                                                                      CachingAllocator& allocator,
+                                                                      std::size_t bytes, int count, bool lift_cap) {
+  std::vector<std::pair<DevicePtr, std::uint64_t>> live;
+  for (std::uint64_t seed = 1; seed <= static_cast<std::uint64_t>(count); ++seed) {
+    despite_failure([&] {
+      const DevicePtr block = allocator.allocate(bytes, seed % 2 == 0 ? 0 : device.stream(1));
+      device.fill(block, seed, bytes);
+      live.push_back({block, seed});
+    });
+    if (allocator.has_pending_migrations()) {
+      despite_failure([&] { migrate_at_safe_point(allocator, device.cuda_backend()); });
+    }
+    if (seed % 2 == 0 && !live.empty()) {
+      despite_failure([&] {
+        allocator.free(live.front().first);
+        live.erase(live.begin());
+      });
+    }
+  }
+  despite_failure([&] { allocator.empty_cache(); });
+  if (lift_cap) {
+    despite_failure([&] { allocator.set_memory_cap(kNoCap); });
+    for (int attempt = 0; attempt < 4 && allocator.has_pending_migrations(); ++attempt) {
+      despite_failure([&] { migrate_at_safe_point(allocator, device.cuda_backend()); });
+    }
+  }
+  return live;
+}
+
+// What every failure sweep checks at the end of its job: each live block
+// mapped with its bytes, the allocator's books whole; then everything freed.
+void check_and_free(FakeCudaDevice& device, CachingAllocator& allocator,
+                    const std::vector<std::pair<DevicePtr, std::uint64_t>>& live, std::size_t bytes) {
+  for (const auto& [address, seed] : live) {
+    CHECK(fake_cuda::accessible(reinterpret_cast<void*>(address), bytes));
+    CHECK(device.holds(address, seed, bytes));
+  }
+  allocator.check_invariants();
+  for (const auto& block : live) despite_failure([&] { allocator.free(block.first); });
+  despite_failure([&] { allocator.empty_cache(); });
+}
+
 }  // namespace
 
 TEST_CASE("cuda_backend_over_fake_reports_the_fake_device", "[fake_cuda][backend]") {
@@ -458,65 +522,29 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
 
 // The same sweep over a job's own calls under a cap: allocations (over the cap
 // too, in colder pages' stead), frees, safe points and empty_cache(), each
-// driver or runtime call failing once at its 1st to 13th call. An allocation
+// driver or runtime call failing once at one of its first 13 calls. An allocation
 // the failure hits throws and leaves nothing behind; every live block keeps
 // its bytes; no rule is broken; nothing leaks but a page whose release the
 // driver refused.
 TEST_CASE("cuda_backend_over_fake_any_call_failing_in_a_capped_job_loses_no_byte_and_breaks_no_rule",
           "[fake_cuda][backend][failure]") {
-  struct Entry {
-    const char* name;
-    int calls;  // at least this many calls of it in the run: the failure always fires
-  };
-  const Entry failing = GENERATE(Entry{"cuMemCreate", 13}, Entry{"cuMemMap", 13}, Entry{"cuMemSetAccess", 13},
-                                 Entry{"cuMemUnmap", 13}, Entry{"cuMemRelease", 13}, Entry{"cudaMemcpyAsync", 13},
-                                 Entry{"cudaEventRecord", 13}, Entry{"cudaEventSynchronize", 13},
-                                 Entry{"cudaDeviceSynchronize", 4}, Entry{"cuMemAddressReserve", 3});
+  const FailingEntry failing = GENERATE(
+      FailingEntry{"cuMemCreate", 13}, FailingEntry{"cuMemMap", 13}, FailingEntry{"cuMemSetAccess", 13},
+      FailingEntry{"cuMemUnmap", 13}, FailingEntry{"cuMemRelease", 13}, FailingEntry{"cudaMemcpyAsync", 10},
+      FailingEntry{"cudaEventRecord", 10}, FailingEntry{"cudaEventSynchronize", 10},
+      FailingEntry{"cudaDeviceSynchronize", 4}, FailingEntry{"cuMemAddressReserve", 3});
   const char* entry = failing.name;
   const int nth = std::min(GENERATE(1, 2, 4, 7, 13), failing.calls);
   CAPTURE(entry, nth);
   FakeCudaDevice device;
-  cuda::CudaBackend& backend = device.cuda_backend();
   {
     CachingAllocator allocator(device.backend());
     allocator.set_memory_cap(8 * kMiB);
     fake_cuda::set_delay(std::chrono::milliseconds(1));
     fail_once(entry, nth);
-    std::vector<std::pair<DevicePtr, std::uint64_t>> live;
-    auto step = [&](auto&& action) {
-      try {
-        action();
-      } catch (const Error&) {
-        // the injected failure; the job goes on
-      }
-    };
-    for (std::uint64_t seed = 1; seed <= 8; ++seed) {
-      step([&] {
-        const DevicePtr block = allocator.allocate(3 * kMiB, seed % 2 == 0 ? 0 : device.stream(1));
-        device.fill(block, seed, 3 * kMiB);
-        live.push_back({block, seed});
-      });
-      if (allocator.has_pending_migrations()) step([&] { migrate_at_safe_point(allocator, backend); });
-      if (seed % 3 == 0 && !live.empty()) {
-        step([&] {
-          allocator.free(live.front().first);
-          live.erase(live.begin());
-        });
-      }
-    }
-    step([&] { allocator.empty_cache(); });
-    step([&] { allocator.set_memory_cap(kNoCap); });
-    for (int attempt = 0; attempt < 4 && allocator.has_pending_migrations(); ++attempt) {
-      step([&] { migrate_at_safe_point(allocator, backend); });
-    }
+    const auto live = job_despite_failures(device, allocator, 3 * kMiB, 8, /*lift_cap=*/true);
     fake_cuda::set_delay(std::chrono::microseconds(0));
-    for (const auto& [address, seed] : live) {
-      CHECK(fake_cuda::accessible(reinterpret_cast<void*>(address), 3 * kMiB));
-      CHECK(device.holds(address, seed, 3 * kMiB));
-    }
-    allocator.check_invariants();
-    for (const auto& block : live) step([&] { allocator.free(block.first); });
-    step([&] { allocator.empty_cache(); });
+    check_and_free(device, allocator, live, 3 * kMiB);
     CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
   }
   device.check_clean_after_failing(entry);
@@ -530,13 +558,10 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_in_a_capped_job_loses_no_byte
 // allocator going away gives back everything else).
 TEST_CASE("cuda_backend_over_fake_any_call_failing_in_pinned_fallback_mode_loses_no_byte_and_breaks_no_rule",
           "[fake_cuda][backend][failure]") {
-  struct Entry {
-    const char* name;
-    int calls;  // at least this many calls of it in the run: the failure always fires
-  };
-  const Entry failing = GENERATE(Entry{"cuMemCreate", 3}, Entry{"cuMemMap", 3}, Entry{"cuMemSetAccess", 3},
-                                 Entry{"cuMemHostAlloc", 2}, Entry{"cuMemFreeHost", 2},
-                                 Entry{"cuMemHostGetDevicePointer", 2}, Entry{"cudaDeviceSynchronize", 1});
+  const FailingEntry failing = GENERATE(
+      FailingEntry{"cuMemCreate", 3}, FailingEntry{"cuMemMap", 3}, FailingEntry{"cuMemSetAccess", 3},
+      FailingEntry{"cuMemHostAlloc", 2}, FailingEntry{"cuMemFreeHost", 2},
+      FailingEntry{"cuMemHostGetDevicePointer", 2}, FailingEntry{"cudaDeviceSynchronize", 1});
   const char* entry = failing.name;
   const int nth = std::min(GENERATE(1, 2, 4), failing.calls);
   CAPTURE(entry, nth);
@@ -547,35 +572,8 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_in_pinned_fallback_mode_loses
     CachingAllocator allocator(device.backend());
     allocator.set_memory_cap(4 * kMiB);
     fail_once(entry, nth);
-    std::vector<std::pair<DevicePtr, std::uint64_t>> live;
-    auto step = [&](auto&& action) {
-      try {
-        action();
-      } catch (const Error&) {
-        // the injected failure; the job goes on
-      }
-    };
-    for (std::uint64_t seed = 1; seed <= 6; ++seed) {
-      step([&] {
-        const DevicePtr block = allocator.allocate(2 * kMiB, seed % 2 == 0 ? 0 : device.stream(1));
-        device.fill(block, seed, 2 * kMiB);
-        live.push_back({block, seed});
-      });
-      if (seed % 2 == 0 && !live.empty()) {
-        step([&] {
-          allocator.free(live.front().first);
-          live.erase(live.begin());
-        });
-      }
-    }
-    step([&] { allocator.empty_cache(); });
-    for (const auto& [address, seed] : live) {
-      CHECK(fake_cuda::accessible(reinterpret_cast<void*>(address), 2 * kMiB));
-      CHECK(device.holds(address, seed, 2 * kMiB));
-    }
-    allocator.check_invariants();
-    for (const auto& block : live) step([&] { allocator.free(block.first); });
-    step([&] { allocator.empty_cache(); });
+    const auto live = job_despite_failures(device, allocator, 2 * kMiB, 6, /*lift_cap=*/false);
+    check_and_free(device, allocator, live, 2 * kMiB);
     CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
   }
   device.check_clean_after_failing(entry);
