@@ -450,7 +450,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON result")
     parser.add_argument("--quick", action="store_true", help="fewer steps and smaller sizes (a smoke run)")
     parser.add_argument("--over-fake", action="store_true",
-                        help="on the CPU: only the alloc+free measurement, torch over the fake CUDA runtime")
+                        help="on the CPU, torch over the fake CUDA runtime: only the alloc+free measurement "
+                             "and the driver calls of page moves")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--allocator", choices=["native", "cotenant"], default="cotenant", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)

@@ -1360,30 +1360,26 @@ std::size_t CachingAllocator::back_discarded_pages() {
     for (std::size_t i = 0; i < segment->pages.size(); ++i) {
       Page& page = segment->pages[i];
       if (page.live_blocks == 0) continue;
-      if (page.handle) {
-        // A page a failed discard left mapped: its bytes are zeroed too.
-        const DevicePtr address = segment->base + i * s.page_bytes;
-        if (!runs.empty() && runs.back().first + runs.back().second == address) runs.back().second += s.page_bytes;
-        else runs.emplace_back(address, s.page_bytes);
-        continue;
-      }
-      const PageHandle handle = s.backend.create_page(Residency::kDevice);
-      if (!handle) {
-        zero_runs();
-        ++s.stats.num_ooms;
-        throw OutOfMemoryError(fmt::format(
-            "cotenant: the device has no room to back discarded memory again: {} mapped, more needed, "
-            "the device reports {} free of {}. Free device memory (tensors, torch.cuda.empty_cache()) "
-            "and resume again; what is mapped so far stays.",
-            format_size(mapped), format_size(s.backend.device_free_bytes()),
-            format_size(s.backend.device_total_bytes())));
+      // A page a failed discard left mapped is not backed again, but zeroed too.
+      if (!page.handle) {
+        const PageHandle handle = s.backend.create_page(Residency::kDevice);
+        if (!handle) {
+          zero_runs();
+          ++s.stats.num_ooms;
+          throw OutOfMemoryError(fmt::format(
+              "cotenant: the device has no room to back discarded memory again: {} mapped, more needed, "
+              "the device reports {} free of {}. Free device memory (tensors, torch.cuda.empty_cache()) "
+              "and resume again; what is mapped so far stays.",
+              format_size(mapped), format_size(s.backend.device_free_bytes()),
+              format_size(s.backend.device_total_bytes())));
+        }
+        s.map_page(*segment, i, handle);
+        page.last_use = s.tick;
+        mapped += s.page_bytes;
       }
       const DevicePtr address = segment->base + i * s.page_bytes;
-      s.map_page(*segment, i, handle);
-      page.last_use = s.tick;
       if (!runs.empty() && runs.back().first + runs.back().second == address) runs.back().second += s.page_bytes;
       else runs.emplace_back(address, s.page_bytes);
-      mapped += s.page_bytes;
     }
   }
   zero_runs();
