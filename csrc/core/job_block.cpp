@@ -36,6 +36,7 @@ void seqlock_write(JobBlock::Word& sequence, WriteFields write_fields) {
 template <typename ReadFields>
 bool seqlock_try_read(const JobBlock::Word& sequence, std::chrono::milliseconds patience, ReadFields read_fields) {
   std::chrono::steady_clock::time_point deadline{};
+  std::uint64_t waiting_on = 0;  // the sequence value the patience is counting on
   for (unsigned attempt = 0;; ++attempt) {
     std::uint64_t before = sequence.load(std::memory_order_acquire);
     if ((before & 1) == 0) {
@@ -48,9 +49,12 @@ bool seqlock_try_read(const JobBlock::Word& sequence, std::chrono::milliseconds 
     // From here each try yields, which on a loaded machine can take a whole
     // scheduling round: the clock is read every time, so the patience holds
     // (counting tries instead let 2 ms of patience last seconds under load).
+    // It counts while the sequence stays where it is, a writer stopped mid-
+    // update; a writer that moves it on is alive, and the count starts again.
     const auto now = std::chrono::steady_clock::now();
-    if (deadline == std::chrono::steady_clock::time_point{}) {
+    if (deadline == std::chrono::steady_clock::time_point{} || before != waiting_on) {
       deadline = now + patience;
+      waiting_on = before;
     } else if (now > deadline) {
       return false;
     }
