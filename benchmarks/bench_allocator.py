@@ -5,8 +5,11 @@ Figures (written to benchmarks/results/allocator-<device>-<time>.json):
   alloc_free_ratio_vs_native             malloc+free time, cotenant / native, realistic size mix (target <= 1.0)
   step_time_ratio_vs_native              training step time, no cap pressure, worst model (target <= 1.01)
   step_time_ratio_vs_native.<model>      the same per model (resnet50, gpt)
-  spill_bandwidth_ratio_vs_memcpy        device->host page moves GB/s over pinned cudaMemcpy GB/s (target >= 0.9)
+  spill_bandwidth_ratio_vs_memcpy        device->host page moves GB/s over pinned cudaMemcpy GB/s (target >= 0.9),
+                                         the job's first spill: it pins the host pages it fills
   restore_bandwidth_ratio_vs_memcpy      host->device, the same
+  spill_bandwidth_ratio_vs_memcpy_kept   a second spill and restore, into the host pages the first kept (under a
+  restore_bandwidth_ratio_vs_memcpy_kept cap they stay pinned with the job: what this figure trades away)
   shrink_response_s_1GiB / _4GiB / _16GiB  seconds from a cap command to device bytes under the cap
   step_time_ratio_spilled_25pct / _50pct step time with a quarter / half of the working set on the host, over none
 
@@ -22,9 +25,10 @@ interface, cotenant's adapter and core). Warm, neither should call the
 driver, so the path is all CPU work and its time carries over to a GPU
 machine with the same CPU; the driver and runtime calls each makes per pair
 in the timed loop are counted to show it. It also counts the calls per page
-of spill_all() and restore_all() on 64 MiB of tensors (figures
-spill_vmm_calls_per_page, restore_vmm_calls_per_page: the driver's virtual
-memory calls, which bound a page move's speed). What it leaves out: a
+of spill_all() and restore_all() on 64 MiB of tensors under a cap, twice
+(figures spill_vmm_calls_per_page, restore_vmm_calls_per_page, and the
+second time, into the host pages the first kept, *_kept: the driver's
+virtual memory calls, which bound a page move's speed). What it leaves out: a
 driver call made there costs nothing over the fake (the counts are what
 show one), and GPU-side time. Writes results/allocator_over_fake.json.
 """
@@ -58,6 +62,8 @@ FIGURES = [
     "step_time_ratio_vs_native",
     "spill_bandwidth_ratio_vs_memcpy",
     "restore_bandwidth_ratio_vs_memcpy",
+    "spill_bandwidth_ratio_vs_memcpy_kept",
+    "restore_bandwidth_ratio_vs_memcpy_kept",
     "shrink_response_s_1GiB",
     "shrink_response_s_4GiB",
     "shrink_response_s_16GiB",
@@ -119,6 +125,9 @@ def compute_figures(measured: Dict[str, Dict]) -> Dict[str, Optional[float]]:
     moves = measured.get("moves", {})
     figures["spill_bandwidth_ratio_vs_memcpy"] = ratio(moves.get("spill_gbps"), moves.get("memcpy_d2h_gbps"))
     figures["restore_bandwidth_ratio_vs_memcpy"] = ratio(moves.get("restore_gbps"), moves.get("memcpy_h2d_gbps"))
+    figures["spill_bandwidth_ratio_vs_memcpy_kept"] = ratio(moves.get("spill_kept_gbps"), moves.get("memcpy_d2h_gbps"))
+    figures["restore_bandwidth_ratio_vs_memcpy_kept"] = ratio(moves.get("restore_kept_gbps"),
+                                                              moves.get("memcpy_h2d_gbps"))
     for gib in (1, 4, 16):
         figures[f"shrink_response_s_{gib}GiB"] = measured.get("shrink", {}).get(f"{gib}GiB")
     spilled = measured.get("spilled", {})
@@ -253,20 +262,30 @@ def worker_alloc_free(allocator: str, args) -> Dict:
     return result
 
 
+# The page moves both move workers make: under a cap (so that host pages
+# given up are kept), spill and restore, then again into the kept pages.
+MOVE_ROUNDS = (("spill", "spill_all"), ("restore", "restore_all"), ("spill_kept", "spill_all"),
+               ("restore_kept", "restore_all"))
+
+
 def worker_move_calls(allocator: str, args) -> Dict:
     """--over-fake only: the driver and runtime calls per 2 MiB page that
-    spill_all and restore_all make, on 64 MiB of tensors."""
+    spill_all and restore_all make, on 64 MiB of tensors, twice."""
     fake, torch = _fake_then_setup("cotenant")
     import cotenant
 
     blocks = [torch.empty(16 * MIB, dtype=torch.uint8, device="cuda") for _ in range(4)]
     pages = sum(block.numel() for block in blocks) // (2 * MIB)
+    from cotenant import _C
+
+    # A cap the job is under (the whole device: a fraction of 1.0 would be no cap).
+    cotenant.set_memory_cap(_C.device_total_bytes(torch.cuda.current_device()))
     result = {"pages": pages}
-    for direction, move in (("spill", cotenant.spill_all), ("restore", cotenant.restore_all)):
+    for name, move in MOVE_ROUNDS:
         before = fake.all_calls()
-        moved = move()
-        result[f"{direction}_moved_bytes"] = moved
-        result[f"{direction}_calls_per_page"] = _calls_since(fake, before, pages)
+        moved = getattr(cotenant, move)()
+        result[f"{name}_moved_bytes"] = moved
+        result[f"{name}_calls_per_page"] = _calls_since(fake, before, pages)
     result["violations"] = fake.violations()
     return result
 
@@ -303,21 +322,20 @@ def worker_moves(allocator: str, args) -> Dict:
     from cotenant import _C
 
     device = torch.cuda.current_device()
-    _C._reset_driver_call_times(device)
-    start = time.perf_counter()
-    moved_out = cotenant.spill_all()
-    spill = moved_out / (time.perf_counter() - start) / 1e9
-    spill_calls = _C._driver_call_times(device)
-    _C._reset_driver_call_times(device)
-    start = time.perf_counter()
-    moved_in = cotenant.restore_all()
-    restore = moved_in / (time.perf_counter() - start) / 1e9
-    restore_calls = _C._driver_call_times(device)
-    intact = bool((x[:: 1 << 20] == 7).all().item())
-    return {"memcpy_d2h_gbps": d2h, "memcpy_h2d_gbps": h2d, "spill_gbps": spill, "restore_gbps": restore,
-            "moved_out": moved_out, "moved_in": moved_in, "data_intact": intact, "mode": mode,
-            "page_bytes": _C._page_bytes(device),
-            "spill_driver_calls": spill_calls, "restore_driver_calls": restore_calls}
+    # A cap the job is under (the whole device: a fraction of 1.0 would be no
+    # cap), so that host pages given up are kept.
+    cotenant.set_memory_cap(_C.device_total_bytes(device))
+    result = {"memcpy_d2h_gbps": d2h, "memcpy_h2d_gbps": h2d, "mode": mode, "page_bytes": _C._page_bytes(device)}
+    for name, move in MOVE_ROUNDS:
+        _C._reset_driver_call_times(device)
+        start = time.perf_counter()
+        moved = getattr(cotenant, move)()
+        result[f"{name}_gbps"] = moved / (time.perf_counter() - start) / 1e9
+        result[f"{name}_moved"] = moved
+        result[f"{name}_driver_calls"] = _C._driver_call_times(device)
+    result["host_pool_bytes_after"] = cotenant.memory_stats()["host_pool_bytes"]
+    result["data_intact"] = bool((x[:: 1 << 20] == 7).all().item())
+    return result
 
 
 def worker_shrink(allocator: str, args) -> Dict:
@@ -398,13 +416,13 @@ def over_fake_table(measured: Dict[str, Dict]) -> List[str]:
 
 
 def move_calls_table(moves: Dict) -> List[str]:
-    """Lines of the --over-fake table of driver calls per page moved, each direction."""
+    """Lines of the --over-fake table of driver calls per page moved, each round."""
     if "error" in moves:
         return [f"page moves: failed: {moves['error']}"]
-    lines = [f"{'page move':<10} calls per 2 MiB page ({moves['pages']} pages)"]
-    for direction in ("spill", "restore"):
-        calls = ", ".join(f"{name} {count:g}" for name, count in moves[f"{direction}_calls_per_page"].items())
-        lines.append(f"{direction:<10} {calls}")
+    lines = [f"{'page move':<13} calls per 2 MiB page ({moves['pages']} pages; *_kept: into the kept host pages)"]
+    for name, _ in MOVE_ROUNDS:
+        calls = ", ".join(f"{call} {count:g}" for call, count in moves[f"{name}_calls_per_page"].items())
+        lines.append(f"{name:<13} {calls}")
     return lines
 
 
@@ -426,10 +444,10 @@ def main_over_fake(args, extra: List[str]) -> int:
     moves = _run_worker("move_calls", "cotenant", extra, env)
     figures = {"alloc_free_ratio_vs_native": ratio(measured["cotenant"].get("s_per_pair"),
                                                    measured["native"].get("s_per_pair"))}
-    for direction in ("spill", "restore"):
-        calls = moves.get(f"{direction}_calls_per_page", {})
-        figures[f"{direction}_vmm_calls_per_page"] = (sum(calls.get(name, 0) for name in VMM_CALLS)
-                                                      if calls else None)
+    for name, _ in MOVE_ROUNDS:
+        calls = moves.get(f"{name}_calls_per_page", {})
+        figure = f"{name.split('_')[0]}_vmm_calls_per_page" + ("_kept" if name.endswith("_kept") else "")
+        figures[figure] = sum(calls.get(call, 0) for call in VMM_CALLS) if calls else None
     measured["moves"] = moves
     result = {"device": f"simulated (CPU: {cpu_model()}), torch over the fake CUDA runtime", "torch": torch_version(),
               "benchmark": "allocator_over_fake", "figures": figures, "measured": measured, "quick": args.quick}
@@ -491,11 +509,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     write_json(result, path)
     print(json.dumps(result["figures"], indent=2))
     moves = measured["moves"]
-    for direction, moved in (("spill", "moved_out"), ("restore", "moved_in")):
-        if f"{direction}_driver_calls" in moves:
-            print(f"\n{direction}: where the time of {moves[moved] / GIB:.2f} GiB of page moves went")
-            pages = moves[moved] // moves["page_bytes"]
-            print("\n".join(driver_time_table(moves[f"{direction}_driver_calls"], pages)))
+    for name, _ in MOVE_ROUNDS:
+        if f"{name}_driver_calls" in moves:
+            print(f"\n{name}: {moves[name + '_gbps']:.2f} GB/s; where the time of "
+                  f"{moves[name + '_moved'] / GIB:.2f} GiB of page moves went")
+            pages = moves[name + "_moved"] // moves["page_bytes"]
+            print("\n".join(driver_time_table(moves[f"{name}_driver_calls"], pages)))
     print(f"wrote {path}")
     return 0
 

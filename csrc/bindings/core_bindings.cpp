@@ -126,7 +126,7 @@ py::dict call_counts(const SimulatedCallCounts& c) {
   py::dict d;
   d["reserve"] = c.reserve; d["release"] = c.release;
   d["create_page"] = c.create_page; d["release_page"] = c.release_page;
-  d["map"] = c.map; d["unmap"] = c.unmap; d["copy_into"] = c.copy_into; d["zero"] = c.zero;
+  d["map"] = c.map; d["unmap"] = c.unmap; d["copy_into"] = c.copy_into; d["copy_out"] = c.copy_out; d["zero"] = c.zero;
   d["failed_create_page"] = c.failed_create_page;
   d["allocate_pinned_host"] = c.allocate_pinned_host; d["free_pinned_host"] = c.free_pinned_host;
   d["record_event"] = c.record_event; d["synchronize_device"] = c.synchronize_device;

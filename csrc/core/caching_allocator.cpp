@@ -70,6 +70,9 @@ struct CachingAllocator::State {
   static constexpr double kGrowthSlack = 0.05;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
+  // Host pages kept after their last use (options.keep_host_pages): the
+  // next page the host needs comes from here before the driver pins one.
+  std::vector<PageHandle> host_pool;
   AllocatorEventSink* sink = nullptr;  // set_event_sink(); null: no events
 
   // Tells the sink, if any (allocator_events.h): one pointer test when none.
@@ -165,7 +168,7 @@ struct CachingAllocator::State {
     try {
       backend.map(segment.base + index * page_bytes, handle);
     } catch (...) {
-      backend.release_page(handle);
+      give_back_page(handle);
       throw;
     }
     segment.pages[index].handle = handle;
@@ -188,7 +191,7 @@ struct CachingAllocator::State {
     ++stats.num_device_free;
     // Last: the books already say the page is gone. A release the driver
     // refuses leaves the page with the process until it exits.
-    backend.release_page(handle);
+    give_back_page(handle);
   }
 
   // Releases mapped pages no live block touches, on `where` (or both when
@@ -234,6 +237,48 @@ struct CachingAllocator::State {
     return released;
   }
 
+  // A new page on `where`: a kept host page when there is one, else the
+  // backend's (an empty handle when that memory is exhausted).
+  PageHandle new_page(Residency where) {
+    if (where == Residency::kHost && !host_pool.empty()) {
+      const PageHandle page = host_pool.back();
+      host_pool.pop_back();
+      stats.host_pool_bytes.decrease(static_cast<std::int64_t>(page_bytes));
+      return page;
+    }
+    return backend.create_page(where);
+  }
+  // Whether host pages given up are kept: while the job may need host pages
+  // again (a cap, or spilling without one).
+  bool keeping_host_pages() const {
+    return options.keep_host_pages && mode() == SpillMode::kRemap &&
+           (effective_cap() != kNoCap || options.spill_without_cap);
+  }
+  // A page nothing maps and nothing will read: kept when it is a host page
+  // and keeping_host_pages(), else released.
+  void give_back_page(PageHandle page) {
+    if (page.where == Residency::kHost && keeping_host_pages()) {
+      host_pool.push_back(page);
+      stats.host_pool_bytes.increase(static_cast<std::int64_t>(page_bytes));
+      return;
+    }
+    backend.release_page(page);
+  }
+  // Gives the kept host pages back to the driver. The books first: a release
+  // the driver refuses leaves that page with the process, and the error goes on.
+  void release_host_pool() {
+    while (!host_pool.empty()) {
+      const PageHandle page = host_pool.back();
+      host_pool.pop_back();
+      stats.host_pool_bytes.decrease(static_cast<std::int64_t>(page_bytes));
+      backend.release_page(page);
+    }
+  }
+  // After the cap or spill_all() changed: no cap left, nothing to keep.
+  void release_host_pool_unless_kept() {
+    if (!keeping_host_pages()) release_host_pool();
+  }
+
   // A new page for an allocation that has `own_device_bytes` on the device
   // so far: on the device if it fits
   // under the cap (after releasing cached device pages if need be), or if a
@@ -259,16 +304,23 @@ struct CachingAllocator::State {
       // The host page the colder page will move to is taken now, so that the
       // next safe point can always bring the device back under the cap.
       const bool have_target = spill_targets.size() * page_bytes >= device_bytes() + page_bytes - effective_cap();
-      PageHandle target = have_target ? PageHandle{} : backend.create_page(Residency::kHost);
+      PageHandle target = have_target ? PageHandle{} : new_page(Residency::kHost);
       if (!have_target && !target) return {};  // the host is exhausted: no spill, no host page either
-      if (PageHandle page = backend.create_page(Residency::kDevice)) {
+      PageHandle page;
+      try {
+        page = backend.create_page(Residency::kDevice);
+      } catch (...) {
+        if (target) give_back_page(target);  // not lost to a failing driver call
+        throw;
+      }
+      if (page) {
         if (target) hold_spill_target(target, true);
         return page;
       }
       if (target) return target;  // the device is full: the new page lives on the host
     }
     if (!may_spill_allocation() || mode() != SpillMode::kRemap) return {};
-    return backend.create_page(Residency::kHost);
+    return new_page(Residency::kHost);
   }
 
   // Host pages taken for spills the next safe point owes (see above): held
@@ -291,12 +343,12 @@ struct CachingAllocator::State {
     return target;
   }
   void release_spill_targets() {
-    while (!spill_targets.empty()) backend.release_page(take_spill_target());
+    while (!spill_targets.empty()) give_back_page(take_spill_target());
   }
   // Keeps only the targets the device's bytes over the cap still need.
   void trim_spill_targets() {
     const std::uint64_t over = device_bytes() > effective_cap() ? device_bytes() - effective_cap() : 0;
-    while (spill_targets.size() * page_bytes >= over + page_bytes) backend.release_page(take_spill_target());
+    while (spill_targets.size() * page_bytes >= over + page_bytes) give_back_page(take_spill_target());
   }
 
   // Whether one more device page over the cap is matched by a live device
@@ -719,52 +771,119 @@ struct CachingAllocator::State {
     flag.store(stats.pending_spill_bytes + stats.pending_restore_bytes > 0, std::memory_order_release);
   }
 
-  // Moves one page to `where`, keeping its address and bytes. Returns false
-  // when no page can be had there. `given_up` holds the device pages that
-  // moves to the host of the same batch gave up: a move to the device takes
-  // one of them before creating a page, and a move to the host adds its old
-  // page instead of releasing it (the caller releases what is left).
-  bool move_page(const LivePage& live, Residency where, std::vector<PageHandle>& given_up) {
-    Segment& segment = *live.segment;
-    Page& page = segment.pages[live.index];
-    PageHandle target;
-    if (where == Residency::kHost && !spill_targets.empty()) {
-      target = take_spill_target();
-    } else if (where == Residency::kDevice && !given_up.empty()) {
-      target = given_up.back();
-      given_up.pop_back();
-    } else {
-      target = backend.create_page(where);
-    }
-    if (!target) return false;
-    const DevicePtr address = segment.base + live.index * page_bytes;
-    // The new page takes the old one's place at its address, then the bytes
-    // follow from the old page, which the backend reaches without its old
-    // mapping: one mapping fewer per move than copying first, when both
-    // pages would need mapping at once. A failed driver call puts the old
-    // page back where it was, bytes unchanged, and releases the target; the
-    // error goes on to the caller.
+  DevicePtr address_of(const LivePage& live) const { return live.segment->base + live.index * page_bytes; }
+
+  // Puts `target` at a live page's address in its page's place. A failed
+  // driver call puts the old page back where it was, bytes unchanged, and
+  // gives the target back; the error goes on to the caller.
+  void remap_page(const LivePage& live, PageHandle target) {
+    const DevicePtr address = address_of(live);
+    const PageHandle old = live.segment->pages[live.index].handle;
     try {
       backend.unmap(address);
     } catch (...) {
-      backend.release_page(target);
+      give_back_page(target);
       throw;
     }
     try {
       backend.map(address, target);
     } catch (...) {
-      backend.release_page(target);
-      backend.map(address, page.handle);
+      give_back_page(target);
+      backend.map(address, old);
       throw;
     }
+  }
+
+  // Moves one page to the device, keeping its address and bytes. Returns
+  // false when no device page can be had. `given_up` holds the device pages
+  // the spills of the same batch gave up: one of them backs the move before
+  // a page is created.
+  bool restore_page(const LivePage& live, std::vector<PageHandle>& given_up) {
+    PageHandle target;
+    if (!given_up.empty()) {
+      target = given_up.back();
+      given_up.pop_back();
+    } else {
+      target = new_page(Residency::kDevice);
+    }
+    if (!target) return false;
+    // The device page takes the host page's place at its address, then the
+    // bytes follow from the host page, which the backend reaches without a
+    // mapping of ours.
+    const PageHandle old = live.segment->pages[live.index].handle;
+    remap_page(live, target);
     try {
-      backend.copy_into(address, page.handle);
+      backend.copy_into(address_of(live), old);
     } catch (...) {
-      backend.unmap(address);
-      backend.release_page(target);
-      backend.map(address, page.handle);
+      backend.unmap(address_of(live));
+      give_back_page(target);
+      backend.map(address_of(live), old);
       throw;
     }
+    moved_page(live, target, given_up);
+    return true;
+  }
+
+  // Moves live pages to the host, keeping their addresses and bytes; stops
+  // early when the host has no page left. Copies first, then remaps: the
+  // host page a spill fills is reachable without a mapping of ours, so the
+  // batch's copies run back to back, one wait covers them, and then each
+  // address takes its host page (no page mapped twice for a copy). The
+  // device pages given up go to `given_up`. A failed copy leaves every page
+  // where it was; a failed remap, that page and the ones after it. Returns
+  // the bytes moved.
+  std::size_t spill_pages(const std::vector<std::size_t>& ids, const std::vector<LivePage>& pages,
+                          std::vector<PageHandle>& given_up) {
+    struct Copied {
+      const LivePage* live;
+      PageHandle target;
+    };
+    // Targets not (yet) remapped go back, also when a step throws.
+    struct Targets {
+      State& state;
+      std::vector<Copied> copied;
+      std::size_t taken = 0;  // copied[0, taken) belong to remap_page now
+      ~Targets() {
+        for (std::size_t i = taken; i < copied.size(); ++i) {
+          try {
+            state.give_back_page(copied[i].target);
+          } catch (...) {
+          }
+        }
+      }
+    } targets{*this, {}};
+    std::exception_ptr failed_copy;
+    for (std::size_t id : ids) {
+      const PageHandle target = !spill_targets.empty() ? take_spill_target() : new_page(Residency::kHost);
+      if (!target) break;  // the host is exhausted: the device stays over the cap
+      targets.copied.push_back({&pages[id], target});
+      try {
+        backend.copy_out(address_of(pages[id]), target);
+      } catch (...) {
+        failed_copy = std::current_exception();  // the pages copied so far still move
+        targets.copied.pop_back();
+        give_back_page(target);
+        break;
+      }
+    }
+    backend.finish_copies();  // a copy that failed here moves nothing
+    std::size_t moved = 0;
+    while (targets.taken < targets.copied.size()) {
+      const Copied copied = targets.copied[targets.taken++];
+      remap_page(*copied.live, copied.target);
+      moved_page(*copied.live, copied.target, given_up);
+      moved += page_bytes;
+    }
+    if (failed_copy) std::rethrow_exception(failed_copy);
+    return moved;
+  }
+
+  // The books of a page move that is done: `target` backs the live page now.
+  void moved_page(const LivePage& live, PageHandle target, std::vector<PageHandle>& given_up) {
+    Segment& segment = *live.segment;
+    Page& page = segment.pages[live.index];
+    const DevicePtr address = address_of(live);
+    const Residency where = target.where;
     const PageHandle old = page.handle;
     count_mapped(segment, old.where, false);
     count_mapped(segment, where, true);
@@ -776,11 +895,10 @@ struct CachingAllocator::State {
     // Last: the move is in the books. A release the driver refuses leaves the
     // old page with the process until it exits, and the error goes on.
     if (old.where == Residency::kDevice) {
-      given_up.push_back(old);  // still backs the copy just issued; the stream orders any reuse after it
+      given_up.push_back(old);
     } else {
-      backend.release_page(old);
+      give_back_page(old);  // the copy just issued may still read it: the backend keeps it till then
     }
-    return true;
   }
 
   std::size_t apply_migrations() {
@@ -819,15 +937,11 @@ struct CachingAllocator::State {
         }
       }
     } given_up{*this, {}};
-    std::size_t moved = 0;
-    for (std::size_t id : moves.to_host) {
-      if (!move_page(pages[id], Residency::kHost, given_up.pages)) break;  // host exhausted: stay over the cap
-      moved += page_bytes;
-    }
+    std::size_t moved = spill_pages(moves.to_host, pages, given_up.pages);
     for (std::size_t id : moves.to_device) {
-      // A spill that failed above leaves no room under the cap.
+      // A spill that stopped early above leaves no room under the cap.
       if (device_bytes() + page_bytes > effective_cap()) break;
-      if (!move_page(pages[id], Residency::kDevice, given_up.pages)) break;  // device taken by others: try later
+      if (!restore_page(pages[id], given_up.pages)) break;  // device taken by others: try later
       moved += page_bytes;
     }
     return moved;
@@ -900,6 +1014,12 @@ struct CachingAllocator::State {
       if (target.where != Residency::kHost) fail("a spill target is not a host page");
     }
     const auto targets = static_cast<std::int64_t>(spill_targets.size()) * page;
+    for (PageHandle kept : host_pool) {
+      if (kept.where != Residency::kHost) fail("a kept page is not a host page");
+    }
+    if (stats.host_pool_bytes.current != static_cast<std::int64_t>(host_pool.size()) * page) {
+      fail("host_pool_bytes is not the kept host pages");
+    }
     if (free_count != free_blocks.size() || (step_plan.active() ? free_count : 0) != free_by_address.set().size() ||
         pinned_free_count != pinned_free.size()) {
       fail("free blocks and the free pools disagree in number");
@@ -937,6 +1057,7 @@ struct CachingAllocator::State {
     };
     attempt([&] { synchronize_waiting(); });
     attempt([&] { release_spill_targets(); });
+    attempt([&] { release_host_pool(); });
     // One wait covers every page and pinned segment (none is possible during
     // a graph capture: then each release waits as it can).
     bool synchronized = false;
@@ -1126,6 +1247,7 @@ void CachingAllocator::empty_cache() {
     s.release_pinned_cache(/*synchronized=*/true);
   }
   s.trim_spill_targets();
+  s.release_host_pool();
   // Whole free segments give their address range back too.
   for (auto it = s.segments.begin(); it != s.segments.end();) {
     Segment& segment = *it->second;
@@ -1210,6 +1332,7 @@ void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
     s.release_cached_pages(&device, s.device_bytes() - bytes);  // cache goes first: it costs no copy
   }
   s.trim_spill_targets();
+  s.release_host_pool_unless_kept();
   s.mark_pending(pending_migrations_);
 }
 
@@ -1239,6 +1362,7 @@ void CachingAllocator::restore_all() {
   std::lock_guard lock(s.mutex);
   s.spill_everything = false;
   s.trim_spill_targets();
+  s.release_host_pool_unless_kept();
   s.mark_pending(pending_migrations_);
 }
 
@@ -1328,6 +1452,7 @@ std::size_t CachingAllocator::discard_pages() {
                 "captured so far may use them. Discard after the capture ends.");
   }
   s.release_spill_targets();
+  s.release_host_pool();
   // Discarded from the first page on: when the driver refuses an unmap part
   // way, the allocator still refuses allocations and back_discarded_pages()
   // backs (and zeroes) what is gone.

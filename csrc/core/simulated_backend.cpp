@@ -170,6 +170,24 @@ void SimulatedBackend::copy_into(DevicePtr address, PageHandle src) {
   std::memcpy(to.bytes.get(), from.bytes.get(), config_.granularity);
 }
 
+void SimulatedBackend::copy_out(DevicePtr address, PageHandle dst) {
+  std::lock_guard lock(mutex_);
+  ++calls_.copy_out;
+  auto mapped = mappings_.find(address);
+  if (mapped == mappings_.end()) throw Error(fmt::format("copy out of 0x{:x}, which is not mapped", address));
+  auto target = pages_.find(dst.id);
+  if (target == pages_.end()) throw Error(fmt::format("copy into unknown page {}", dst.id));
+  if (target->second->mapped) throw Error(fmt::format("copy into page {}, which is mapped", dst.id));
+  const Page& from = *pages_.at(mapped->second);
+  Page& to = *target->second;
+  if (!from.bytes) {
+    to.bytes.reset();  // an unwritten page reads as zeros; so does its copy
+    return;
+  }
+  if (!to.bytes) to.bytes = std::make_unique<std::uint8_t[]>(config_.granularity);
+  std::memcpy(to.bytes.get(), from.bytes.get(), config_.granularity);
+}
+
 DevicePtr SimulatedBackend::allocate_pinned_host(std::size_t bytes) {
   std::lock_guard lock(mutex_);
   ++calls_.allocate_pinned_host;

@@ -137,6 +137,15 @@ CudaBackend::~CudaBackend() {
     cudaEventDestroy(static_cast<cudaEvent_t>(slot.done));
   }
   if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, kStagingSlots * granularity_);
+  for (PageHandle page : releases_after_copies_) {
+    try {
+      release_host_page(page);
+    } catch (const Error&) {
+    }
+  }
+  // Host pages the allocators still hold (a release the driver refused) keep their shadows.
+  for (auto& [id, address] : shadows_) driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);
+  for (DevicePtr range : shadow_ranges_) driver().cuMemAddressFree(range, kShadowRangePages * granularity_);
   std::lock_guard<std::mutex> lock(pinned_mutex_);
   for (auto& [address, host] : pinned_host_) driver().cuMemFreeHost(host);
 }
@@ -228,6 +237,18 @@ void CudaBackend::reset_driver_call_times() {
 
 // ---- pages ------------------------------------------------------------------------------
 
+namespace {
+
+CUmemAccessDesc read_write_for(int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return access;
+}
+
+}  // namespace
+
 PageHandle CudaBackend::create_page(Residency where) {
   CUmemAllocationProp prop{};
   if (where == Residency::kDevice) {
@@ -250,26 +271,91 @@ PageHandle CudaBackend::create_page(Residency where) {
   PageHandle page;
   page.id = static_cast<std::uint64_t>(handle);
   page.where = where;
+  if (where == Residency::kHost) {
+    try {
+      map_shadow(page);
+    } catch (...) {
+      driver().cuMemRelease(handle);
+      throw;
+    }
+  }
   return page;
 }
 
 void CudaBackend::release_page(PageHandle page) {
-  Timed timed(*this, page.where == Residency::kDevice ? DriverCall::kReleaseDevicePage : DriverCall::kReleaseHostPage);
-  check_driver(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page.id)),
-               "cuMemRelease");
+  if (page.where == Residency::kHost) {
+    {
+      // A copy in flight may still read its shadow: released once copies finish.
+      std::lock_guard<std::mutex> lock(staging_mutex_);
+      if (copies_in_flight()) {
+        releases_after_copies_.push_back(page);
+        return;
+      }
+    }
+    release_host_page(page);
+    return;
+  }
+  Timed timed(*this, DriverCall::kReleaseDevicePage);
+  check_driver(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page.id)), "cuMemRelease");
 }
 
-namespace {
+// ---- host pages' shadow addresses ----------------------------------------------------------
 
-CUmemAccessDesc read_write_for(int device) {
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  return access;
+DevicePtr CudaBackend::shadow_of(PageHandle page) {
+  if (page.where != Residency::kHost) return 0;
+  std::lock_guard<std::mutex> lock(shadow_mutex_);
+  auto it = shadows_.find(page.id);
+  return it == shadows_.end() ? 0 : it->second;
 }
 
-}  // namespace
+void CudaBackend::map_shadow(PageHandle page) {
+  DevicePtr address = 0;
+  {
+    std::lock_guard<std::mutex> lock(shadow_mutex_);
+    if (free_shadows_.empty()) {
+      const DevicePtr range = reserve(kShadowRangePages * granularity_);
+      if (range == 0) throw Error("cotenant could not reserve address space for host pages' copies.");
+      shadow_ranges_.push_back(range);
+      for (std::size_t i = kShadowRangePages; i-- > 0;) free_shadows_.push_back(range + i * granularity_);
+    }
+    address = free_shadows_.back();
+    free_shadows_.pop_back();
+  }
+  const CUmemAccessDesc access = read_write_for(device_);
+  CUresult r;
+  {
+    Timed timed(*this, DriverCall::kMap);
+    r = driver().cuMemMap(static_cast<CUdeviceptr>(address), granularity_, 0,
+                          static_cast<CUmemGenericAllocationHandle>(page.id), 0);
+  }
+  if (r == CUDA_SUCCESS) {
+    Timed timed(*this, DriverCall::kSetAccess);
+    r = driver().cuMemSetAccess(static_cast<CUdeviceptr>(address), granularity_, &access, 1);
+    if (r != CUDA_SUCCESS) driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);
+  }
+  std::lock_guard<std::mutex> lock(shadow_mutex_);
+  if (r != CUDA_SUCCESS) {
+    free_shadows_.push_back(address);
+    check_driver(r, "mapping a host page for copies (cuMemMap, cuMemSetAccess)");
+  }
+  shadows_.emplace(page.id, address);
+}
+
+void CudaBackend::release_host_page(PageHandle page) {
+  if (const DevicePtr address = shadow_of(page)) {
+    {
+      Timed timed(*this, DriverCall::kUnmap);
+      // A refusal leaves the page mapped there and with the process; the error goes on.
+      check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_),
+                   "cuMemUnmap (a host page's copy address)");
+    }
+    std::lock_guard<std::mutex> lock(shadow_mutex_);
+    shadows_.erase(page.id);
+    free_shadows_.push_back(address);
+  }
+  Timed timed(*this, DriverCall::kReleaseHostPage);
+  check_driver(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page.id)), "cuMemRelease");
+}
 
 // access_mutex_ held.
 void CudaBackend::set_device_access(DevicePtr address, std::size_t bytes) {
@@ -364,23 +450,40 @@ void CudaBackend::unmap_slot(StagingSlot& slot) {
 }
 
 void CudaBackend::copy_into(DevicePtr address, PageHandle src) {
-  // The source is mapped at a staging slot for the copy; a page released
-  // while that mapping still holds it lives until the slot is retired.
+  const DevicePtr shadow = shadow_of(src);
   std::lock_guard<std::mutex> lock(staging_mutex_);
+  copy_page(address, shadow, shadow != 0 ? PageHandle{} : src);
+}
+
+void CudaBackend::copy_out(DevicePtr address, PageHandle dst) {
+  const DevicePtr shadow = shadow_of(dst);
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  copy_page(shadow, address, shadow != 0 ? PageHandle{} : dst);
+}
+
+bool CudaBackend::copies_in_flight() const {
+  return std::any_of(staging_slots_.begin(), staging_slots_.end(), [](const StagingSlot& s) { return s.busy; });
+}
+
+void CudaBackend::copy_page(DevicePtr dst, DevicePtr src, PageHandle staged) {
+  // A staged page is mapped at the slot for the copy; a page released while
+  // that mapping still holds it lives until the slot is retired.
   CurrentDevice current(device_);
   StagingSlot& slot = staging_slots_[next_slot_];
   next_slot_ = (next_slot_ + 1) % staging_slots_.size();
   retire(slot);
-  const DevicePtr src_va = slot.base;
-  map(src_va, src);
-  slot.mapped = true;
+  if (staged) {
+    map(slot.base, staged);
+    slot.mapped = true;
+    (dst == 0 ? dst : src) = slot.base;
+  }
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   const bool pipelined = quiescent_.load(std::memory_order_acquire);
   cudaError_t err;
   bool marked = false;  // the copy's event is recorded: the slot can be retired later
   {
     Timed timed(*this, DriverCall::kCopyIssue);
-    err = cudaMemcpyAsync(reinterpret_cast<void*>(address), reinterpret_cast<void*>(src_va), granularity_,
+    err = cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), granularity_,
                           cudaMemcpyDefault, stream);
     if (err == cudaSuccess && pipelined) {
       marked = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream) == cudaSuccess;
@@ -418,6 +521,17 @@ void CudaBackend::finish_copies() {
   for (StagingSlot& slot : staging_slots_) {
     try {
       retire(slot);
+    } catch (const Error& e) {
+      if (first_error.empty()) first_error = e.what();
+    }
+  }
+  // Host pages released while copies ran: nothing reads their shadows now
+  // (a failed wait above synchronized the copy stream instead).
+  std::vector<PageHandle> releases;
+  releases.swap(releases_after_copies_);
+  for (PageHandle page : releases) {
+    try {
+      release_host_page(page);
     } catch (const Error& e) {
       if (first_error.empty()) first_error = e.what();
     }

@@ -10,9 +10,13 @@
 //  - Without host VMM, host_pages_mappable() is false, create_page(kHost)
 //    returns an empty handle and over-cap memory comes from mapped pinned
 //    host memory (cuMemHostAlloc with DEVICEMAP): AntMan's scheme.
-//  - Page copies map both pages into a private staging range and copy with
-//    cudaMemcpyAsync on a private stream, then synchronize that stream (at a
-//    safe point, set_quiescent(): pipelined over several staging slots).
+//  - A host page stays mapped at a private "shadow" address from its
+//    creation to its release, where the device's copy engine reaches it: a
+//    page move copies to or from it there (cudaMemcpyAsync on a private
+//    stream), mapping nothing for the copy. A device page that is mapped
+//    nowhere is mapped at a staging slot for its copy. The stream is
+//    synchronized after each copy, or at a safe point (set_quiescent())
+//    once for the batch, up to eight copies in flight.
 //  - unmap() synchronizes the device first: kernels launched before a block
 //    was freed may still touch its page, and cuMemUnmap does not wait for
 //    them (PyTorch's expandable segments synchronize for the same reason).
@@ -62,7 +66,7 @@ class CudaBackend final : public Backend {
   // mapped. finish_copies() must run before launches resume (and before
   // set_quiescent(false)); it waits for them and unmaps the staging slots.
   void set_quiescent(bool quiescent) { quiescent_.store(quiescent, std::memory_order_release); }
-  void finish_copies();
+  void finish_copies() override;
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
   const char* host_page_kind() const;
 
@@ -110,6 +114,7 @@ class CudaBackend final : public Backend {
   bool synchronize_for_unmap() override;
   void unmap_synchronized(DevicePtr address) override;
   void copy_into(DevicePtr address, PageHandle src) override;
+  void copy_out(DevicePtr address, PageHandle dst) override;
   // cudaMemsetAsync on the copy stream, waited for before it returns.
   void zero(DevicePtr address, std::size_t bytes) override;
 
@@ -147,10 +152,11 @@ class CudaBackend final : public Backend {
   std::atomic<bool> graph_capture_{false};
   std::atomic<bool> quiescent_{false};
 
-  // Staging slots for copy_into: each is one page of address space, where
-  // the source page is mapped, and the event of the last copy through it. A
-  // busy slot still has its page mapped; it is retired (event waited for,
-  // page unmapped) before reuse and in finish_copies().
+  // Copy slots: each is one page of address space, where a page with no
+  // other mapping is staged for its copy, and the event of the last copy
+  // issued through the slot. A busy slot's copy may still run (and its page,
+  // if any, is still mapped); it is retired (event waited for, page
+  // unmapped) before reuse and in finish_copies().
   // Guarded by staging_mutex_, which also serialises copies on copy_stream_.
   struct StagingSlot {
     DevicePtr base = 0;
@@ -161,6 +167,10 @@ class CudaBackend final : public Backend {
   static constexpr std::size_t kStagingSlots = 8;
   void retire(StagingSlot& slot);      // staging_mutex_ held
   void unmap_slot(StagingSlot& slot);  // staging_mutex_ held; the slot's copy is done
+  // One page from `src` to `dst` (addresses); `staged`, when given, is
+  // mapped at the slot first and its address stands for the 0 among them.
+  void copy_page(DevicePtr dst, DevicePtr src, PageHandle staged);  // staging_mutex_ held
+  bool copies_in_flight() const;                                  // staging_mutex_ held
   std::mutex staging_mutex_;
   DevicePtr staging_base_ = 0;
   std::vector<StagingSlot> staging_slots_;
@@ -172,6 +182,20 @@ class CudaBackend final : public Backend {
   std::mutex access_mutex_;
   std::vector<int> peers_;
   std::unordered_set<DevicePtr> mapped_;
+
+  // Host pages' shadow addresses (host VMM only). Slots come from ranges of
+  // kShadowRangePages pages reserved as needed and kept until the backend
+  // goes. A host page released while a copy in flight may still read its
+  // shadow is unmapped and released in finish_copies().
+  static constexpr std::size_t kShadowRangePages = 512;
+  DevicePtr shadow_of(PageHandle page);            // 0: none (a device page)
+  void map_shadow(PageHandle page);                // throws; the page keeps no shadow then
+  void release_host_page(PageHandle page);         // unmaps its shadow, then cuMemRelease
+  std::mutex shadow_mutex_;
+  std::vector<DevicePtr> shadow_ranges_;
+  std::vector<DevicePtr> free_shadows_;
+  std::unordered_map<std::uint64_t, DevicePtr> shadows_;  // host page id -> shadow address
+  std::vector<PageHandle> releases_after_copies_;         // guarded by staging_mutex_
 
   // Pinned-fallback allocations: device address -> host pointer for cuMemFreeHost.
   std::mutex pinned_mutex_;

@@ -93,11 +93,14 @@ PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
 
 // The capped allocator's options: COTENANT_SPILL_WITHOUT_CAP=1 spills to the
 // host when the device is full with no cap set (else that is an
-// OutOfMemoryError, as with PyTorch's allocator).
+// OutOfMemoryError, as with PyTorch's allocator); COTENANT_KEEP_HOST_PAGES=0
+// gives host pages back to the driver as soon as nothing uses them.
 AllocatorOptions main_options() {
   AllocatorOptions options;
   const char* spill = std::getenv("COTENANT_SPILL_WITHOUT_CAP");
   options.spill_without_cap = spill != nullptr && std::string(spill) == "1";
+  const char* keep = std::getenv("COTENANT_KEEP_HOST_PAGES");
+  options.keep_host_pages = keep == nullptr || std::string(keep) != "0";
   return options;
 }
 

@@ -97,9 +97,17 @@ class Backend {
   // Copies page `src`'s bytes into the page mapped at `address`. `src` need
   // not be mapped anywhere (a page move unmaps it first and maps its
   // replacement in its place); the caller may release it as soon as this
-  // returns. Synchronous: the copy is done when it returns (CudaBackend lets
-  // copies at a safe point run on until finish_copies()).
+  // returns (the backend keeps what a copy in flight still reads).
   virtual void copy_into(DevicePtr address, PageHandle src) = 0;
+  // The other way: copies the bytes of the page mapped at `address` into page
+  // `dst`, which the caller has mapped nowhere (a spill copies before it
+  // remaps: a host page is reachable without a mapping of the caller's).
+  virtual void copy_out(DevicePtr address, PageHandle dst) = 0;
+  // Both copies are done when they return, except at a safe point on a GPU
+  // (CudaBackend::set_quiescent): there they run on until finish_copies(),
+  // which waits for them and throws when one failed. Until then the copies'
+  // pages must stay mapped where they are and unused.
+  virtual void finish_copies() {}
 
   // Sets `bytes` at `address` (mapped, accessible) to zero. Synchronous. A
   // new page's bytes are unspecified (the driver does not promise zeros), so

@@ -76,6 +76,13 @@ struct AllocatorOptions {
   // allocator does (torch.cuda.OutOfMemoryError, snapshots still possible).
   // true: spill to the host then too (COTENANT_SPILL_WITHOUT_CAP=1).
   bool spill_without_cap = false;
+  // Host pages a page move or a free gives up stay with the allocator (pinned,
+  // mapped nowhere) while a cap is set, and the next page the host needs is
+  // one of them: pinning host memory costs more than copying it over PCIe,
+  // so a job squeezed again and again pins once. empty_cache() and lifting
+  // the cap give them back. false: every host page goes back to the driver
+  // at once (COTENANT_KEEP_HOST_PAGES=0).
+  bool keep_host_pages = true;
 };
 
 // One block as a snapshot shows it.

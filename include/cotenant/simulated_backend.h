@@ -39,7 +39,7 @@ struct SimulatedDeviceConfig {
 
 struct SimulatedCallCounts {
   std::uint64_t reserve = 0, release = 0, create_page = 0, release_page = 0;
-  std::uint64_t map = 0, unmap = 0, copy_into = 0, zero = 0, failed_create_page = 0;
+  std::uint64_t map = 0, unmap = 0, copy_into = 0, copy_out = 0, zero = 0, failed_create_page = 0;
   std::uint64_t allocate_pinned_host = 0, free_pinned_host = 0;
   std::uint64_t record_event = 0, synchronize_device = 0, refused_synchronization = 0;
 };
@@ -61,6 +61,7 @@ class SimulatedBackend final : public Backend {
   void map(DevicePtr address, PageHandle page) override;
   void unmap(DevicePtr address) override;
   void copy_into(DevicePtr address, PageHandle src) override;
+  void copy_out(DevicePtr address, PageHandle dst) override;
   void zero(DevicePtr address, std::size_t bytes) override;
   DevicePtr allocate_pinned_host(std::size_t bytes) override;
   void free_pinned_host(DevicePtr address, std::size_t bytes) override;

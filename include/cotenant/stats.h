@@ -61,7 +61,8 @@ const char* spill_mode_name(SpillMode mode);
 #define COTENANT_POOLED_STATS(X) \
   X(allocation) X(segment) X(active) X(inactive_split) X(allocated_bytes) X(reserved_bytes) X(active_bytes) \
   X(inactive_split_bytes) X(requested_bytes)
-#define COTENANT_PLAIN_STATS(X) X(device_resident_bytes) X(host_resident_bytes) X(pinned_fallback_bytes)
+#define COTENANT_PLAIN_STATS(X) \
+  X(device_resident_bytes) X(host_resident_bytes) X(pinned_fallback_bytes) X(host_pool_bytes)
 #define COTENANT_COUNT_STATS(X) \
   X(num_alloc_retries) X(num_ooms) X(num_device_alloc) X(num_device_free) X(spilled_bytes) X(restored_bytes) \
   X(num_migrations) X(num_spilled_allocations)
@@ -78,6 +79,8 @@ struct AllocatorStats {
   //   num_device_alloc / free  pages created on / released to the backend
   // Residency: mapped bytes by where they live (device + host == reserved);
   // pinned_fallback_bytes: kPinnedFallback allocations, part of host_resident_bytes.
+  // host_pool_bytes: host pages kept for reuse after their last use (pinned,
+  // mapped nowhere; not part of reserved or host_resident_bytes).
   //   spilled_bytes / restored_bytes  cumulative bytes moved device -> host / back
   //   num_migrations                  cumulative page moves, both directions
   //   num_spilled_allocations         allocations that got host memory at birth

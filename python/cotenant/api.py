@@ -370,6 +370,7 @@ def summarize_stats(raw: Dict[str, Any]) -> Dict[str, Any]:
         "memory_cap": None if cap is None or cap in (no_cap, -1) else int(cap),
         "device_bytes": int(raw.get("device_resident_bytes.current", 0)),
         "host_bytes": int(raw.get("host_resident_bytes.current", 0)),
+        "host_pool_bytes": int(raw.get("host_pool_bytes.current", 0)),
         "cached_bytes": max(reserved - allocated, 0),
         "allocated_bytes": allocated,
         "reserved_bytes": reserved,

@@ -170,6 +170,8 @@ SETTINGS = (
             "pinned: the pinned-host fallback even where host VMM exists"),
     Setting("spill_without_cap", "COTENANT_SPILL_WITHOUT_CAP", _boolean, "1",
             "with no cap, a full device spills to the host instead of raising OutOfMemoryError"),
+    Setting("keep_host_pages", "COTENANT_KEEP_HOST_PAGES", _boolean, "0",
+            "0: host pages go back to the driver as soon as nothing uses them (default 1: kept under a cap)"),
     Setting("allow_uncapped", "COTENANT_ALLOW_UNCAPPED", _boolean, "1",
             "a job `cotenant run` started runs on when cotenant cannot be enabled"),
     Setting("coordinator_user", "COTENANT_COORDINATOR_USER", _text, "cotenant",
@@ -264,10 +266,11 @@ def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
 
 
 def export_for_extension(environ=None) -> None:
-    """The C++ side reads COTENANT_HOST_PAGES and COTENANT_SPILL_WITHOUT_CAP with
-    getenv: give them their variables when COTENANT_CONF alone sets them."""
+    """The C++ side reads COTENANT_HOST_PAGES, COTENANT_SPILL_WITHOUT_CAP and
+    COTENANT_KEEP_HOST_PAGES with getenv: give them their variables when
+    COTENANT_CONF alone sets them."""
     env = os.environ if environ is None else environ
-    for key in ("host_pages", "spill_without_cap"):
+    for key in ("host_pages", "spill_without_cap", "keep_host_pages"):
         setting = _BY_KEY[key]
         text = get(key, env)
         if text is not None and not env.get(setting.variable):

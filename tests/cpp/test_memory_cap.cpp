@@ -190,10 +190,84 @@ TEST_CASE("a_host_page_hotter_than_a_device_page_swaps_with_it_at_the_safe_point
   CHECK(holds(device, other, 7, 4 * kMiB));
   CHECK(allocator.stats().device_resident_bytes.current == 4 * kMiB);
   // The two device pages `other` gave up back `hot` on the device: only its
-  // two host pages are created, and only `hot`'s two old host pages released.
+  // two host pages are created, and `hot`'s two old host pages are kept for
+  // the next spill, not released.
   CHECK(device.calls().create_page - created_before == 2);
-  CHECK(device.calls().release_page - released_before == 2);
+  CHECK(device.calls().release_page - released_before == 0);
+  CHECK(allocator.stats().host_pool_bytes.current == 4 * kMiB);
   allocator.check_invariants();
+}
+
+// Pinning host memory costs more than copying it, so host pages a job gives
+// up under a cap stay with it: a job squeezed again pins nothing new.
+TEST_CASE("host_pages_given_up_under_a_cap_are_kept_and_the_next_spill_creates_none", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(64 * kMiB);
+  const DevicePtr block = allocator.allocate(8 * kMiB, 0);
+  fill(device, block, 3, 8 * kMiB);
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    const auto created = device.calls().create_page, released = device.calls().release_page;
+    allocator.spill_all();
+    CHECK(allocator.apply_pending_migrations() == 8 * kMiB);
+    CHECK(allocator.stats().host_pool_bytes.current == 0);
+    allocator.restore_all();
+    CHECK(allocator.apply_pending_migrations() == 8 * kMiB);
+    CHECK(holds(device, block, 3, 8 * kMiB));
+    // Each round: 4 host pages, then 4 device pages, the device pages the
+    // spill gave up released; from the second round on the host pages are
+    // the ones the restore before kept.
+    CHECK(device.calls().create_page - created == (round == 0 ? 8u : 4u));
+    CHECK(device.calls().release_page - released == 4u);
+    CHECK(allocator.stats().host_pool_bytes.current == 8 * kMiB);
+    CHECK(device.host_bytes_in_use() == 8 * kMiB);  // held, pinned: what the figure trades
+    allocator.check_invariants();
+  }
+  // Kept pages are neither reserved nor resident: the job's memory is on the device.
+  CHECK(allocator.stats().reserved_bytes.all.current == 8 * kMiB);
+  CHECK(allocator.stats().host_resident_bytes.current == 0);
+
+  SECTION("empty_cache gives them back") {
+    allocator.empty_cache();
+  }
+  SECTION("lifting the cap gives them back") {
+    allocator.set_memory_cap(kNoCap);
+  }
+  CHECK(allocator.stats().host_pool_bytes.current == 0);
+  CHECK(device.host_bytes_in_use() == 0);
+  allocator.check_invariants();
+  allocator.free(block);
+}
+
+TEST_CASE("an_allocation_over_the_cap_takes_a_kept_host_page_and_a_job_can_opt_out_of_keeping", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  const bool keep = GENERATE(true, false);
+  CAPTURE(keep);
+  AllocatorOptions options;
+  options.keep_host_pages = keep;
+  CachingAllocator allocator(device, options);
+  allocator.set_memory_cap(4 * kMiB);
+  const DevicePtr first = allocator.allocate(8 * kMiB, 0);  // half on the host: nothing colder
+  CHECK(allocator.stats().host_resident_bytes.current == 4 * kMiB);
+  allocator.free(first);
+  allocator.empty_cache();  // releases the cached pages, and with them any kept page
+  CHECK(device.host_bytes_in_use() == 0);
+  const DevicePtr second = allocator.allocate(8 * kMiB, 0);
+  allocator.free(second);
+  // Freed host pages stay cached in their arena until a safe point gives the
+  // host cache up: kept (keep) or released (not).
+  allocator.apply_pending_migrations();
+  CHECK(allocator.stats().host_resident_bytes.current == 0);
+  CHECK(allocator.stats().host_pool_bytes.current == (keep ? 4 * kMiB : 0));
+  CHECK(device.host_bytes_in_use() == (keep ? 4 * kMiB : 0));
+  const auto created = device.calls().create_page;
+  const DevicePtr third = allocator.allocate(8 * kMiB, 0);
+  CHECK(allocator.stats().host_resident_bytes.current == 4 * kMiB);
+  CHECK(device.calls().create_page - created == (keep ? 0u : 2u));  // the device pages are cached
+  CHECK(allocator.stats().host_pool_bytes.current == 0);
+  allocator.check_invariants();
+  allocator.free(third);
 }
 
 TEST_CASE("spill_all_moves_every_live_page_to_host_and_restore_all_brings_them_back", "[cap]") {

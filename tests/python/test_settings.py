@@ -72,9 +72,10 @@ def test_conf_string_reaches_the_readers_of_socket_device_and_disable(monkeypatc
 
 
 def test_conf_string_sets_the_allocator_options_the_extension_reads_with_getenv():
-    env = {"COTENANT_CONF": "host_pages:pinned,spill_without_cap:yes"}
+    env = {"COTENANT_CONF": "host_pages:pinned,spill_without_cap:yes,keep_host_pages:no"}
     settings.export_for_extension(env)
     assert env["COTENANT_HOST_PAGES"] == "pinned" and env["COTENANT_SPILL_WITHOUT_CAP"] == "1"
+    assert env["COTENANT_KEEP_HOST_PAGES"] == "0"
 
 
 def test_enable_from_environment_reads_the_conf_string(monkeypatch):

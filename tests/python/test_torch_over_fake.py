@@ -687,8 +687,7 @@ def test_the_warm_allocation_path_calls_the_driver_no_more_than_pytorchs_own(lib
     through PyTorch's allocator and through cotenant's. cotenant's path may
     make no driver or runtime call that PyTorch's does not (no page map, no
     event query, no synchronize), so its cost on a GPU is the CPU work timed
-    here. A page move makes at most 8 virtual memory calls (a page created
-    and released, two maps, two access settings, two unmaps)."""
+    here. Page moves make few virtual memory calls (below)."""
     script = os.path.join(HERE, "..", "..", "benchmarks", "bench_allocator.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_") or k == "COTENANT_PYTORCH_REPLAY"}
     done = subprocess.run([sys.executable, script, "--over-fake", "--quick", "--out", str(tmp_path)], env=env,
@@ -705,11 +704,20 @@ def test_the_warm_allocation_path_calls_the_driver_no_more_than_pytorchs_own(lib
     assert result["figures"]["alloc_free_ratio_vs_native"] > 0
     assert "cotenant" in done.stdout and "us/pair" in done.stdout
     moves = result["measured"]["moves"]
-    assert moves["violations"] == [] and moves["spill_moved_bytes"] == moves["restore_moved_bytes"] == 64 * MIB
-    for direction in ("spill", "restore"):
-        calls = moves[f"{direction}_calls_per_page"]
-        assert calls["cudaMemcpyAsync"] == 1  # one copy per page
-        assert 0 < result["figures"][f"{direction}_vmm_calls_per_page"] <= 8, calls
+    assert moves["violations"] == []
+    figures = result["figures"]
+    for name in ("spill", "restore", "spill_kept", "restore_kept"):
+        assert moves[f"{name}_moved_bytes"] == 64 * MIB
+        calls = moves[f"{name}_calls_per_page"]
+        assert calls["cudaMemcpyAsync"] == 1, calls  # one copy per page
+    # The first spill pins its host pages and maps each where copies reach it
+    # (7 calls a page: create, 2 maps, 2 access settings, unmap, the device
+    # page's release); a restore, and a spill into kept host pages, map one
+    # page in another's place and copy without a mapping for the copy: 4.
+    assert figures["spill_vmm_calls_per_page"] <= 7, moves["spill_calls_per_page"]
+    for figure in ("restore_vmm_calls_per_page", "spill_vmm_calls_per_page_kept", "restore_vmm_calls_per_page_kept"):
+        assert 0 < figures[figure] <= 4, (figure, moves)
+    assert "cuMemCreate" not in moves["spill_kept_calls_per_page"]  # nothing pinned the second time
 
 
 NO_KERNEL_CALLS = r'''

@@ -425,38 +425,66 @@ TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_sp
   cuda::CudaBackend& backend = device.cuda_backend();
   {
     CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(64 * kMiB);  // under a cap host pages given up are kept
     const DevicePtr block = allocator.allocate(4 * kPageBytes, 0);
     device.fill(block, 5, 4 * kPageBytes);
     fake_cuda::set_delay(std::chrono::milliseconds(2));  // each page copy takes 2 ms on its stream
-    backend.reset_driver_call_times();
-    allocator.spill_all();
-    REQUIRE(migrate_at_safe_point(allocator, backend) == 4 * kPageBytes);
+    auto calls = [&](Call call) { return backend.driver_call_time(call).calls; };
+    auto spill_and_count = [&] {
+      backend.reset_driver_call_times();
+      allocator.spill_all();
+      REQUIRE(migrate_at_safe_point(allocator, backend) == 4 * kPageBytes);
+      CHECK(calls(Call::kCreateDevicePage) == 0);
+      CHECK(calls(Call::kReleaseDevicePage) == 4);
+      CHECK(calls(Call::kCopyIssue) == 4);
+      CHECK(calls(Call::kReleaseHostPage) == 0);
+    };
 
-    CHECK(backend.driver_call_time(Call::kCreateHostPage).calls == 4);
-    CHECK(backend.driver_call_time(Call::kCreateDevicePage).calls == 0);
-    CHECK(backend.driver_call_time(Call::kReleaseDevicePage).calls == 4);
-    CHECK(backend.driver_call_time(Call::kCopyIssue).calls == 4);
-    // Per page: the host page mapped at the block's address in the device
-    // page's place, and the device page mapped at a staging slot to copy from
-    // (then unmapped). Copying first would map both at staging slots: 3 of each.
-    CHECK(backend.driver_call_time(Call::kMap).calls == 8);
-    CHECK(backend.driver_call_time(Call::kSetAccess).calls == 8);
-    CHECK(backend.driver_call_time(Call::kUnmap).calls == 8);
-    // The copies run one after another on the copy stream (8 ms in all) and are
-    // issued in microseconds, so the waits cover much of them; 2 ms leaves room
-    // for a loaded machine descheduling the issuing thread.
+    // The first spill pins its host pages (and maps each at its copy
+    // address); then per page: the copy, and the host page mapped at the
+    // block's address in the device page's place. No page is mapped for a copy.
+    spill_and_count();
+    CHECK(calls(Call::kCreateHostPage) == 4);
+    CHECK(calls(Call::kMap) == 8);
+    CHECK(calls(Call::kSetAccess) == 8);
+    CHECK(calls(Call::kUnmap) == 4);
+    // The copies run one after another on the copy stream (8 ms in all) and
+    // are issued in microseconds, so the wait covers much of them; 2 ms
+    // leaves room for a loaded machine descheduling the issuing thread.
     CHECK(backend.driver_call_time(Call::kCopyWait).ns >= 2'000'000);
 
+    // Back: per page a device page in the host page's place, the bytes copied
+    // from the host page's copy address; the host page is kept.
     backend.reset_driver_call_times();
-    CHECK(backend.driver_call_time(Call::kCopyWait).calls == 0);
+    CHECK(calls(Call::kCopyWait) == 0);
     allocator.restore_all();
     REQUIRE(migrate_at_safe_point(allocator, backend) == 4 * kPageBytes);
-    CHECK(backend.driver_call_time(Call::kCreateDevicePage).calls == 4);
-    CHECK(backend.driver_call_time(Call::kReleaseHostPage).calls == 4);
-    CHECK(backend.driver_call_time(Call::kMap).calls == 8);
-    CHECK(backend.driver_call_time(Call::kSetAccess).calls == 8);
-    CHECK(backend.driver_call_time(Call::kUnmap).calls == 8);
+    CHECK(calls(Call::kCreateDevicePage) == 4);
+    CHECK(calls(Call::kCreateHostPage) == 0);
+    CHECK(calls(Call::kReleaseHostPage) == 0);
+    CHECK(calls(Call::kMap) == 4);
+    CHECK(calls(Call::kSetAccess) == 4);
+    CHECK(calls(Call::kUnmap) == 4);
     CHECK(device.holds(block, 5, 4 * kPageBytes));
+    CHECK(allocator.stats().host_pool_bytes.current == 4 * static_cast<std::int64_t>(kPageBytes));
+
+    // Squeezed again: the kept pages take the bytes; nothing is pinned.
+    spill_and_count();
+    CHECK(calls(Call::kCreateHostPage) == 0);
+    CHECK(calls(Call::kMap) == 4);
+    CHECK(calls(Call::kSetAccess) == 4);
+    CHECK(calls(Call::kUnmap) == 4);
+    allocator.restore_all();
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 4 * kPageBytes);
+    CHECK(device.holds(block, 5, 4 * kPageBytes));
+
+    // Lifting the cap gives the kept pages back: each unmapped from its copy
+    // address, then released.
+    backend.reset_driver_call_times();
+    allocator.set_memory_cap(kNoCap);
+    CHECK(calls(Call::kReleaseHostPage) == 4);
+    CHECK(calls(Call::kUnmap) == 4);
+    CHECK(allocator.stats().host_pool_bytes.current == 0);
     fake_cuda::set_delay(std::chrono::microseconds(0));
     allocator.free(block);
   }
