@@ -114,15 +114,6 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   }
   granularity_ = gran;
 
-  staging_base_ = reserve(kStagingSlots * granularity_);
-  if (staging_base_ == 0) throw Error("cotenant could not reserve address space for page copies.");
-  staging_slots_.resize(kStagingSlots);
-  for (std::size_t i = 0; i < kStagingSlots; ++i) {
-    staging_slots_[i].base = staging_base_ + i * granularity_;
-    cudaEvent_t done = nullptr;
-    check_runtime(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-    staging_slots_[i].done = done;
-  }
   cudaStream_t stream = nullptr;
   check_runtime(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   copy_stream_ = stream;
@@ -130,13 +121,10 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 
 CudaBackend::~CudaBackend() {
   // Best effort: at process exit the driver may already be shutting down.
-  if (copy_stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
-  for (StagingSlot& slot : staging_slots_) {
-    if (slot.busy) cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
-    if (slot.mapped) driver().cuMemUnmap(slot.base, granularity_);
-    cudaEventDestroy(static_cast<cudaEvent_t>(slot.done));
+  if (copy_stream_ != nullptr) {
+    cudaStreamSynchronize(static_cast<cudaStream_t>(copy_stream_));  // copies still reading shadows
+    cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
   }
-  if (staging_base_ != 0) driver().cuMemAddressFree(staging_base_, kStagingSlots * granularity_);
   for (PageHandle page : releases_after_copies_) {
     try {
       release_host_page(page);
@@ -286,8 +274,8 @@ void CudaBackend::release_page(PageHandle page) {
   if (page.where == Residency::kHost) {
     {
       // A copy in flight may still read its shadow: released once copies finish.
-      std::lock_guard<std::mutex> lock(staging_mutex_);
-      if (copies_in_flight()) {
+      std::lock_guard<std::mutex> lock(copy_mutex_);
+      if (copies_pending_) {
         releases_after_copies_.push_back(page);
         return;
       }
@@ -302,10 +290,14 @@ void CudaBackend::release_page(PageHandle page) {
 // ---- host pages' shadow addresses ----------------------------------------------------------
 
 DevicePtr CudaBackend::shadow_of(PageHandle page) {
-  if (page.where != Residency::kHost) return 0;
-  std::lock_guard<std::mutex> lock(shadow_mutex_);
-  auto it = shadows_.find(page.id);
-  return it == shadows_.end() ? 0 : it->second;
+  {
+    std::lock_guard<std::mutex> lock(shadow_mutex_);
+    auto it = shadows_.find(page.id);
+    if (page.where == Residency::kHost && it != shadows_.end()) return it->second;
+  }
+  throw Error("a page copy goes between a live page and a host page of this backend's; got " +
+              std::string(page.where == Residency::kHost ? "a host page it did not create" : "a device page") +
+              " (page moves go between device and host).");
 }
 
 void CudaBackend::map_shadow(PageHandle page) {
@@ -342,7 +334,12 @@ void CudaBackend::map_shadow(PageHandle page) {
 }
 
 void CudaBackend::release_host_page(PageHandle page) {
-  if (const DevicePtr address = shadow_of(page)) {
+  DevicePtr address = 0;
+  {
+    std::lock_guard<std::mutex> lock(shadow_mutex_);
+    if (auto it = shadows_.find(page.id); it != shadows_.end()) address = it->second;
+  }
+  if (address != 0) {
     {
       Timed timed(*this, DriverCall::kUnmap);
       // A refusal leaves the page mapped there and with the process; the error goes on.
@@ -425,87 +422,47 @@ void CudaBackend::unmap_now(DevicePtr address) {
   check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
 }
 
-void CudaBackend::retire(StagingSlot& slot) {
-  cudaError_t err = cudaSuccess;
-  if (slot.busy) {
-    slot.busy = false;
-    Timed timed(*this, DriverCall::kCopyWait);
-    err = cudaEventSynchronize(static_cast<cudaEvent_t>(slot.done));
-    if (err != cudaSuccess) {
-      // The event could not be waited for: wait for the copy itself (the
-      // copy stream runs in order), so that the slot is unmapped only once
-      // nothing reads it; an error of the copy's own shows here.
-      (void)cudaGetLastError();
-      err = cudaStreamSynchronize(static_cast<cudaStream_t>(copy_stream_));
-    }
-  }
-  unmap_slot(slot);
-  check_runtime(err, "copying a page between device and host");
-}
-
-void CudaBackend::unmap_slot(StagingSlot& slot) {
-  if (!slot.mapped) return;
-  unmap_now(slot.base);  // a refusal leaves the slot mapped: its next use, or finish_copies(), tries again
-  slot.mapped = false;
-}
-
 void CudaBackend::copy_into(DevicePtr address, PageHandle src) {
   const DevicePtr shadow = shadow_of(src);
-  std::lock_guard<std::mutex> lock(staging_mutex_);
-  copy_page(address, shadow, shadow != 0 ? PageHandle{} : src);
+  std::lock_guard<std::mutex> lock(copy_mutex_);
+  copy_page(address, shadow);
 }
 
 void CudaBackend::copy_out(DevicePtr address, PageHandle dst) {
   const DevicePtr shadow = shadow_of(dst);
-  std::lock_guard<std::mutex> lock(staging_mutex_);
-  copy_page(shadow, address, shadow != 0 ? PageHandle{} : dst);
+  std::lock_guard<std::mutex> lock(copy_mutex_);
+  copy_page(shadow, address);
 }
 
-bool CudaBackend::copies_in_flight() const {
-  return std::any_of(staging_slots_.begin(), staging_slots_.end(), [](const StagingSlot& s) { return s.busy; });
-}
-
-void CudaBackend::copy_page(DevicePtr dst, DevicePtr src, PageHandle staged) {
-  // A staged page is mapped at the slot for the copy; a page released while
-  // that mapping still holds it lives until the slot is retired.
+void CudaBackend::copy_page(DevicePtr dst, DevicePtr src) {
   CurrentDevice current(device_);
-  StagingSlot& slot = staging_slots_[next_slot_];
-  next_slot_ = (next_slot_ + 1) % staging_slots_.size();
-  retire(slot);
-  if (staged) {
-    map(slot.base, staged);
-    slot.mapped = true;
-    (dst == 0 ? dst : src) = slot.base;
-  }
   auto stream = static_cast<cudaStream_t>(copy_stream_);
-  const bool pipelined = quiescent_.load(std::memory_order_acquire);
   cudaError_t err;
-  bool marked = false;  // the copy's event is recorded: the slot can be retired later
   {
     Timed timed(*this, DriverCall::kCopyIssue);
     err = cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), granularity_,
                           cudaMemcpyDefault, stream);
-    if (err == cudaSuccess && pipelined) {
-      marked = cudaEventRecord(static_cast<cudaEvent_t>(slot.done), stream) == cudaSuccess;
-      if (!marked) (void)cudaGetLastError();  // not sticky: the copy is waited for below instead
-    }
   }
-  if (marked) {
-    slot.busy = true;  // finish_copies() or the slot's next use waits for it
+  check_runtime(err, "copying a page between device and host (cudaMemcpyAsync)");
+  if (quiescent_.load(std::memory_order_acquire)) {
+    copies_pending_ = true;  // finish_copies() waits for it with the rest of the batch
     return;
   }
-  if (err == cudaSuccess) {  // the copy was issued: it may still read the staging mapping
+  cudaError_t waited;
+  {
     Timed timed(*this, DriverCall::kCopyWait);
-    err = cudaStreamSynchronize(stream);
+    waited = cudaStreamSynchronize(stream);
   }
-  unmap_slot(slot);  // the copy finished or failed: nothing uses the staging mapping
-  check_runtime(err, "copying a page between device and host");
+  // Not waited for: the copy may still run, and host pages released meanwhile
+  // wait for a finish_copies() that waits for it.
+  if (waited != cudaSuccess) copies_pending_ = true;
+  check_runtime(waited, "copying a page between device and host");
 }
 
 void CudaBackend::zero(DevicePtr address, std::size_t bytes) {
-  // On the copy stream, which staging_mutex_ serialises; waited for here, so
+  // On the copy stream, which copy_mutex_ serialises; waited for here, so
   // the bytes read as zero before any launch that follows.
-  std::lock_guard<std::mutex> lock(staging_mutex_);
+  std::lock_guard<std::mutex> lock(copy_mutex_);
   CurrentDevice current(device_);
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   Timed timed(*this, DriverCall::kZero);
@@ -515,20 +472,23 @@ void CudaBackend::zero(DevicePtr address, std::size_t bytes) {
 }
 
 void CudaBackend::finish_copies() {
-  std::lock_guard<std::mutex> lock(staging_mutex_);
-  CurrentDevice current(device_);
-  std::string first_error;
-  for (StagingSlot& slot : staging_slots_) {
-    try {
-      retire(slot);
-    } catch (const Error& e) {
-      if (first_error.empty()) first_error = e.what();
+  std::lock_guard<std::mutex> lock(copy_mutex_);
+  if (copies_pending_) {
+    CurrentDevice current(device_);
+    cudaError_t err;
+    {
+      Timed timed(*this, DriverCall::kCopyWait);
+      err = cudaStreamSynchronize(static_cast<cudaStream_t>(copy_stream_));
     }
+    // Not waited for: the copies may still run, so the host pages released
+    // meanwhile stay until a later call (or the backend's end) waits.
+    check_runtime(err, "copying pages between device and host");
+    copies_pending_ = false;
   }
-  // Host pages released while copies ran: nothing reads their shadows now
-  // (a failed wait above synchronized the copy stream instead).
+  // Host pages released while copies ran: nothing reads their shadows now.
   std::vector<PageHandle> releases;
   releases.swap(releases_after_copies_);
+  std::string first_error;
   for (PageHandle page : releases) {
     try {
       release_host_page(page);

@@ -12,11 +12,10 @@
 //    host memory (cuMemHostAlloc with DEVICEMAP): AntMan's scheme.
 //  - A host page stays mapped at a private "shadow" address from its
 //    creation to its release, where the device's copy engine reaches it: a
-//    page move copies to or from it there (cudaMemcpyAsync on a private
-//    stream), mapping nothing for the copy. A device page that is mapped
-//    nowhere is mapped at a staging slot for its copy. The stream is
-//    synchronized after each copy, or at a safe point (set_quiescent())
-//    once for the batch, up to eight copies in flight.
+//    page move copies between it there and the live page's address
+//    (cudaMemcpyAsync on a private stream), mapping nothing for the copy.
+//    The stream is synchronized after each copy, or at a safe point
+//    (set_quiescent()) once for the whole batch.
 //  - unmap() synchronizes the device first: kernels launched before a block
 //    was freed may still touch its page, and cuMemUnmap does not wait for
 //    them (PyTorch's expandable segments synchronize for the same reason).
@@ -24,8 +23,8 @@
 //  - Events and streams are the CUDA runtime's (the runtime torch loads);
 //    a StreamId is a cudaStream_t cast to an integer.
 //
-// One CudaBackend serves one device. Thread-safe: the staging range is
-// guarded by a mutex; everything else is stateless or the driver's.
+// One CudaBackend serves one device. Thread-safe: the copy stream and the
+// shadows are guarded by mutexes; everything else is stateless or the driver's.
 #pragma once
 
 #include <array>
@@ -61,10 +60,10 @@ class CudaBackend final : public Backend {
   // At a safe point the caller has synchronized the device and no launch can
   // start, so unmap() need not synchronize again for every page it moves.
   // Set only by the thread holding the launch pause, around the page moves.
-  // While quiescent, copy_into() also returns before its copy finished:
-  // copies run back to back on the copy stream while the next page is being
-  // mapped. finish_copies() must run before launches resume (and before
-  // set_quiescent(false)); it waits for them and unmaps the staging slots.
+  // While quiescent, copy_into() and copy_out() also return before their
+  // copy finished: copies run back to back on the copy stream while the
+  // next pages are mapped. finish_copies() must run before launches resume
+  // (and before set_quiescent(false)); it waits for them.
   void set_quiescent(bool quiescent) { quiescent_.store(quiescent, std::memory_order_release); }
   void finish_copies() override;
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
@@ -152,29 +151,13 @@ class CudaBackend final : public Backend {
   std::atomic<bool> graph_capture_{false};
   std::atomic<bool> quiescent_{false};
 
-  // Copy slots: each is one page of address space, where a page with no
-  // other mapping is staged for its copy, and the event of the last copy
-  // issued through the slot. A busy slot's copy may still run (and its page,
-  // if any, is still mapped); it is retired (event waited for, page
-  // unmapped) before reuse and in finish_copies().
-  // Guarded by staging_mutex_, which also serialises copies on copy_stream_.
-  struct StagingSlot {
-    DevicePtr base = 0;
-    void* done = nullptr;  // cudaEvent_t
-    bool busy = false;     // a copy through it may still run
-    bool mapped = false;   // a page is mapped at base
-  };
-  static constexpr std::size_t kStagingSlots = 8;
-  void retire(StagingSlot& slot);      // staging_mutex_ held
-  void unmap_slot(StagingSlot& slot);  // staging_mutex_ held; the slot's copy is done
-  // One page from `src` to `dst` (addresses); `staged`, when given, is
-  // mapped at the slot first and its address stands for the 0 among them.
-  void copy_page(DevicePtr dst, DevicePtr src, PageHandle staged);  // staging_mutex_ held
-  bool copies_in_flight() const;                                  // staging_mutex_ held
-  std::mutex staging_mutex_;
-  DevicePtr staging_base_ = 0;
-  std::vector<StagingSlot> staging_slots_;
-  std::size_t next_slot_ = 0;
+  // Copies between a host page's shadow and a live page's address, on
+  // copy_stream_. copy_mutex_ serialises them and guards copies_pending_:
+  // copies issued at a safe point and not waited for yet.
+  // One page from `src` to `dst` (addresses).
+  void copy_page(DevicePtr dst, DevicePtr src);  // copy_mutex_ held
+  std::mutex copy_mutex_;
+  bool copies_pending_ = false;
   void* copy_stream_ = nullptr;  // cudaStream_t
 
   // Devices besides device_ whose kernels may touch our pages, and the
@@ -188,14 +171,14 @@ class CudaBackend final : public Backend {
   // goes. A host page released while a copy in flight may still read its
   // shadow is unmapped and released in finish_copies().
   static constexpr std::size_t kShadowRangePages = 512;
-  DevicePtr shadow_of(PageHandle page);            // 0: none (a device page)
+  DevicePtr shadow_of(PageHandle page);            // throws for a page without one (a device page)
   void map_shadow(PageHandle page);                // throws; the page keeps no shadow then
   void release_host_page(PageHandle page);         // unmaps its shadow, then cuMemRelease
   std::mutex shadow_mutex_;
   std::vector<DevicePtr> shadow_ranges_;
   std::vector<DevicePtr> free_shadows_;
   std::unordered_map<std::uint64_t, DevicePtr> shadows_;  // host page id -> shadow address
-  std::vector<PageHandle> releases_after_copies_;         // guarded by staging_mutex_
+  std::vector<PageHandle> releases_after_copies_;         // guarded by copy_mutex_
 
   // Pinned-fallback allocations: device address -> host pointer for cuMemFreeHost.
   std::mutex pinned_mutex_;

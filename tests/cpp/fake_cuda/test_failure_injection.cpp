@@ -98,18 +98,18 @@ TEST_CASE("failure_create_error_during_allocation_leaves_no_page_behind", "[fake
   device.check_clean();
 }
 
-// Regression (csrc/core/caching_allocator.cpp, move_page): when the copy
-// threw (here: mapping the old page at a staging slot fails, after the new
-// page took its place), the target page move_page had created was never
-// released. Now the old page goes back in its place too, bytes unchanged.
-TEST_CASE("failure_staging_map_error_during_a_page_move_leaks_no_handle", "[fake_cuda][failure]") {
+// Regression (csrc/core/caching_allocator.cpp, then move_page): when a move
+// threw part way, the target page it had created was never released. Now
+// every page stays or goes back in its place, bytes unchanged, and no page
+// is left behind (here: the second cuMemMap fails, mapping the second host
+// page at its copy address after the first page's copy was issued).
+TEST_CASE("failure_map_error_during_a_page_move_leaks_no_handle", "[fake_cuda][failure]") {
   FakeCudaDevice device;
   {
     CachingAllocator allocator(device.backend());
     std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(4 * kMiB, 0), 3}};
     device.fill(blocks[0].first, 3, 4 * kMiB);
     allocator.spill_all();
-    // The new page in the old one's place, then the old page at the staging slot.
     fake_cuda::fail_nth("cuMemMap", 2, CUDA_ERROR_OUT_OF_MEMORY);
     CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
     live_blocks_hold(device, blocks, 4 * kMiB);
@@ -120,24 +120,26 @@ TEST_CASE("failure_staging_map_error_during_a_page_move_leaks_no_handle", "[fake
   device.check_clean();
 }
 
-// Regression (csrc/core/caching_allocator.cpp, move_page): move_page unmaps
+// Regression (csrc/core/caching_allocator.cpp, then move_page): a move unmaps
 // the old page before mapping the new one at the same address; when that map
 // threw, the address was left unmapped while the page table still recorded
 // the old page there: the live block's bytes were unreachable (a kernel
 // would fault), the new page leaked, and ~CachingAllocator threw from
 // cuMemUnmap of the unmapped address (std::terminate). A copy the driver
-// refuses, after the new page took the old one's place, must put the old
-// page back too. The check reads the block only where the fake says it is
-// mapped, so a regression fails here instead of faulting.
+// refuses must leave the old page in its place too. The check reads the
+// block only where the fake says it is mapped, so a regression fails here
+// instead of faulting.
 TEST_CASE("failure_remap_or_copy_error_during_a_page_move_keeps_the_block_mapped", "[fake_cuda][failure]") {
   struct Failure {
-    const char* entry;  // the first call of it fails
+    const char* entry;
+    int nth;  // this call of it fails
     int code;
   };
-  // The first map of a move is the new page's, in the old one's place; the
-  // copy follows it.
-  const Failure failure = GENERATE(Failure{"cuMemMap", CUDA_ERROR_OUT_OF_MEMORY},
-                                   Failure{"cudaMemcpyAsync", cudaErrorInvalidValue});
+  // A spill of two pages maps each new host page at its copy address and
+  // copies into it (maps 1 and 2), then maps the first host page in the
+  // device page's place (map 3).
+  const Failure failure = GENERATE(Failure{"cuMemMap", 3, CUDA_ERROR_OUT_OF_MEMORY},
+                                   Failure{"cudaMemcpyAsync", 1, cudaErrorInvalidValue});
   CAPTURE(failure.entry);
   FakeCudaDevice device;
   {
@@ -145,7 +147,7 @@ TEST_CASE("failure_remap_or_copy_error_during_a_page_move_keeps_the_block_mapped
     std::vector<std::pair<DevicePtr, std::uint64_t>> blocks{{allocator.allocate(4 * kMiB, 0), 4}};
     device.fill(blocks[0].first, 4, 4 * kMiB);
     allocator.spill_all();
-    fake_cuda::fail_nth(failure.entry, 1, failure.code);
+    fake_cuda::fail_nth(failure.entry, failure.nth, failure.code);
     CHECK_THROWS_AS(allocator.apply_pending_migrations(), Error);
     REQUIRE(live_blocks_hold(device, blocks, 4 * kMiB));
     CHECK(allocator.is_device_resident(blocks[0].first));
