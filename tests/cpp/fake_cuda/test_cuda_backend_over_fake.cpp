@@ -119,6 +119,37 @@ TEST_CASE("cuda_backend_over_fake_reports_the_fake_device", "[fake_cuda][backend
   device.check_clean();
 }
 
+// A host page is reachable for copies from its creation to its release at
+// an address of its own (mapped there, the device allowed): a page move
+// copies to or from it without mapping it. A copy to or from a device page
+// is no page move and is refused, naming why.
+TEST_CASE("cuda_backend_over_fake_copies_reach_host_pages_at_their_own_addresses", "[fake_cuda][backend]") {
+  FakeCudaDevice device;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  {
+    const DevicePtr range = backend.reserve(2 * kMiB);
+    const PageHandle device_page = backend.create_page(Residency::kDevice);
+    backend.map(range, device_page);
+    device.fill(range, 11, 2 * kMiB);
+    const PageHandle host_page = backend.create_page(Residency::kHost);
+    const auto maps = fake_cuda::calls("cuMemMap");
+    backend.copy_out(range, host_page);
+    CHECK(fake_cuda::calls("cuMemMap") == maps);  // nothing mapped for the copy
+    device.fill(range, 12, 2 * kMiB);
+    backend.copy_into(range, host_page);  // the bytes come back from the host page
+    CHECK(device.holds(range, 11, 2 * kMiB));
+    CHECK_THROWS_WITH(backend.copy_into(range, device_page), Catch::Contains("got a device page"));
+    CHECK_THROWS_WITH(backend.copy_out(range, device_page), Catch::Contains("page moves go between device and host"));
+    backend.unmap(range);
+    backend.release_page(device_page);
+    const auto unmaps = fake_cuda::calls("cuMemUnmap");
+    backend.release_page(host_page);
+    CHECK(fake_cuda::calls("cuMemUnmap") == unmaps + 1);  // its own mapping goes with it
+    backend.release(range, 2 * kMiB);
+  }
+  device.check_clean();
+}
+
 TEST_CASE("cuda_backend_over_fake_spills_and_restores_many_sizes_at_the_same_addresses", "[fake_cuda][backend]") {
   FakeCudaDevice device;
   {
