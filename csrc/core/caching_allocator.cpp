@@ -827,11 +827,14 @@ struct CachingAllocator::State {
   // Moves live pages to the host, keeping their addresses and bytes; stops
   // early when the host has no page left. Copies first, then remaps: the
   // host page a spill fills is reachable without a mapping of ours, so the
-  // batch's copies run back to back, one wait covers them, and then each
-  // address takes its host page (no page mapped twice for a copy). The
-  // device pages given up go to `given_up`. A failed copy leaves every page
-  // where it was; a failed remap, that page and the ones after it. Returns
-  // the bytes moved.
+  // batch's copies run back to back, and each address takes its host page
+  // once its copy is done (no page mapped twice for a copy). The copies
+  // are waited for kPagesPerWait at a time, so the first pages are remapped
+  // while the later ones still copy. The device pages given up go to
+  // `given_up`. A failed copy or wait leaves the pages not yet remapped
+  // where they were; a failed remap, that page and the ones after it.
+  // Returns the bytes moved.
+  static constexpr std::size_t kPagesPerWait = 8;
   std::size_t spill_pages(const std::vector<std::size_t>& ids, const std::vector<LivePage>& pages,
                           std::vector<PageHandle>& given_up) {
     struct Copied {
@@ -852,6 +855,8 @@ struct CachingAllocator::State {
         }
       }
     } targets{*this, {}};
+    // After every kPagesPerWait copies: how many were issued, and the mark to wait for.
+    std::vector<std::pair<std::size_t, Backend::CopyMark>> marks;
     std::exception_ptr failed_copy;
     for (std::size_t id : ids) {
       const PageHandle target = !spill_targets.empty() ? take_spill_target() : new_page(Residency::kHost);
@@ -865,10 +870,21 @@ struct CachingAllocator::State {
         give_back_page(target);
         break;
       }
+      if (targets.copied.size() % kPagesPerWait == 0) marks.emplace_back(targets.copied.size(), backend.mark_copies());
     }
-    backend.finish_copies();  // a copy that failed here moves nothing
-    std::size_t moved = 0;
+    std::size_t moved = 0, done = 0;  // done: pages whose copies were waited for
+    auto mark = marks.begin();
     while (targets.taken < targets.copied.size()) {
+      if (targets.taken == done) {
+        if (mark != marks.end()) {
+          backend.wait_for_copies(mark->second);
+          done = mark->first;
+          ++mark;
+        } else {
+          backend.finish_copies();  // the last copies (a copy that failed above moves nothing)
+          done = targets.copied.size();
+        }
+      }
       const Copied copied = targets.copied[targets.taken++];
       remap_page(*copied.live, copied.target);
       moved_page(*copied.live, copied.target, given_up);

@@ -125,6 +125,8 @@ CudaBackend::~CudaBackend() {
     cudaStreamSynchronize(static_cast<cudaStream_t>(copy_stream_));  // copies still reading shadows
     cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
   }
+  for (void* event : spare_marks_) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  for (void* event : recorded_marks_) cudaEventDestroy(static_cast<cudaEvent_t>(event));
   for (PageHandle page : releases_after_copies_) {
     try {
       release_host_page(page);
@@ -484,6 +486,9 @@ void CudaBackend::finish_copies() {
     // meanwhile stay until a later call (or the backend's end) waits.
     check_runtime(err, "copying pages between device and host");
     copies_pending_ = false;
+    // Every mark is behind: reusable.
+    spare_marks_.insert(spare_marks_.end(), recorded_marks_.begin(), recorded_marks_.end());
+    recorded_marks_.clear();
   }
   // Host pages released while copies ran: nothing reads their shadows now.
   std::vector<PageHandle> releases;
@@ -497,6 +502,49 @@ void CudaBackend::finish_copies() {
     }
   }
   if (!first_error.empty()) throw Error(first_error);
+}
+
+Backend::CopyMark CudaBackend::mark_copies() {
+  std::lock_guard<std::mutex> lock(copy_mutex_);
+  if (!copies_pending_) return 0;  // nothing in flight: a wait has nothing to wait for
+  CurrentDevice current(device_);
+  cudaEvent_t event = nullptr;
+  if (!spare_marks_.empty()) {
+    event = static_cast<cudaEvent_t>(spare_marks_.back());
+    spare_marks_.pop_back();
+  } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;  // no mark: its wait waits for every copy instead
+  }
+  if (cudaEventRecord(event, static_cast<cudaStream_t>(copy_stream_)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    spare_marks_.push_back(event);
+    return 0;
+  }
+  recorded_marks_.push_back(event);
+  return reinterpret_cast<CopyMark>(event);
+}
+
+void CudaBackend::wait_for_copies(CopyMark mark) {
+  if (mark == 0) {
+    finish_copies();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(copy_mutex_);
+  auto event = reinterpret_cast<cudaEvent_t>(mark);
+  auto it = std::find(recorded_marks_.begin(), recorded_marks_.end(), static_cast<void*>(event));
+  if (it == recorded_marks_.end()) return;  // a finish_copies() since waited for it
+  cudaError_t err;
+  {
+    Timed timed(*this, DriverCall::kCopyWait);
+    err = cudaEventSynchronize(event);
+  }
+  if (err != cudaSuccess) {
+    // Not waited for: it stays recorded, and finish_copies() waits for all.
+    check_runtime(err, "copying pages between device and host (cudaEventSynchronize)");
+  }
+  recorded_marks_.erase(it);
+  spare_marks_.push_back(event);
 }
 
 DevicePtr CudaBackend::allocate_pinned_host(std::size_t bytes) {

@@ -66,6 +66,8 @@ class CudaBackend final : public Backend {
   // (and before set_quiescent(false)); it waits for them.
   void set_quiescent(bool quiescent) { quiescent_.store(quiescent, std::memory_order_release); }
   void finish_copies() override;
+  CopyMark mark_copies() override;
+  void wait_for_copies(CopyMark mark) override;
   // "host-numa" / "host" (host VMM) or "pinned-fallback".
   const char* host_page_kind() const;
 
@@ -158,6 +160,11 @@ class CudaBackend final : public Backend {
   void copy_page(DevicePtr dst, DevicePtr src);  // copy_mutex_ held
   std::mutex copy_mutex_;
   bool copies_pending_ = false;
+  // Marks are events recorded on the copy stream (a CopyMark is the
+  // cudaEvent_t): spare ones for reuse, and those recorded and not yet
+  // waited for (spare again once finish_copies() waited for everything).
+  std::vector<void*> spare_marks_;
+  std::vector<void*> recorded_marks_;
   void* copy_stream_ = nullptr;  // cudaStream_t
 
   // Devices besides device_ whose kernels may touch our pages, and the

@@ -108,6 +108,15 @@ class Backend {
   // which waits for them and throws when one failed. Until then the copies'
   // pages must stay mapped where they are and unused.
   virtual void finish_copies() {}
+  // A point in the copies issued so far: wait_for_copies(mark) returns once
+  // every copy issued before mark_copies() is done, while later ones may run
+  // on (a spill remaps the pages copied first while the rest still copy).
+  // Each mark is waited for once. mark_copies() does not throw: when it
+  // cannot mark it returns 0, whose wait waits for every copy (as does the
+  // default: no marks).
+  using CopyMark = std::uint64_t;
+  virtual CopyMark mark_copies() { return 0; }
+  virtual void wait_for_copies(CopyMark /*mark*/) { finish_copies(); }
 
   // Sets `bytes` at `address` (mapped, accessible) to zero. Synchronous. A
   // new page's bytes are unspecified (the driver does not promise zeros), so

@@ -101,6 +101,7 @@ struct State {
   std::map<std::string, Failure> failures;
   Violations violations;
   std::chrono::microseconds delay{0};
+  std::uint64_t operations_completed = 0;  // by every stream since reset
   bool held = false;  // hold_streams(): workers start nothing until a wait releases it
 };
 
@@ -208,6 +209,7 @@ void run_worker(Stream* stream) {
     lock.lock();
     stream->queue.pop_front();
     ++stream->completed;
+    ++s.operations_completed;
     s.progress.notify_all();
   }
 }
@@ -785,6 +787,7 @@ void reset(const Config& config) {
   s.failures.clear();
   s.violations = Violations{};
   s.delay = std::chrono::microseconds{0};
+  s.operations_completed = 0;
   s.held = false;
   current_device = 0;
   last_error = cudaSuccess;
@@ -871,6 +874,11 @@ std::uint64_t device_bytes_created() {
 std::size_t host_bytes_in_use() {
   Lock lock(state().mutex);
   return state().host_bytes;
+}
+
+std::uint64_t operations_completed() {
+  Lock lock(state().mutex);
+  return state().operations_completed;
 }
 
 }  // namespace fake_cuda

@@ -126,4 +126,7 @@ std::size_t device_bytes_in_use();
 std::uint64_t device_bytes_created();
 std::size_t host_bytes_in_use();
 
+// Queued operations (copies, memsets) every stream has finished since reset().
+std::uint64_t operations_completed();
+
 }  // namespace fake_cuda

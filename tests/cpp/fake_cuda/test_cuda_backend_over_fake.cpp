@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cotenant/allocator_events.h"
 #include "cotenant/errors.h"
 #include "devices.h"
 
@@ -458,6 +459,51 @@ TEST_CASE("cuda_backend_over_fake_a_spill_whose_copies_cannot_be_waited_for_move
   device.check_clean();
 }
 
+// A spill waits for its copies eight pages at a time: the first pages take
+// their host pages while the later ones still copy, so the driver calls of
+// the remaps overlap the copies instead of following all of them. No page
+// is remapped before its own copy is done.
+TEST_CASE("cuda_backend_over_fake_a_spill_remaps_its_first_pages_while_the_rest_still_copy",
+          "[fake_cuda][backend]") {
+  using Call = cuda::CudaBackend::DriverCall;
+  struct CopiesDoneAtEachMove : AllocatorEventSink {
+    std::vector<std::uint64_t> done;
+    void on_event(const AllocatorEvent& event) override {
+      if (event.kind == AllocatorEvent::Kind::kPageMoved) done.push_back(fake_cuda::operations_completed());
+    }
+  } moves;
+  FakeCudaDevice device;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  {
+    CachingAllocator allocator(device.backend());
+    const DevicePtr block = allocator.allocate(64 * kMiB, 0);  // 32 pages
+    device.fill(block, 3, 64 * kMiB);
+    allocator.set_event_sink(&moves);
+    fake_cuda::set_delay(std::chrono::milliseconds(3));  // each copy: 3 ms on the copy stream
+    const std::uint64_t before = fake_cuda::operations_completed();
+    backend.reset_driver_call_times();
+    allocator.spill_all();
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 64 * kMiB);
+    fake_cuda::set_delay(std::chrono::microseconds(0));
+    allocator.set_event_sink(nullptr);
+    REQUIRE(moves.done.size() == 32);
+    for (std::size_t i = 0; i < moves.done.size(); ++i) {
+      CAPTURE(i);
+      CHECK(moves.done[i] - before >= i + 1);  // its own copy is done
+    }
+    // The first remap follows the first 8 copies, about 70 ms before the last
+    // copy is done (a remap here takes microseconds).
+    CHECK(moves.done.front() - before >= 8);
+    CHECK(moves.done.front() - before < 32);
+    // One wait per 8 pages, and the safe point's wait for every copy at its end.
+    CHECK(backend.driver_call_time(Call::kCopyWait).calls == 5);
+    CHECK(device.holds(block, 3, 64 * kMiB));
+    CHECK_FALSE(allocator.is_device_resident(block));
+    allocator.free(block);
+  }
+  device.check_clean();
+}
+
 TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_spill_and_a_restore",
           "[fake_cuda][backend]") {
   using Call = cuda::CudaBackend::DriverCall;
@@ -543,11 +589,13 @@ TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_sp
 // it stays with the process, as it would with a real driver).
 TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_byte_and_breaks_no_rule",
           "[fake_cuda][backend][failure]") {
-  // (The copy stream is waited for once per safe point: twice in all.)
+  // (12 pages: the copy stream is waited for once per safe point, twice in
+  // all, and the spill's first 8 copies once more, through an event.)
   const FailingEntry failing = GENERATE(
       FailingEntry{"cuMemCreate", 8}, FailingEntry{"cuMemMap", 8}, FailingEntry{"cuMemSetAccess", 8},
       FailingEntry{"cuMemUnmap", 8}, FailingEntry{"cuMemRelease", 8}, FailingEntry{"cudaMemcpyAsync", 8},
-      FailingEntry{"cudaStreamSynchronize", 2});
+      FailingEntry{"cudaStreamSynchronize", 2}, FailingEntry{"cudaEventRecord", 1},
+      FailingEntry{"cudaEventSynchronize", 1});
   const char* entry = failing.name;
   const int nth = std::min(GENERATE(1, 2, 3, 5, 8), failing.calls);
   CAPTURE(entry, nth);
@@ -557,8 +605,8 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
     CachingAllocator allocator(device.backend());
     std::vector<std::pair<DevicePtr, std::uint64_t>> blocks;
     for (std::uint64_t seed = 1; seed <= 3; ++seed) {
-      blocks.push_back({allocator.allocate(4 * kMiB, 0), seed});
-      device.fill(blocks.back().first, seed, 4 * kMiB);
+      blocks.push_back({allocator.allocate(8 * kMiB, 0), seed});
+      device.fill(blocks.back().first, seed, 8 * kMiB);
     }
     auto migrate_until_done = [&] {
       for (int attempt = 0; attempt < 4 && allocator.has_pending_migrations(); ++attempt) {
@@ -574,16 +622,16 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
     fail_once(entry, nth);
     migrate_until_done();
     CHECK_FALSE(allocator.has_pending_migrations());
-    CHECK(allocator.stats().num_migrations == 6);  // each page moved once: a failed move is undone, not counted
-    for (const auto& [address, seed] : blocks) CHECK(device.holds(address, seed, 4 * kMiB));
+    CHECK(allocator.stats().num_migrations == 12);  // each page moved once: a failed move is undone, not counted
+    for (const auto& [address, seed] : blocks) CHECK(device.holds(address, seed, 8 * kMiB));
     allocator.restore_all();
     migrate_until_done();
     fake_cuda::set_delay(std::chrono::microseconds(0));
     CHECK_FALSE(allocator.has_pending_migrations());
-    CHECK(allocator.stats().num_migrations == 12);
+    CHECK(allocator.stats().num_migrations == 24);
     for (const auto& [address, seed] : blocks) {
       CHECK(allocator.is_device_resident(address));
-      CHECK(device.holds(address, seed, 4 * kMiB));
+      CHECK(device.holds(address, seed, 8 * kMiB));
     }
     allocator.check_invariants();
     for (const auto& block : blocks) allocator.free(block.first);

@@ -39,12 +39,15 @@ void at_safe_point(cuda::CudaBackend& backend, Fn&& fn) {
   backend.set_quiescent(true);
   try {
     fn();
-  } catch (...) {
     backend.finish_copies();
+  } catch (...) {
+    try {
+      backend.finish_copies();  // as the adapter does: a second wait before launches resume
+    } catch (...) {
+    }
     backend.set_quiescent(false);
     throw;
   }
-  backend.finish_copies();
   backend.set_quiescent(false);
 }
 
