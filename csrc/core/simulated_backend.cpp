@@ -160,14 +160,7 @@ void SimulatedBackend::copy_into(DevicePtr address, PageHandle src) {
   if (mapped == mappings_.end()) throw Error(fmt::format("copy into 0x{:x}, which is not mapped", address));
   auto source = pages_.find(src.id);
   if (source == pages_.end()) throw Error(fmt::format("copy from unknown page {}", src.id));
-  Page& to = *pages_.at(mapped->second);
-  const Page& from = *source->second;
-  if (!from.bytes) {
-    to.bytes.reset();  // an unwritten page reads as zeros; so does its copy
-    return;
-  }
-  if (!to.bytes) to.bytes = std::make_unique<std::uint8_t[]>(config_.granularity);
-  std::memcpy(to.bytes.get(), from.bytes.get(), config_.granularity);
+  copy_page_locked(*pages_.at(mapped->second), *source->second);
 }
 
 void SimulatedBackend::copy_out(DevicePtr address, PageHandle dst) {
@@ -178,8 +171,10 @@ void SimulatedBackend::copy_out(DevicePtr address, PageHandle dst) {
   auto target = pages_.find(dst.id);
   if (target == pages_.end()) throw Error(fmt::format("copy into unknown page {}", dst.id));
   if (target->second->mapped) throw Error(fmt::format("copy into page {}, which is mapped", dst.id));
-  const Page& from = *pages_.at(mapped->second);
-  Page& to = *target->second;
+  copy_page_locked(*target->second, *pages_.at(mapped->second));
+}
+
+void SimulatedBackend::copy_page_locked(Page& to, const Page& from) {
   if (!from.bytes) {
     to.bytes.reset();  // an unwritten page reads as zeros; so does its copy
     return;

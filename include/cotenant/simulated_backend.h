@@ -99,6 +99,7 @@ class SimulatedBackend final : public Backend {
   struct PinnedRange;
   const Page* page_at_locked(DevicePtr address, std::size_t* offset) const;
   Page* page_at_locked(DevicePtr address, std::size_t* offset);
+  void copy_page_locked(Page& to, const Page& from);  // one page's bytes
 
   const SimulatedDeviceConfig config_;
   mutable std::mutex mutex_;

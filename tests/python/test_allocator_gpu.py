@@ -235,6 +235,40 @@ def test_spill_all_and_restore_all_keep_addresses_and_values():
     assert out["resident_after"] is True
 
 
+def test_a_job_squeezed_twice_pins_host_pages_once_and_keeps_its_values():
+    """Under a cap, host pages a restore gives up stay with the job: the second
+    spill creates none (driver call counts), a kernel reads the spilled tensor
+    through its host pages both times (each host page is mapped twice: at its
+    copy address and at the tensor's), and lifting the cap gives them back."""
+    out = run_script("""
+        from cotenant import _C
+        device = torch.cuda.current_device()
+        cotenant.set_memory_cap(_C.device_total_bytes(device))  # a cap the job is under
+        x = torch.arange(16 << 20, dtype=torch.float32, device="cuda")  # 64 MiB
+        total = x.sum().item()
+        rounds = []
+        for _ in range(2):
+            _C._reset_driver_call_times(device)
+            cotenant.spill_all()
+            calls = _C._driver_call_times(device)
+            rounds.append({"sum_on_host": (x * 1).sum().item(),
+                           "host_pages_created": calls["create_host_page"]["calls"],
+                           "restored": cotenant.restore_all(), "sum_after": x.sum().item(),
+                           "kept": cotenant.memory_stats()["host_pool_bytes"]})
+        cotenant.set_memory_cap(None)
+        print(json.dumps({"mode": cotenant.memory_stats()["mode"], "total": total, "rounds": rounds,
+                          "kept_after_lifting": cotenant.memory_stats()["host_pool_bytes"]}))
+    """)
+    if out["mode"] != "remap":
+        pytest.skip("this GPU has no host virtual memory management: live pages cannot move")
+    first, second = out["rounds"]
+    assert first["host_pages_created"] >= 32 and second["host_pages_created"] == 0, out
+    for r in (first, second):
+        assert r["sum_on_host"] == r["sum_after"] == out["total"], out
+        assert r["restored"] >= 64 * MIB and r["kept"] >= 64 * MIB, out
+    assert out["kept_after_lifting"] == 0
+
+
 # ---- streams, graphs, compile, cuDNN, IPC ------------------------------------------------------
 
 
