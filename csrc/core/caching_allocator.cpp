@@ -773,87 +773,153 @@ struct CachingAllocator::State {
 
   DevicePtr address_of(const LivePage& live) const { return live.segment->base + live.index * page_bytes; }
 
-  // Puts `target` at a live page's address in its page's place. A failed
-  // driver call puts the old page back where it was, bytes unchanged, and
-  // gives the target back; the error goes on to the caller.
-  void remap_page(const LivePage& live, PageHandle target) {
-    const DevicePtr address = address_of(live);
-    const PageHandle old = live.segment->pages[live.index].handle;
-    try {
-      backend.unmap(address);
-    } catch (...) {
-      give_back_page(target);
-      throw;
+  // A page move: `target` is to back the live page.
+  struct Move {
+    const LivePage* live;
+    PageHandle target;
+  };
+  static bool by_address(const Move& a, const Move& b) {
+    return a.live->segment->base != b.live->segment->base ? a.live->segment->base < b.live->segment->base
+                                                          : a.live->index < b.live->index;
+  }
+  // How many of the `count` moves from `moves` on are pages that follow one
+  // another in one segment (moves sorted by_address).
+  static std::size_t run_length(const Move* moves, std::size_t count) {
+    std::size_t length = 1;
+    while (length < count && moves[length].live->segment == moves[0].live->segment &&
+           moves[length].live->index == moves[0].live->index + length) {
+      ++length;
     }
+    return length;
+  }
+
+  // Puts each target of a run of `count` moves (pages that follow one another
+  // in one segment) at its live page's address in that page's place: the old
+  // pages are unmapped, then the targets mapped with one access call for the
+  // whole run (Backend::map_pages). A failed driver call puts every old page
+  // of the run back where it was, bytes unchanged, and gives the targets
+  // back; the error goes on to the caller.
+  void remap_run(const Move* run, std::size_t count) {
+    const DevicePtr first = address_of(*run[0].live);
+    std::vector<PageHandle> targets;
+    for (std::size_t i = 0; i < count; ++i) targets.push_back(run[i].target);
+    std::size_t unmapped = 0;
     try {
-      backend.map(address, target);
+      for (; unmapped < count; ++unmapped) backend.unmap(first + unmapped * page_bytes);
+      backend.map_pages(first, targets.data(), count);
     } catch (...) {
-      give_back_page(target);
-      backend.map(address, old);
+      for (PageHandle target : targets) give_back_page(target);
+      for (std::size_t i = 0; i < unmapped; ++i) {
+        backend.map(first + i * page_bytes, run[i].live->segment->pages[run[i].live->index].handle);
+      }
       throw;
     }
   }
 
-  // Moves one page to the device, keeping its address and bytes. Returns
-  // false when no device page can be had. `given_up` holds the device pages
-  // the spills of the same batch gave up: one of them backs the move before
-  // a page is created.
-  bool restore_page(const LivePage& live, std::vector<PageHandle>& given_up) {
-    PageHandle target;
-    if (!given_up.empty()) {
-      target = given_up.back();
-      given_up.pop_back();
-    } else {
-      target = new_page(Residency::kDevice);
+  // Gives back the targets of moves that will not happen.
+  void give_back_targets(const std::vector<Move>& moves, std::size_t from) {
+    for (std::size_t i = from; i < moves.size(); ++i) {
+      try {
+        give_back_page(moves[i].target);
+      } catch (...) {
+      }
     }
-    if (!target) return false;
-    // The device page takes the host page's place at its address, then the
-    // bytes follow from the host page, which the backend reaches without a
-    // mapping of ours.
-    const PageHandle old = live.segment->pages[live.index].handle;
-    remap_page(live, target);
-    try {
-      backend.copy_into(address_of(live), old);
-    } catch (...) {
-      backend.unmap(address_of(live));
-      give_back_page(target);
-      backend.map(address_of(live), old);
-      throw;
+  }
+
+  // Moves pages to the device, keeping their addresses and bytes, hottest
+  // first, kPagesPerWait at a time; stops when the cap is full or no device
+  // page can be had. `given_up` holds the device pages the spills of the
+  // same batch gave up: they back moves before pages are created. Each run
+  // of neighbouring pages takes its device pages in its host pages' place,
+  // then the bytes follow from the host pages, which the backend reaches
+  // without a mapping of ours. A failed driver call leaves the pages not yet
+  // moved where they were. Returns the bytes moved.
+  std::size_t restore_pages(const std::vector<std::size_t>& ids, const std::vector<LivePage>& pages,
+                            std::vector<PageHandle>& given_up) {
+    std::size_t moved = 0;
+    for (std::size_t begin = 0; begin < ids.size(); begin += kPagesPerWait) {
+      std::vector<Move> moves;
+      bool stopped = false;
+      try {
+        for (std::size_t i = begin; i < std::min(ids.size(), begin + kPagesPerWait); ++i) {
+          // A spill that stopped early leaves no room under the cap.
+          if (device_bytes() + (moves.size() + 1) * page_bytes > effective_cap()) {
+            stopped = true;
+            break;
+          }
+          PageHandle target;
+          if (!given_up.empty()) {
+            target = given_up.back();
+            given_up.pop_back();
+          } else {
+            target = new_page(Residency::kDevice);
+          }
+          if (!target) {
+            stopped = true;  // the device is taken by others: the next safe point tries again
+            break;
+          }
+          moves.push_back({&pages[ids[i]], target});
+        }
+      } catch (...) {
+        give_back_targets(moves, 0);
+        throw;
+      }
+      std::sort(moves.begin(), moves.end(), by_address);
+      for (std::size_t i = 0; i < moves.size();) {
+        const std::size_t length = run_length(&moves[i], moves.size() - i);
+        std::vector<PageHandle> olds;
+        for (std::size_t j = i; j < i + length; ++j) olds.push_back(moves[j].live->segment->pages[moves[j].live->index].handle);
+        try {
+          remap_run(&moves[i], length);
+        } catch (...) {
+          give_back_targets(moves, i + length);
+          throw;
+        }
+        for (std::size_t j = i; j < i + length; ++j) {
+          const DevicePtr address = address_of(*moves[j].live);
+          try {
+            backend.copy_into(address, olds[j - i]);
+          } catch (...) {
+            // This page and the rest of the run go back to their host pages.
+            for (std::size_t k = j; k < i + length; ++k) {
+              const DevicePtr back = address_of(*moves[k].live);
+              backend.unmap(back);
+              give_back_page(moves[k].target);
+              backend.map(back, olds[k - i]);
+            }
+            give_back_targets(moves, i + length);
+            throw;
+          }
+          moved_page(*moves[j].live, moves[j].target, given_up);
+          moved += page_bytes;
+        }
+        i += length;
+      }
+      if (stopped) break;
     }
-    moved_page(live, target, given_up);
-    return true;
+    return moved;
   }
 
   // Moves live pages to the host, keeping their addresses and bytes; stops
   // early when the host has no page left. Copies first, then remaps: the
   // host page a spill fills is reachable without a mapping of ours, so the
-  // batch's copies run back to back, and each address takes its host page
-  // once its copy is done (no page mapped twice for a copy). The copies
+  // batch's copies run back to back, and the pages take their host pages
+  // once their copies are done (no page mapped twice for a copy). The copies
   // are waited for kPagesPerWait at a time, so the first pages are remapped
-  // while the later ones still copy. The device pages given up go to
+  // while the later ones still copy; each run of neighbouring pages among
+  // them is remapped with one access call. The device pages given up go to
   // `given_up`. A failed copy or wait leaves the pages not yet remapped
-  // where they were; a failed remap, that page and the ones after it.
+  // where they were; a failed remap, that run and the pages after it.
   // Returns the bytes moved.
   static constexpr std::size_t kPagesPerWait = 8;
   std::size_t spill_pages(const std::vector<std::size_t>& ids, const std::vector<LivePage>& pages,
                           std::vector<PageHandle>& given_up) {
-    struct Copied {
-      const LivePage* live;
-      PageHandle target;
-    };
     // Targets not (yet) remapped go back, also when a step throws.
     struct Targets {
       State& state;
-      std::vector<Copied> copied;
-      std::size_t taken = 0;  // copied[0, taken) belong to remap_page now
-      ~Targets() {
-        for (std::size_t i = taken; i < copied.size(); ++i) {
-          try {
-            state.give_back_page(copied[i].target);
-          } catch (...) {
-          }
-        }
-      }
+      std::vector<Move> copied;
+      std::size_t taken = 0;  // copied[0, taken) belong to remap_run now
+      ~Targets() { state.give_back_targets(copied, taken); }
     } targets{*this, {}};
     // After every kPagesPerWait copies: how many were issued, and the mark to wait for.
     std::vector<std::pair<std::size_t, Backend::CopyMark>> marks;
@@ -875,20 +941,26 @@ struct CachingAllocator::State {
     std::size_t moved = 0, done = 0;  // done: pages whose copies were waited for
     auto mark = marks.begin();
     while (targets.taken < targets.copied.size()) {
-      if (targets.taken == done) {
-        if (mark != marks.end()) {
-          backend.wait_for_copies(mark->second);
-          done = mark->first;
-          ++mark;
-        } else {
-          backend.finish_copies();  // the last copies (a copy that failed above moves nothing)
-          done = targets.copied.size();
+      if (mark != marks.end()) {
+        backend.wait_for_copies(mark->second);
+        done = mark->first;
+        ++mark;
+      } else {
+        backend.finish_copies();  // the last copies (a copy that failed above moves nothing)
+        done = targets.copied.size();
+      }
+      std::sort(targets.copied.begin() + static_cast<std::ptrdiff_t>(targets.taken),
+                targets.copied.begin() + static_cast<std::ptrdiff_t>(done), by_address);
+      while (targets.taken < done) {
+        const std::size_t first = targets.taken;
+        const std::size_t length = run_length(&targets.copied[first], done - first);
+        targets.taken += length;  // remap_run gives them back if it fails
+        remap_run(&targets.copied[first], length);
+        for (std::size_t i = first; i < first + length; ++i) {
+          moved_page(*targets.copied[i].live, targets.copied[i].target, given_up);
+          moved += page_bytes;
         }
       }
-      const Copied copied = targets.copied[targets.taken++];
-      remap_page(*copied.live, copied.target);
-      moved_page(*copied.live, copied.target, given_up);
-      moved += page_bytes;
     }
     if (failed_copy) std::rethrow_exception(failed_copy);
     return moved;
@@ -953,14 +1025,8 @@ struct CachingAllocator::State {
         }
       }
     } given_up{*this, {}};
-    std::size_t moved = spill_pages(moves.to_host, pages, given_up.pages);
-    for (std::size_t id : moves.to_device) {
-      // A spill that stopped early above leaves no room under the cap.
-      if (device_bytes() + page_bytes > effective_cap()) break;
-      if (!restore_page(pages[id], given_up.pages)) break;  // device taken by others: try later
-      moved += page_bytes;
-    }
-    return moved;
+    const std::size_t spilled = spill_pages(moves.to_host, pages, given_up.pages);
+    return spilled + restore_pages(moves.to_device, pages, given_up.pages);
   }
 
   // ---- invariants ---------------------------------------------------------

@@ -376,21 +376,35 @@ void CudaBackend::grant_access(int peer) {
   peers_.push_back(peer);
 }
 
-void CudaBackend::map(DevicePtr address, PageHandle page) {
+void CudaBackend::map(DevicePtr address, PageHandle page) { map_pages(address, &page, 1); }
+
+void CudaBackend::map_pages(DevicePtr address, const PageHandle* pages, std::size_t count) {
   std::lock_guard<std::mutex> lock(access_mutex_);
-  {
-    Timed timed(*this, DriverCall::kMap);
-    check_driver(driver().cuMemMap(static_cast<CUdeviceptr>(address), granularity_, 0,
-                                   static_cast<CUmemGenericAllocationHandle>(page.id), 0),
-                 "cuMemMap");
+  std::size_t mapped = 0;
+  auto unmap_mapped = [&] {  // not left half-mapped
+    for (std::size_t i = 0; i < mapped; ++i) {
+      driver().cuMemUnmap(static_cast<CUdeviceptr>(address + i * granularity_), granularity_);
+    }
+  };
+  for (; mapped < count; ++mapped) {
+    CUresult r;
+    {
+      Timed timed(*this, DriverCall::kMap);
+      r = driver().cuMemMap(static_cast<CUdeviceptr>(address + mapped * granularity_), granularity_, 0,
+                            static_cast<CUmemGenericAllocationHandle>(pages[mapped].id), 0);
+    }
+    if (r != CUDA_SUCCESS) {
+      unmap_mapped();
+      check_driver(r, "cuMemMap");
+    }
   }
   try {
-    set_device_access(address, granularity_);
-    mapped_.insert(address);
+    set_device_access(address, count * granularity_);  // one call for the run of mappings
   } catch (...) {
-    driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);  // not left half-mapped
+    unmap_mapped();
     throw;
   }
+  for (std::size_t i = 0; i < count; ++i) mapped_.insert(address + i * granularity_);
 }
 
 void CudaBackend::wait_for_launched_work(const char* why) {

@@ -111,6 +111,7 @@ class CudaBackend final : public Backend {
   PageHandle create_page(Residency where) override;
   void release_page(PageHandle page) override;
   void map(DevicePtr address, PageHandle page) override;
+  void map_pages(DevicePtr address, const PageHandle* pages, std::size_t count) override;
   void unmap(DevicePtr address) override;
   bool synchronize_for_unmap() override;
   void unmap_synchronized(DevicePtr address) override;

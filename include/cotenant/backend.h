@@ -79,6 +79,22 @@ class Backend {
   // Maps `page` at `address` (granularity-aligned, inside a reserved range,
   // currently unmapped) and makes it accessible to the device.
   virtual void map(DevicePtr address, PageHandle page) = 0;
+  // Maps `count` pages at the addresses that follow one another from
+  // `address`, as map() each, with one access call for them all where the
+  // backend can (CudaBackend: one cuMemSetAccess). When it throws, none of
+  // them is left mapped.
+  virtual void map_pages(DevicePtr address, const PageHandle* pages, std::size_t count) {
+    std::size_t mapped = 0;
+    try {
+      for (; mapped < count; ++mapped) map(address + mapped * granularity(), pages[mapped]);
+    } catch (...) {
+      while (mapped > 0) {
+        --mapped;
+        unmap_synchronized(address + mapped * granularity());  // nothing ran on them yet
+      }
+      throw;
+    }
+  }
   // Unmaps one page, first making sure no kernel still touches it (on a GPU:
   // a device synchronize, unless the caller's safe point already did one).
   virtual void unmap(DevicePtr address) = 0;

@@ -710,13 +710,14 @@ def test_the_warm_allocation_path_calls_the_driver_no_more_than_pytorchs_own(lib
         assert moves[f"{name}_moved_bytes"] == 64 * MIB
         calls = moves[f"{name}_calls_per_page"]
         assert calls["cudaMemcpyAsync"] == 1, calls  # one copy per page
-    # The first spill pins its host pages and maps each where copies reach it
-    # (7 calls a page: create, 2 maps, 2 access settings, unmap, the device
-    # page's release); a restore, and a spill into kept host pages, map one
-    # page in another's place and copy without a mapping for the copy: 4.
-    assert figures["spill_vmm_calls_per_page"] <= 7, moves["spill_calls_per_page"]
+    # A restore, and a spill into kept host pages, map one page in another's
+    # place (unmap, map; the device page created or released) and copy
+    # without a mapping for the copy; each run of up to 8 neighbouring pages
+    # gets one access call: 3.125 calls a page here. The first spill also
+    # pins its host pages and maps each where copies reach it: 6.125.
+    assert figures["spill_vmm_calls_per_page"] <= 6.125, moves["spill_calls_per_page"]
     for figure in ("restore_vmm_calls_per_page", "spill_vmm_calls_per_page_kept", "restore_vmm_calls_per_page_kept"):
-        assert 0 < figures[figure] <= 4, (figure, moves)
+        assert 0 < figures[figure] <= 3.125, (figure, moves)
     assert "cuMemCreate" not in moves["spill_kept_calls_per_page"]  # nothing pinned the second time
 
 
