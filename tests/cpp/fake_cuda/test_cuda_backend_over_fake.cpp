@@ -590,16 +590,27 @@ TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_sp
 // it stays with the process, as it would with a real driver).
 TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_byte_and_breaks_no_rule",
           "[fake_cuda][backend][failure]") {
-  // (12 pages: the copy stream is waited for once per safe point, twice in
-  // all, and the spill's first 8 copies once more, through an event.)
-  const FailingEntry failing = GENERATE(
-      FailingEntry{"cuMemCreate", 8}, FailingEntry{"cuMemMap", 8}, FailingEntry{"cuMemSetAccess", 8},
-      FailingEntry{"cuMemUnmap", 8}, FailingEntry{"cuMemRelease", 8}, FailingEntry{"cudaMemcpyAsync", 8},
-      FailingEntry{"cudaStreamSynchronize", 2}, FailingEntry{"cudaEventRecord", 1},
-      FailingEntry{"cudaEventSynchronize", 1});
+  // The failure fires in the spill, or in the restore that follows a spill
+  // without one; `calls`: of the entry in that phase at least. (12 pages: the
+  // spill maps 12 new host pages first; its first 8 copies are waited for
+  // through an event; each phase waits for the copy stream once; a restore
+  // remaps runs of up to 8 pages, one access call each.)
+  struct PhaseEntry {
+    const char* name;
+    int calls;
+    bool in_restore;
+  };
+  const PhaseEntry failing = GENERATE(
+      PhaseEntry{"cuMemCreate", 8, false}, PhaseEntry{"cuMemMap", 8, false}, PhaseEntry{"cuMemSetAccess", 8, false},
+      PhaseEntry{"cuMemUnmap", 8, false}, PhaseEntry{"cuMemRelease", 8, false},
+      PhaseEntry{"cudaMemcpyAsync", 8, false}, PhaseEntry{"cudaStreamSynchronize", 1, false},
+      PhaseEntry{"cudaEventRecord", 1, false}, PhaseEntry{"cudaEventSynchronize", 1, false},
+      PhaseEntry{"cuMemCreate", 8, true}, PhaseEntry{"cuMemMap", 8, true}, PhaseEntry{"cuMemSetAccess", 2, true},
+      PhaseEntry{"cuMemUnmap", 8, true}, PhaseEntry{"cuMemRelease", 8, true},
+      PhaseEntry{"cudaMemcpyAsync", 8, true}, PhaseEntry{"cudaStreamSynchronize", 1, true});
   const char* entry = failing.name;
   const int nth = std::min(GENERATE(1, 2, 3, 5, 8), failing.calls);
-  CAPTURE(entry, nth);
+  CAPTURE(entry, nth, failing.in_restore);
   FakeCudaDevice device;
   cuda::CudaBackend& backend = device.cuda_backend();
   {
@@ -618,14 +629,20 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
         }
       }
     };
+    std::uint64_t calls_before = 0;  // of the entry, when its failure was set
+    auto fail_here = [&] {
+      calls_before = fake_cuda::calls(entry);
+      fail_once(entry, nth);
+    };
     fake_cuda::set_delay(std::chrono::milliseconds(1));
     allocator.spill_all();
-    fail_once(entry, nth);
+    if (!failing.in_restore) fail_here();
     migrate_until_done();
     CHECK_FALSE(allocator.has_pending_migrations());
     CHECK(allocator.stats().num_migrations == 12);  // each page moved once: a failed move is undone, not counted
     for (const auto& [address, seed] : blocks) CHECK(device.holds(address, seed, 8 * kMiB));
     allocator.restore_all();
+    if (failing.in_restore) fail_here();
     migrate_until_done();
     fake_cuda::set_delay(std::chrono::microseconds(0));
     CHECK_FALSE(allocator.has_pending_migrations());
@@ -636,7 +653,7 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
     }
     allocator.check_invariants();
     for (const auto& block : blocks) allocator.free(block.first);
-    CHECK(fake_cuda::calls(entry) >= static_cast<std::uint64_t>(nth));  // the failure fired
+    CHECK(fake_cuda::calls(entry) >= calls_before + static_cast<std::uint64_t>(nth));  // the failure fired
   }
   device.check_clean_after_failing(entry);
 }
