@@ -773,6 +773,10 @@ struct CachingAllocator::State {
 
   DevicePtr address_of(const LivePage& live) const { return live.segment->base + live.index * page_bytes; }
 
+  // Pages move kPagesPerWait at a time: a spill waits for that many copies
+  // at once, a restore remaps that many before it copies.
+  static constexpr std::size_t kPagesPerWait = 8;
+
   // A page move: `target` is to back the live page.
   struct Move {
     const LivePage* live;
@@ -826,76 +830,86 @@ struct CachingAllocator::State {
     }
   }
 
+  // Device pages for up to kPagesPerWait of `ids` from `begin` on, hottest
+  // first, as far as the cap and the device allow (`*stopped` when they do
+  // not): pages `given_up` by the batch's spills first, then new ones.
+  std::vector<Move> restore_targets(const std::vector<std::size_t>& ids, std::size_t begin,
+                                    const std::vector<LivePage>& pages, std::vector<PageHandle>& given_up,
+                                    bool* stopped) {
+    std::vector<Move> moves;
+    try {
+      for (std::size_t i = begin; i < std::min(ids.size(), begin + kPagesPerWait); ++i) {
+        // A spill that stopped early leaves no room under the cap.
+        if (device_bytes() + (moves.size() + 1) * page_bytes > effective_cap()) break;
+        PageHandle target;
+        if (!given_up.empty()) {
+          target = given_up.back();
+          given_up.pop_back();
+        } else {
+          target = new_page(Residency::kDevice);
+        }
+        if (!target) break;  // the device is taken by others: the next safe point tries again
+        moves.push_back({&pages[ids[i]], target});
+      }
+    } catch (...) {
+      give_back_targets(moves, 0);
+      throw;
+    }
+    *stopped = moves.size() < std::min(ids.size() - begin, kPagesPerWait);
+    return moves;
+  }
+
+  // Restores a run of `count` moves (pages that follow one another in one
+  // segment): the device pages take the host pages' place, then the bytes
+  // follow from the host pages, which the backend reaches without a mapping
+  // of ours. When a copy fails, that page and the rest of the run go back to
+  // their host pages and the error goes on. Returns the bytes moved.
+  std::size_t restore_run(const Move* run, std::size_t count, std::vector<PageHandle>& given_up) {
+    std::vector<PageHandle> olds;
+    for (std::size_t i = 0; i < count; ++i) olds.push_back(run[i].live->segment->pages[run[i].live->index].handle);
+    remap_run(run, count);
+    std::size_t moved = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      try {
+        backend.copy_into(address_of(*run[i].live), olds[i]);
+      } catch (...) {
+        for (std::size_t k = i; k < count; ++k) {
+          const DevicePtr address = address_of(*run[k].live);
+          backend.unmap(address);
+          give_back_page(run[k].target);
+          backend.map(address, olds[k]);
+        }
+        throw;
+      }
+      moved_page(*run[i].live, run[i].target, given_up);
+      moved += page_bytes;
+    }
+    return moved;
+  }
+
   // Moves pages to the device, keeping their addresses and bytes, hottest
-  // first, kPagesPerWait at a time; stops when the cap is full or no device
-  // page can be had. `given_up` holds the device pages the spills of the
-  // same batch gave up: they back moves before pages are created. Each run
-  // of neighbouring pages takes its device pages in its host pages' place,
-  // then the bytes follow from the host pages, which the backend reaches
-  // without a mapping of ours. A failed driver call leaves the pages not yet
-  // moved where they were. Returns the bytes moved.
+  // first, kPagesPerWait at a time, each group in runs of neighbouring
+  // pages; stops when the cap is full or no device page can be had. The
+  // copies of one group run while the next group's pages are remapped. A
+  // failed driver call leaves the pages not yet moved where they were.
+  // Returns the bytes moved.
   std::size_t restore_pages(const std::vector<std::size_t>& ids, const std::vector<LivePage>& pages,
                             std::vector<PageHandle>& given_up) {
     std::size_t moved = 0;
-    for (std::size_t begin = 0; begin < ids.size(); begin += kPagesPerWait) {
-      std::vector<Move> moves;
-      bool stopped = false;
-      try {
-        for (std::size_t i = begin; i < std::min(ids.size(), begin + kPagesPerWait); ++i) {
-          // A spill that stopped early leaves no room under the cap.
-          if (device_bytes() + (moves.size() + 1) * page_bytes > effective_cap()) {
-            stopped = true;
-            break;
-          }
-          PageHandle target;
-          if (!given_up.empty()) {
-            target = given_up.back();
-            given_up.pop_back();
-          } else {
-            target = new_page(Residency::kDevice);
-          }
-          if (!target) {
-            stopped = true;  // the device is taken by others: the next safe point tries again
-            break;
-          }
-          moves.push_back({&pages[ids[i]], target});
-        }
-      } catch (...) {
-        give_back_targets(moves, 0);
-        throw;
-      }
+    bool stopped = false;
+    for (std::size_t begin = 0; begin < ids.size() && !stopped; begin += kPagesPerWait) {
+      std::vector<Move> moves = restore_targets(ids, begin, pages, given_up, &stopped);
       std::sort(moves.begin(), moves.end(), by_address);
       for (std::size_t i = 0; i < moves.size();) {
         const std::size_t length = run_length(&moves[i], moves.size() - i);
-        std::vector<PageHandle> olds;
-        for (std::size_t j = i; j < i + length; ++j) olds.push_back(moves[j].live->segment->pages[moves[j].live->index].handle);
         try {
-          remap_run(&moves[i], length);
+          moved += restore_run(&moves[i], length, given_up);
         } catch (...) {
           give_back_targets(moves, i + length);
           throw;
         }
-        for (std::size_t j = i; j < i + length; ++j) {
-          const DevicePtr address = address_of(*moves[j].live);
-          try {
-            backend.copy_into(address, olds[j - i]);
-          } catch (...) {
-            // This page and the rest of the run go back to their host pages.
-            for (std::size_t k = j; k < i + length; ++k) {
-              const DevicePtr back = address_of(*moves[k].live);
-              backend.unmap(back);
-              give_back_page(moves[k].target);
-              backend.map(back, olds[k - i]);
-            }
-            give_back_targets(moves, i + length);
-            throw;
-          }
-          moved_page(*moves[j].live, moves[j].target, given_up);
-          moved += page_bytes;
-        }
         i += length;
       }
-      if (stopped) break;
     }
     return moved;
   }
@@ -911,7 +925,6 @@ struct CachingAllocator::State {
   // `given_up`. A failed copy or wait leaves the pages not yet remapped
   // where they were; a failed remap, that run and the pages after it.
   // Returns the bytes moved.
-  static constexpr std::size_t kPagesPerWait = 8;
   std::size_t spill_pages(const std::vector<std::size_t>& ids, const std::vector<LivePage>& pages,
                           std::vector<PageHandle>& given_up) {
     // Targets not (yet) remapped go back, also when a step throws.
