@@ -286,6 +286,7 @@ def worker_move_calls(allocator: str, args) -> Dict:
         moved = getattr(cotenant, move)()
         result[f"{name}_moved_bytes"] = moved
         result[f"{name}_calls_per_page"] = _calls_since(fake, before, pages)
+    result["host_pool_bytes_after"] = cotenant.memory_stats()["host_pool_bytes"]
     result["violations"] = fake.violations()
     return result
 

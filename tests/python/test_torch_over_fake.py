@@ -719,6 +719,7 @@ def test_the_warm_allocation_path_calls_the_driver_no_more_than_pytorchs_own(lib
     for figure in ("restore_vmm_calls_per_page", "spill_vmm_calls_per_page_kept", "restore_vmm_calls_per_page_kept"):
         assert 0 < figures[figure] <= 3.125, (figure, moves)
     assert "cuMemCreate" not in moves["spill_kept_calls_per_page"]  # nothing pinned the second time
+    assert moves["host_pool_bytes_after"] == 64 * MIB  # memory_stats() shows the host pages kept
 
 
 NO_KERNEL_CALLS = r'''
