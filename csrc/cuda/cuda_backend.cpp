@@ -133,7 +133,8 @@ CudaBackend::~CudaBackend() {
     } catch (const Error&) {
     }
   }
-  // Host pages the allocators still hold (a release the driver refused) keep their shadows.
+  // Host pages still alive (a release the driver refused) lose their copy
+  // mappings here, so that the ranges can go back.
   for (auto& [id, address] : shadows_) driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);
   for (DevicePtr range : shadow_ranges_) driver().cuMemAddressFree(range, kShadowRangePages * granularity_);
   std::lock_guard<std::mutex> lock(pinned_mutex_);
