@@ -772,6 +772,8 @@ struct CachingAllocator::State {
   }
 
   DevicePtr address_of(const LivePage& live) const { return live.segment->base + live.index * page_bytes; }
+  // The page backing a live page in the books (the old one until moved_page()).
+  static PageHandle backing(const LivePage& live) { return live.segment->pages[live.index].handle; }
 
   // Pages move kPagesPerWait at a time: a spill waits for that many copies
   // at once, a restore remaps that many before it copies.
@@ -814,7 +816,7 @@ struct CachingAllocator::State {
     } catch (...) {
       for (PageHandle target : targets) give_back_page(target);
       for (std::size_t i = 0; i < unmapped; ++i) {
-        backend.map(first + i * page_bytes, run[i].live->segment->pages[run[i].live->index].handle);
+        backend.map(first + i * page_bytes, backing(*run[i].live));
       }
       throw;
     }
@@ -865,19 +867,17 @@ struct CachingAllocator::State {
   // of ours. When a copy fails, that page and the rest of the run go back to
   // their host pages and the error goes on. Returns the bytes moved.
   std::size_t restore_run(const Move* run, std::size_t count, std::vector<PageHandle>& given_up) {
-    std::vector<PageHandle> olds;
-    for (std::size_t i = 0; i < count; ++i) olds.push_back(run[i].live->segment->pages[run[i].live->index].handle);
     remap_run(run, count);
     std::size_t moved = 0;
     for (std::size_t i = 0; i < count; ++i) {
       try {
-        backend.copy_into(address_of(*run[i].live), olds[i]);
+        backend.copy_into(address_of(*run[i].live), backing(*run[i].live));
       } catch (...) {
-        for (std::size_t k = i; k < count; ++k) {
+        for (std::size_t k = i; k < count; ++k) {  // not in the books yet: backing() is the host page
           const DevicePtr address = address_of(*run[k].live);
           backend.unmap(address);
           give_back_page(run[k].target);
-          backend.map(address, olds[k]);
+          backend.map(address, backing(*run[k].live));
         }
         throw;
       }
