@@ -9,7 +9,10 @@ Figures (written to benchmarks/results/allocator-<device>-<time>.json):
                                          the job's first spill: it pins the host pages it fills
   restore_bandwidth_ratio_vs_memcpy      host->device, the same
   spill_bandwidth_ratio_vs_memcpy_kept   a second spill and restore, into the host pages the first kept (under a
-  restore_bandwidth_ratio_vs_memcpy_kept cap they stay pinned with the job: what this figure trades away)
+  restore_bandwidth_ratio_vs_memcpy_kept cap they stay pinned with the job: what this figure trades away); a first
+                                         spill with a host reserve (reserve_host_memory) takes the same path
+  (measured: moves.reserve_pin_gbps      the rate at which reserve_host_memory pins host pages: the cost a host
+                                         reserve moves from the first squeeze to enable)
   shrink_response_s_1GiB / _4GiB / _16GiB  seconds from a cap command to device bytes under the cap
   step_time_ratio_spilled_25pct / _50pct step time with a quarter / half of the working set on the host, over none
 
@@ -336,6 +339,15 @@ def worker_moves(allocator: str, args) -> Dict:
         result[f"{name}_driver_calls"] = _C._driver_call_times(device)
     result["host_pool_bytes_after"] = cotenant.memory_stats()["host_pool_bytes"]
     result["data_intact"] = bool((x[:: 1 << 20] == 7).all().item())
+    # What a host reserve costs at enable: pinning as many host pages as the
+    # first spill did (the kept ones go back with the cap first).
+    cotenant.set_memory_cap(None)
+    _C._reset_driver_call_times(device)
+    start = time.perf_counter()
+    reserved = cotenant.reserve_host_memory(nbytes)
+    result["reserve_pin_gbps"] = reserved / (time.perf_counter() - start) / 1e9
+    result["reserve_driver_calls"] = _C._driver_call_times(device)
+    cotenant.reserve_host_memory(0)
     return result
 
 
@@ -516,6 +528,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{moves[name + '_moved'] / GIB:.2f} GiB of page moves went")
             pages = moves[name + "_moved"] // moves["page_bytes"]
             print("\n".join(driver_time_table(moves[f"{name}_driver_calls"], pages)))
+    if "reserve_driver_calls" in moves:
+        pages = moves["spill_moved"] // moves["page_bytes"]  # the reserve pins as many pages as the first spill
+        print(f"\nhost reserve: pinned at {moves['reserve_pin_gbps']:.2f} GB/s; where its time went")
+        print("\n".join(driver_time_table(moves["reserve_driver_calls"], pages)))
     print(f"wrote {path}")
     return 0
 

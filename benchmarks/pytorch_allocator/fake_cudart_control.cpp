@@ -17,10 +17,12 @@ constexpr int kGarbageInNewPages = 1;  // new pages hold 0xA5 bytes: the driver 
 constexpr int kNoHostVmm = 2;          // the device cannot map host pages (cotenant's pinned fallback mode)
 
 // Waits for every stream and forgets all state, as fake_cuda::reset does,
-// with a device of `device_capacity` bytes and the `flags` above.
-void fake_cuda_reset(std::uint64_t device_capacity, int flags) {
+// with a device of `device_capacity` bytes, a host that pins at most
+// `host_capacity` bytes, and the `flags` above.
+void fake_cuda_reset(std::uint64_t device_capacity, int flags, std::uint64_t host_capacity) {
   fake_cuda::Config config;
   config.device_capacity = device_capacity;
+  config.host_capacity = host_capacity;
   config.garbage_in_new_pages = (flags & kGarbageInNewPages) != 0;
   config.host_vmm = (flags & kNoHostVmm) == 0;
   fake_cuda::reset(config);

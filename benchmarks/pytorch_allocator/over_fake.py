@@ -78,7 +78,7 @@ class Fake:
         except OSError:
             raise NotPreloaded(f"{library} is not preloaded, so torch would not see the fake CUDA device: start "
                                "this process with over_fake.environment(), which sets LD_PRELOAD") from None
-        self.lib.fake_cuda_reset.argtypes = [ctypes.c_uint64, ctypes.c_int]
+        self.lib.fake_cuda_reset.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64]
         self.lib.fake_cuda_set_delay_us.argtypes = [ctypes.c_uint64]
         self.lib.fake_cuda_calls.argtypes = [ctypes.c_char_p]
         self.lib.fake_cuda_calls.restype = ctypes.c_uint64
@@ -89,13 +89,16 @@ class Fake:
         self.lib.fake_cuda_call_table.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
         self.lib.fake_cuda_call_table.restype = ctypes.c_uint64
 
-    def reset(self, device_capacity: int, garbage_in_new_pages: bool = False, host_vmm: bool = True) -> None:
+    def reset(self, device_capacity: int, garbage_in_new_pages: bool = False, host_vmm: bool = True,
+              host_capacity: Optional[int] = None) -> None:
         """A device of `device_capacity` bytes, nothing counted yet. Before
         torch touches CUDA. `garbage_in_new_pages`: new pages hold 0xA5
         bytes (the driver does not promise zeros), not zeros. `host_vmm`
         False: the device cannot map host pages, as on GPUs where cotenant
-        runs in pinned fallback mode."""
-        self.lib.fake_cuda_reset(device_capacity, (1 if garbage_in_new_pages else 0) | (0 if host_vmm else 2))
+        runs in pinned fallback mode. `host_capacity`: the bytes of host
+        pages and pinned memory the host pins at most (None: no limit)."""
+        flags = (1 if garbage_in_new_pages else 0) | (0 if host_vmm else 2)
+        self.lib.fake_cuda_reset(device_capacity, flags, 2**64 - 1 if host_capacity is None else host_capacity)
 
     def set_delay(self, microseconds: int) -> None:
         """Each queued copy waits this long on its stream before it runs, so
@@ -135,11 +138,11 @@ class Fake:
 
 
 def open_preloaded(library: str, device_capacity: int, garbage_in_new_pages: bool = False,
-                   host_vmm: bool = True) -> Fake:
+                   host_vmm: bool = True, host_capacity: Optional[int] = None) -> Fake:
     """The fake this process preloaded, reset (see Fake.reset). Call it
     before importing torch. NotPreloaded when it is not loaded."""
     fake = Fake(library)
-    fake.reset(device_capacity, garbage_in_new_pages, host_vmm)
+    fake.reset(device_capacity, garbage_in_new_pages, host_vmm, host_capacity)
     return fake
 
 

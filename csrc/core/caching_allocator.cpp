@@ -70,9 +70,13 @@ struct CachingAllocator::State {
   static constexpr double kGrowthSlack = 0.05;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
-  // Host pages kept after their last use (options.keep_host_pages): the
-  // next page the host needs comes from here before the driver pins one.
+  // Host pages kept after their last use (options.keep_host_pages, the
+  // host reserve): the next page the host needs comes from here before the
+  // driver pins one.
   std::vector<PageHandle> host_pool;
+  // reserve_host_memory(): the pool keeps at least this many pages through
+  // everything but the allocator's end.
+  std::size_t host_reserve_pages = 0;
   AllocatorEventSink* sink = nullptr;  // set_event_sink(); null: no events
 
   // Tells the sink, if any (allocator_events.h): one pointer test when none.
@@ -255,19 +259,20 @@ struct CachingAllocator::State {
            (effective_cap() != kNoCap || options.spill_without_cap);
   }
   // A page nothing maps and nothing will read: kept when it is a host page
-  // and keeping_host_pages(), else released.
+  // and keeping_host_pages() or the pool is below the reserve, else released.
   void give_back_page(PageHandle page) {
-    if (page.where == Residency::kHost && keeping_host_pages()) {
+    if (page.where == Residency::kHost && (keeping_host_pages() || host_pool.size() < host_reserve_pages)) {
       host_pool.push_back(page);
       stats.host_pool_bytes.increase(static_cast<std::int64_t>(page_bytes));
       return;
     }
     backend.release_page(page);
   }
-  // Gives the kept host pages back to the driver. The books first: a release
-  // the driver refuses leaves that page with the process, and the error goes on.
-  void release_host_pool() {
-    while (!host_pool.empty()) {
+  // Gives kept host pages back to the driver until `keep` are left. The books
+  // first: a release the driver refuses leaves that page with the process,
+  // and the error goes on.
+  void release_host_pool(std::size_t keep) {
+    while (host_pool.size() > keep) {
       const PageHandle page = host_pool.back();
       host_pool.pop_back();
       stats.host_pool_bytes.decrease(static_cast<std::int64_t>(page_bytes));
@@ -276,7 +281,7 @@ struct CachingAllocator::State {
   }
   // After the cap or spill_all() changed: no cap left, nothing to keep.
   void release_host_pool_unless_kept() {
-    if (!keeping_host_pages()) release_host_pool();
+    if (!keeping_host_pages()) release_host_pool(host_reserve_pages);
   }
 
   // A new page for an allocation that has `own_device_bytes` on the device
@@ -1152,7 +1157,7 @@ struct CachingAllocator::State {
     };
     attempt([&] { synchronize_waiting(); });
     attempt([&] { release_spill_targets(); });
-    attempt([&] { release_host_pool(); });
+    attempt([&] { release_host_pool(0); });
     // One wait covers every page and pinned segment (none is possible during
     // a graph capture: then each release waits as it can).
     bool synchronized = false;
@@ -1342,7 +1347,7 @@ void CachingAllocator::empty_cache() {
     s.release_pinned_cache(/*synchronized=*/true);
   }
   s.trim_spill_targets();
-  s.release_host_pool();
+  s.release_host_pool(s.host_reserve_pages);
   // Whole free segments give their address range back too.
   for (auto it = s.segments.begin(); it != s.segments.end();) {
     Segment& segment = *it->second;
@@ -1472,6 +1477,45 @@ std::size_t CachingAllocator::apply_pending_migrations() {
   return moved;
 }
 
+std::size_t CachingAllocator::reserve_host_memory(std::size_t bytes) {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  if (s.mode() != SpillMode::kRemap) {
+    throw Error(fmt::format(
+        "cannot reserve {} of host memory: this allocator has no host pages to keep (it places over-cap "
+        "memory in pinned fallback segments: the driver has no host virtual memory management, or "
+        "COTENANT_HOST_PAGES=pinned asked for it). Run without the reserve",
+        format_size(bytes)));
+  }
+  const std::size_t pages = (bytes + s.page_bytes - 1) / s.page_bytes;
+  const std::size_t had = s.host_pool.size();
+  try {
+    while (s.host_pool.size() < pages) {
+      const PageHandle page = s.backend.create_page(Residency::kHost);
+      if (!page) {
+        throw Error(fmt::format(
+            "cannot reserve {} of host memory: the host refused to pin more after {} (pinned memory is "
+            "limited by free RAM and by the locked-memory limit, ulimit -l). Reserve less, or raise the limit",
+            format_size(pages * s.page_bytes), format_size(s.host_pool.size() * s.page_bytes)));
+      }
+      s.host_pool.push_back(page);
+      s.stats.host_pool_bytes.increase(static_cast<std::int64_t>(s.page_bytes));
+    }
+  } catch (...) {
+    s.release_host_pool(had);  // what this call pinned goes back; the reserve stays as it was
+    throw;
+  }
+  s.host_reserve_pages = pages;
+  s.release_host_pool_unless_kept();  // a smaller reserve gives back what it no longer holds
+  return pages * s.page_bytes;
+}
+
+std::size_t CachingAllocator::host_reserve() const {
+  const State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  return s.host_reserve_pages * s.page_bytes;
+}
+
 SpillMode CachingAllocator::mode() const { return state_->mode(); }
 
 void CachingAllocator::check_invariants() const {
@@ -1547,7 +1591,7 @@ std::size_t CachingAllocator::discard_pages() {
                 "captured so far may use them. Discard after the capture ends.");
   }
   s.release_spill_targets();
-  s.release_host_pool();
+  s.release_host_pool(s.host_reserve_pages);
   // Discarded from the first page on: when the driver refuses an unmap part
   // way, the allocator still refuses allocations and back_discarded_pages()
   // backs (and zeroes) what is gone.

@@ -180,6 +180,7 @@ void JobChannel::publish_locked() {
       AllocatorStats stats = hooks_.stats();
       report_.device_bytes = non_negative(stats.device_resident_bytes.current);
       report_.host_bytes = non_negative(stats.host_resident_bytes.current);
+      report_.host_pool_bytes = non_negative(stats.host_pool_bytes.current);
       report_.allocated_bytes = non_negative(stats.allocated_bytes.all.current);
       report_.reserved_bytes = non_negative(stats.reserved_bytes.all.current);
       report_.cached_bytes = report_.reserved_bytes > report_.allocated_bytes

@@ -163,9 +163,15 @@ COTENANT_TORCH_BINDINGS(allocator) {
     for (const auto& [key, value] : s.as_map()) out[py::str(key)] = value;
     out["mode"] = spill_mode_name(s.mode);
     out["host_page_kind"] = d.backend->host_page_kind();
+    out["host_reserve_bytes"] = d.main->host_reserve();
     return out;
   }, py::arg("device"), "The capped allocator's statistics (torch's key names plus cotenant's).");
 
+  m.def("reserve_host_memory", [](int device, std::uint64_t bytes) {
+    CachingAllocator& allocator = main_allocator(device);
+    py::gil_scoped_release release;  // pinning takes a while; other threads may run Python meanwhile
+    return allocator.reserve_host_memory(bytes);
+  }, py::arg("device"), py::arg("bytes"), "Pins host pages now and keeps them (see CachingAllocator). Returns bytes.");
   m.def("spill_all", [](int device) { main_allocator(device).spill_all(); }, py::arg("device"));
   m.def("restore_all", [](int device) { main_allocator(device).restore_all(); }, py::arg("device"));
   m.def("has_pending_migrations", [] { return CotenantCudaAllocator::instance().has_pending_migrations(); });

@@ -190,6 +190,19 @@ class CachingAllocator {
   std::size_t back_discarded_pages();
   bool discarded() const;
 
+  // Pins host pages now until `bytes` (rounded up to whole pages) are kept,
+  // and keeps at least that many through empty_cache(), cap changes and
+  // discard_pages(), until the allocator ends: a job's first squeeze then
+  // pins nothing, as one squeezed before (pinning costs more than the copy).
+  // A spill takes reserve pages like any kept page; they return when given
+  // up. 0 gives the reserve back (kept pages beyond it follow
+  // keep_host_pages). Returns the bytes reserved. Throws Error, keeping the
+  // reserve as it was, when the host cannot pin that much, and in pinned
+  // fallback mode (no host pages to keep). Pins under the allocator's lock:
+  // allocations on other threads wait meanwhile.
+  std::size_t reserve_host_memory(std::size_t bytes);
+  std::size_t host_reserve() const;  // bytes
+
   SpillMode mode() const;
   AllocatorStats stats() const;
   // Recomputes the books from the blocks and pages (blocks tile their

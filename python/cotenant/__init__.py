@@ -21,6 +21,7 @@ from cotenant.api import (  # noqa: E402
     pause_region,
     region,
     regions,
+    reserve_host_memory,
     restore_all,
     resume_region,
     safe_point,

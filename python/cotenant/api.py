@@ -126,15 +126,13 @@ def to_cap(size: Any):
         raise ValueError(str(error)) from None
 
 
-def parse_persistent_memory(size: Union[int, str, None]) -> Optional[int]:
-    """Reads the memory a job holds for its whole life (parameters, optimizer
-    state): bytes (int) or a size string ("10GiB"). The coordinator admits an
-    opportunistic job only when this much fits next to the guaranteed jobs."""
+def _parse_bytes(size: Union[int, str, None], what: str, example: str) -> Optional[int]:
+    """Bytes (int) or a size string through the one size parser; None stays None."""
     if size is None:
         return None
     if isinstance(size, int) and not isinstance(size, bool):
         if size < 0:
-            raise ValueError(f"persistent memory cannot be {size} bytes; pass a size such as \"10GiB\"")
+            raise ValueError(f"{what} cannot be {size} bytes; pass a size such as \"{example}\"")
         return size
     if isinstance(size, str):
         from cotenant import _core  # the one size parser
@@ -142,9 +140,21 @@ def parse_persistent_memory(size: Union[int, str, None]) -> Optional[int]:
         try:
             return _core.parse_size(size)
         except _core.Error as error:
-            raise ValueError(f"cannot use {size!r} as persistent memory: {error}") from None
-    raise TypeError(f"persistent memory must be bytes (int) or a size string such as \"10GiB\"; "
+            raise ValueError(f"cannot use {size!r} as {what}: {error}") from None
+    raise TypeError(f"{what} must be bytes (int) or a size string such as \"{example}\"; "
                     f"got {type(size).__name__}")
+
+
+def parse_persistent_memory(size: Union[int, str, None]) -> Optional[int]:
+    """Reads the memory a job holds for its whole life (parameters, optimizer
+    state): bytes (int) or a size string ("10GiB"). The coordinator admits an
+    opportunistic job only when this much fits next to the guaranteed jobs."""
+    return _parse_bytes(size, "persistent memory", "10GiB")
+
+
+def parse_host_reserve(size: Union[int, str, None]) -> Optional[int]:
+    """Reads a host reserve (see reserve_host_memory): bytes (int) or a size string ("4GiB")."""
+    return _parse_bytes(size, "a host reserve", "4GiB")
 
 
 def parse_device(device: Any) -> Optional[int]:
@@ -215,7 +225,8 @@ def _resolve_device(device: Any) -> int:
 
 def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str] = None,
            socket: Optional[str] = None, memory_cap: SizeLike = None,
-           persistent_memory: Union[int, str, None] = None) -> bool:
+           persistent_memory: Union[int, str, None] = None,
+           host_reserve: Union[int, str, None] = None) -> bool:
     """Makes cotenant the process's CUDA allocator. Call it before the first CUDA tensor.
 
     role: None (cap only: no launch gate, and a coordinator neither protects
@@ -227,6 +238,9 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     persistent_memory: the memory the job holds for its whole life (bytes or
     "10GiB"); a coordinator admits an opportunistic job only when it fits, and
     queues or refuses it otherwise (with the reason).
+    host_reserve: host memory to pin now and keep (reserve_host_memory()),
+    so that the job's first squeeze under a cap pins nothing. When the host
+    cannot pin it, the job runs without it and says so (a RuntimeWarning).
 
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
     Raises NoGpuError without a usable GPU, RuntimeError when PyTorch's own
@@ -238,6 +252,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     role = parse_role(role)
     to_cap(memory_cap)  # a bad cap fails before CUDA is touched
     persistent_bytes = parse_persistent_memory(persistent_memory)
+    reserve_bytes = parse_host_reserve(host_reserve)
     if name is not None:
         from cotenant.coordinator.protocol import job_name_problem
 
@@ -281,6 +296,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         cap_bytes = None
         if memory_cap is not None:
             cap_bytes = set_memory_cap(memory_cap, index)
+        if reserve_bytes:
+            _reserve_or_warn(_C, index, reserve_bytes)
         _join_coordinator(_C, role, index, name, socket, cap_bytes, persistent_bytes)
         _activate_gate(role, index)
         atexit.register(_shutdown)
@@ -290,7 +307,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
 def enable_from_environment() -> bool:
     """Enables cotenant as `cotenant run` asks, through the environment: the
     keys of COTENANT_CONF or their variables (cotenant.settings): enable
-    (COTENANT_ENABLE=1), role, cap, device, socket, name, persistent.
+    (COTENANT_ENABLE=1), role, cap, device, socket, name, persistent, host_reserve.
     disable (COTENANT_DISABLE=1) wins over all. In a child of the job (its
     pid is not COTENANT_JOB_PID) it does nothing. Returns True when cotenant
     was enabled; raises SettingsError (a ValueError) for a setting that
@@ -305,7 +322,7 @@ def enable_from_environment() -> bool:
         return False  # a worker or helper the job started: the job itself is enabled
     return enable(role=settings.get("role"), device=settings.get("device"), name=settings.get("name"),
                   socket=settings.get("socket"), memory_cap=settings.value("cap"),
-                  persistent_memory=settings.get("persistent"))
+                  persistent_memory=settings.get("persistent"), host_reserve=settings.get("host_reserve"))
 
 
 def is_enabled() -> bool:
@@ -371,6 +388,7 @@ def summarize_stats(raw: Dict[str, Any]) -> Dict[str, Any]:
         "device_bytes": int(raw.get("device_resident_bytes.current", 0)),
         "host_bytes": int(raw.get("host_resident_bytes.current", 0)),
         "host_pool_bytes": int(raw.get("host_pool_bytes.current", 0)),
+        "host_reserve_bytes": int(raw.get("host_reserve_bytes", 0)),
         "cached_bytes": max(reserved - allocated, 0),
         "allocated_bytes": allocated,
         "reserved_bytes": reserved,
@@ -394,6 +412,26 @@ def memory_stats(device: Any = None) -> Dict[str, Any]:
     stats = summarize_stats(_C.stats(index))
     stats["regions"] = [row for row in _C.regions() if row["device"] == index]
     return stats
+
+
+def reserve_host_memory(size: Union[int, str], device: Any = None) -> int:
+    """Pins host memory now (rounded up to 2 MiB pages) and keeps it with the
+    job for its whole life, so that the first time a cap squeezes the job its
+    pages move out at the speed of a copy instead of waiting for the host to
+    pin memory (pinning runs at a few GB/s, a copy over PCIe at tens). A
+    spill uses the reserve's pages and gives them back to it when the pages
+    return; empty_cache() and removing the cap keep it. 0 gives it back.
+
+    What it costs: the reserve is pinned host memory no other process can
+    use, and pinning it takes as long as the first squeeze would have.
+    Returns the bytes reserved. Raises ValueError for a size it cannot read,
+    RuntimeError when the host cannot pin that much (the reserve stays as it
+    was) and where host pages are not used (the pinned fallback mode)."""
+    bytes_ = parse_host_reserve(size)
+    if bytes_ is None:
+        raise TypeError("reserve_host_memory() needs a size: bytes (int) or a size string such as \"4GiB\"")
+    index = _resolve_device(device)
+    return int(_extension().reserve_host_memory(index, bytes_))
 
 
 def spill_all(device: Any = None) -> int:
@@ -762,6 +800,16 @@ def gpu_uuid(device: int) -> str:
     except Exception:
         return ""
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def _reserve_or_warn(_C, device: int, bytes_: int) -> None:
+    try:
+        _C.reserve_host_memory(device, bytes_)
+    except RuntimeError as error:
+        message = (f"cotenant: this job runs WITHOUT its host reserve: {error}. Its first squeeze under a cap "
+                   "pins its host pages then")
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        log.warning(message)
 
 
 def _warn_unmanaged(error: BaseException) -> None:

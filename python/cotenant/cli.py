@@ -84,10 +84,12 @@ def gpu_lines(view: Dict[str, Any]) -> List[str]:
     for gpu in view.get("gpus", []):
         where = f" (index {gpu['index']})" if gpu.get("index") is not None else ""
         jobs = gpu.get("jobs", 0)
+        pool = gpu.get("host_pool_bytes", 0)
+        pinned = f" (and {_format_size(pool)} pinned for spills)" if pool else ""
         lines.append(
             f"{gpu['gpu']}{where}: {_format_size(gpu.get('total_bytes'))} total, "
             f"{_format_size(gpu.get('device_bytes', 0))} on the device and {_format_size(gpu.get('host_bytes', 0))} "
-            f"on the host for {jobs} job{'s' if jobs != 1 else ''}; spilled {_format_size(gpu.get('spilled_bytes', 0))},"
+            f"on the host{pinned} for {jobs} job{'s' if jobs != 1 else ''}; spilled {_format_size(gpu.get('spilled_bytes', 0))},"
             f" restored {_format_size(gpu.get('restored_bytes', 0))}, {gpu.get('page_moves', 0)} page moves")
         if gpu.get("note"):
             lines.append(f"  note: {gpu['note']}")
@@ -212,6 +214,9 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     if args.persistent:
         _parse_size(args.persistent)
         env["COTENANT_PERSISTENT_MEMORY"] = args.persistent
+    if args.host_reserve:
+        _parse_size(args.host_reserve)
+        env["COTENANT_HOST_RESERVE"] = args.host_reserve
     env["COTENANT_DEVICE"] = str(args.device)
     if args.socket:
         env["COTENANT_SOCKET"] = args.socket
@@ -414,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cap", help="device-memory cap: a size (6GiB), a fraction of the GPU (0.5, 50%%) or none")
         p.add_argument("--persistent", help="memory the job holds for its whole life, e.g. 10GiB: the coordinator "
                                             "admits an opportunistic job only when it fits")
+        p.add_argument("--host-reserve", metavar="SIZE",
+                       help="host memory pinned at start and kept, e.g. 4GiB: the job's first squeeze under a cap "
+                            "then moves its pages at copy speed instead of pinning memory first")
         p.add_argument("--name", help="job name shown by `cotenant status`")
         p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
         p.add_argument("--allow-uncapped", action="store_true",

@@ -64,6 +64,12 @@ def _size(text: str):
     return parse_persistent_memory(text)
 
 
+def _host_reserve(text: str):
+    from cotenant.api import parse_host_reserve
+
+    return parse_host_reserve(text)
+
+
 def _device(text: str):
     from cotenant.api import parse_device
 
@@ -158,6 +164,8 @@ SETTINGS = (
     Setting("name", "COTENANT_JOB_NAME", _job_name, "trainer", "the job's name in `cotenant status`"),
     Setting("persistent", "COTENANT_PERSISTENT_MEMORY", _size, "10GiB",
             "memory held for the job's whole life, for the coordinator's admission"),
+    Setting("host_reserve", "COTENANT_HOST_RESERVE", _host_reserve, "4GiB",
+            "host memory pinned at enable and kept, so the first squeeze pins nothing"),
     Setting("share", "COTENANT_SHARE", _share, "0.5", "the job's own compute share at start, 0 to 1"),
     Setting("gate_max_in_flight", "COTENANT_GATE_MAX_IN_FLIGHT", _whole_number(1), "2",
             "the launch gate's admitted ops in flight"),

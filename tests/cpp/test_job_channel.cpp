@@ -336,12 +336,23 @@ TEST_CASE("shrinking_cap_spills_a_simulated_allocator_and_reports_its_bytes", "[
   char read_back[sizeof pattern] = {};
   backend.read(live[0], read_back, sizeof read_back);
   CHECK(std::string(read_back) == pattern);
+  CHECK(after.host_pool_bytes == 0);  // every host page holds a tensor's bytes
+
+  // Raised under a cap: the pages come back, their host pages stay pinned with the job.
+  coordinator.set(256 * MiB, 1.0);
+  channel.poll_once();
+  channel.poll_once();
+  auto raised = shm::read_report(coordinator.block());
+  CHECK(raised.host_bytes == 0);
+  CHECK(raised.host_pool_bytes == after.host_bytes);
+  CHECK(raised.host_pool_bytes == static_cast<std::uint64_t>(allocator.stats().host_pool_bytes.current));
 
   coordinator.set(kNoCap, 1.0);
   channel.poll_once();
   channel.poll_once();
   auto restored = shm::read_report(coordinator.block());
   CHECK(restored.host_bytes == 0);
+  CHECK(restored.host_pool_bytes == 0);  // no cap: nothing kept
   CHECK(restored.restored_bytes >= 64 * MiB);
   for (auto address : live) allocator.free(address);
 }

@@ -270,6 +270,82 @@ TEST_CASE("an_allocation_over_the_cap_takes_a_kept_host_page_and_a_job_can_opt_o
   allocator.free(third);
 }
 
+// A host reserve: host pages pinned before any squeeze, so the first one
+// pins nothing (as a job squeezed before), kept through the cap's removal and
+// empty_cache() until the reserve is lowered or the allocator ends.
+TEST_CASE("a_host_reserve_is_pinned_at_once_serves_the_first_squeeze_and_stays_till_it_is_lowered", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  const bool keep = GENERATE(true, false);
+  CAPTURE(keep);
+  AllocatorOptions options;
+  options.keep_host_pages = keep;
+  {
+    CachingAllocator allocator(device, options);
+    CHECK(allocator.reserve_host_memory(5 * kMiB) == 6 * kMiB);  // whole pages
+    CHECK(allocator.host_reserve() == 6 * kMiB);
+    CHECK(allocator.stats().host_pool_bytes.current == 6 * kMiB);
+    CHECK(device.host_bytes_in_use() == 6 * kMiB);
+    CHECK(allocator.stats().reserved_bytes.all.current == 0);  // not the job's memory
+
+    const DevicePtr block = allocator.allocate(8 * kMiB, 0);
+    fill(device, block, 4, 8 * kMiB);
+    const auto created = device.calls().create_page;
+    allocator.set_memory_cap(4 * kMiB);
+    CHECK(allocator.apply_pending_migrations() == 4 * kMiB);
+    CHECK(device.calls().create_page == created);  // the spill pinned nothing
+    CHECK(allocator.stats().host_resident_bytes.current == 4 * kMiB);
+    CHECK(allocator.stats().host_pool_bytes.current == 2 * kMiB);
+    CHECK(holds(device, block, 4, 8 * kMiB));
+
+    allocator.set_memory_cap(kNoCap);  // nothing left to keep but the reserve
+    allocator.apply_pending_migrations();
+    CHECK(allocator.stats().host_resident_bytes.current == 0);
+    CHECK(allocator.stats().host_pool_bytes.current == 6 * kMiB);
+    CHECK(holds(device, block, 4, 8 * kMiB));
+    SECTION("empty_cache keeps it") {
+      allocator.empty_cache();
+    }
+    SECTION("a discard keeps it") {
+      allocator.discard_pages();
+      allocator.back_discarded_pages();
+    }
+    CHECK(allocator.stats().host_pool_bytes.current == 6 * kMiB);
+    CHECK(device.host_bytes_in_use() == 6 * kMiB);
+    allocator.check_invariants();
+
+    CHECK(allocator.reserve_host_memory(0) == 0);
+    CHECK(allocator.stats().host_pool_bytes.current == 0);
+    CHECK(device.host_bytes_in_use() == 0);
+    CHECK(allocator.reserve_host_memory(2 * kMiB) == 2 * kMiB);
+    allocator.free(block);
+    allocator.check_invariants();
+  }
+  CHECK(device.host_bytes_in_use() == 0);  // the allocator's end gives the reserve back
+}
+
+TEST_CASE("a_host_reserve_the_host_cannot_pin_is_refused_and_the_reserve_stays_as_it_was", "[cap]") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 5 * kMiB;
+  SimulatedBackend device(config);
+  CachingAllocator allocator(device);
+  REQUIRE(allocator.reserve_host_memory(2 * kMiB) == 2 * kMiB);
+  CHECK_THROWS_WITH(allocator.reserve_host_memory(8 * kMiB),
+                    Catch::Contains("cannot reserve 8") && Catch::Contains("ulimit -l") &&
+                        Catch::Contains("Reserve less"));
+  CHECK(allocator.host_reserve() == 2 * kMiB);
+  CHECK(allocator.stats().host_pool_bytes.current == 2 * kMiB);
+  CHECK(device.host_bytes_in_use() == 2 * kMiB);
+  allocator.check_invariants();
+}
+
+TEST_CASE("a_host_reserve_in_pinned_fallback_mode_is_refused_with_the_reason", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB, true, /*host_mappable=*/false));
+  CachingAllocator allocator(device);
+  CHECK_THROWS_WITH(allocator.reserve_host_memory(2 * kMiB), Catch::Contains("pinned fallback"));
+  CHECK(allocator.host_reserve() == 0);
+  CHECK(device.host_bytes_in_use() == 0);
+}
+
 TEST_CASE("spill_all_moves_every_live_page_to_host_and_restore_all_brings_them_back", "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
   CachingAllocator allocator(device);

@@ -269,6 +269,35 @@ def test_a_job_squeezed_twice_pins_host_pages_once_and_keeps_its_values():
     assert out["kept_after_lifting"] == 0
 
 
+def test_a_host_reserve_lets_the_first_squeeze_pin_nothing_and_keeps_the_values():
+    """reserve_host_memory() pins host pages before any cap: the first spill
+    creates none (driver call counts), a kernel reads the spilled tensor
+    through the reserve's pages, and the reserve outlives the cap's removal."""
+    out = run_script("""
+        from cotenant import _C
+        device = torch.cuda.current_device()
+        reserved = cotenant.reserve_host_memory("64MiB")
+        x = torch.arange(16 << 20, dtype=torch.float32, device="cuda")  # 64 MiB
+        total = x.sum().item()
+        _C._reset_driver_call_times(device)
+        cotenant.spill_all()
+        calls = _C._driver_call_times(device)
+        sum_on_host = (x * 1).sum().item()
+        cotenant.restore_all()
+        cotenant.set_memory_cap(None)
+        stats = cotenant.memory_stats()
+        print(json.dumps({"mode": stats["mode"], "reserved": reserved, "total": total, "sum_on_host": sum_on_host,
+                          "sum_after": x.sum().item(), "host_pages_created": calls["create_host_page"]["calls"],
+                          "kept": stats["host_pool_bytes"], "reserve": stats["host_reserve_bytes"]}))
+    """)
+    if out["mode"] != "remap":
+        pytest.skip("this GPU has no host virtual memory management: no host pages to reserve")
+    assert out["reserved"] == out["reserve"] == 64 * MIB, out
+    assert out["host_pages_created"] == 0, out
+    assert out["sum_on_host"] == out["sum_after"] == out["total"], out
+    assert out["kept"] == 64 * MIB, out
+
+
 # ---- streams, graphs, compile, cuDNN, IPC ------------------------------------------------------
 
 

@@ -257,6 +257,13 @@ def test_metrics_endpoint_serves_job_gauges(node):
               'cotenant_gpu_page_moves{gpu="index:0"} 16.0']
     assert wait_until(lambda: all(w in scrape() for w in wanted)), scrape()
     assert "cotenant_job_restored_bytes" in scrape() and "cotenant_gpu_restored_bytes" in scrape()
+    # Raised again: the pages come back and their host pages stay pinned with the job, under its cap.
+    client.set_cap("g", "128MiB", socket=node.socket)
+    kept = ['cotenant_job_host_pool_bytes{gpu="index:0",job="g",role="guaranteed"} 3.3554432e+07',
+            'cotenant_gpu_host_pool_bytes{gpu="index:0"} 3.3554432e+07',
+            'cotenant_gpu_host_bytes{gpu="index:0"} 0.0']
+    assert wait_until(lambda: all(w in scrape() for w in kept)), scrape()
+    assert node.job("g")["host_pool_bytes"] == 32 * MiB
 
 
 def test_coordinator_logs_are_json_lines(node):
@@ -405,3 +412,15 @@ def test_cotenant_run_passes_persistent_memory_for_admission_and_refuses_a_bad_o
     bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "heaps",
                           "--", "true"], env=child_env(), capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and "heaps" in bad.stderr
+
+
+def test_cotenant_run_passes_a_host_reserve_and_refuses_a_bad_one():
+    script = "import os; print(os.environ.get('COTENANT_HOST_RESERVE'))"
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--host-reserve", "4GiB",
+                          "--", sys.executable, "-c", script], env={**child_env(), "COTENANT_DISABLE": "1"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "4GiB"
+    bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--host-reserve", "lots",
+                          "--", "true"], env=child_env(), capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "lots" in bad.stderr

@@ -33,7 +33,8 @@ VIEW = {
     "coordinator": {"pid": 1, "socket": "/run/cotenant/coordinator.sock", "protocol": 2},
     "gpus": [{"gpu": "GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab", "uuid": "GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab",
               "index": 0, "note": None, "total_bytes": 80 << 30, "jobs": 4, "device_bytes": 30 << 30,
-              "host_bytes": 2 << 30, "spilled_bytes": 3 << 30, "restored_bytes": 1 << 30, "page_moves": 2048},
+              "host_bytes": 2 << 30, "host_pool_bytes": 1 << 30, "spilled_bytes": 3 << 30, "restored_bytes": 1 << 30,
+              "page_moves": 2048},
              {"gpu": "index:1", "uuid": None, "index": 1, "note": "index:1: the job reported no GPU UUID",
               "total_bytes": None, "jobs": 0, "device_bytes": 0, "host_bytes": 0, "spilled_bytes": 0,
               "restored_bytes": 0, "page_moves": 0}],
@@ -57,6 +58,8 @@ def test_status_has_a_line_per_gpu_and_a_state_per_job():
     first, second = lines[0], lines[1]
     assert first.startswith("GPU-5f1c0d3e-8b7a-4c21-9d0e-0123456789ab (index 0): 80.00 GiB total")
     assert "for 4 jobs" in first and "2048 page moves" in first and "spilled 3.00 GiB" in first
+    assert "2.00 GiB on the host (and 1.00 GiB pinned for spills) for 4 jobs" in first
+    assert "pinned" not in second  # a GPU whose jobs keep no host pages says nothing of them
     assert second.startswith("index:1 (index 1)") and "note: index:1: the job reported no GPU UUID" in lines[2]
     rows = {line.split()[1]: line.split() for line in lines if line.startswith("GPU-5f1c0d3e ")}
     assert {name: row[4 + 1] for name, row in rows.items()} == {

@@ -82,13 +82,22 @@ def test_enable_from_environment_reads_the_conf_string(monkeypatch):
     for variable in ("COTENANT_ENABLE", "COTENANT_ROLE", "COTENANT_MEMORY_CAP", "COTENANT_JOB_PID",
                      "COTENANT_DISABLE"):
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("COTENANT_CONF", "enable:1,role:cap_only,cap:0.5,name:n1,persistent:1GiB")
+    monkeypatch.setenv("COTENANT_CONF", "enable:1,role:cap_only,cap:0.5,name:n1,persistent:1GiB,host_reserve:2GiB")
     calls = []
     monkeypatch.setattr(api, "enable", lambda **kwargs: calls.append(kwargs) or True)
     assert api.enable_from_environment() is True
     (call,) = calls
     assert api.parse_role(call["role"]) is None
     assert call["memory_cap"].is_fraction and call["name"] == "n1" and call["persistent_memory"] == "1GiB"
+    assert call["host_reserve"] == "2GiB"
+
+
+def test_a_host_reserve_it_cannot_read_is_refused_naming_the_setting_and_the_form():
+    with pytest.raises(settings.SettingsError, match=r"COTENANT_HOST_RESERVE.*a host reserve.*4GiB"):
+        settings.check_all({"COTENANT_HOST_RESERVE": "-3GiB"})
+    with pytest.raises(settings.SettingsError, match="host_reserve"):
+        settings.check_all({"COTENANT_CONF": "host_reserve:plenty"})
+    settings.check_all({"COTENANT_CONF": "host_reserve:512MiB"})  # read as the one size parser reads it
 
 
 def test_cap_only_is_a_role_name_for_no_gate():

@@ -32,7 +32,8 @@ PRELUDE = r'''
 import json, sys
 sys.path.insert(0, {over_fake_dir!r})
 import over_fake
-fake = over_fake.open_preloaded({library!r}, {capacity}, garbage_in_new_pages={garbage}, host_vmm={host_vmm})
+fake = over_fake.open_preloaded({library!r}, {capacity}, garbage_in_new_pages={garbage}, host_vmm={host_vmm},
+                               host_capacity={host_capacity})
 import torch
 over_fake.check_torch_sees_the_fake(torch)
 import cotenant
@@ -63,10 +64,10 @@ def library():
         pytest.skip(f"{error} (COTENANT_PYTORCH_REPLAY names the core build's pytorch_replay)")
 
 
-def run(library, body, capacity=1 << 30, garbage=False, host_vmm=True):
+def run(library, body, capacity=1 << 30, garbage=False, host_vmm=True, host_capacity=None):
     """Runs `body` after the prelude in a fresh process over the fake; the JSON it prints."""
     code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity, garbage=garbage,
-                          host_vmm=host_vmm)
+                          host_vmm=host_vmm, host_capacity=host_capacity)
     code += textwrap.dedent(body) + EPILOGUE
     env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -161,6 +162,76 @@ def test_a_job_larger_than_the_device_spills_under_a_cap_instead_of_running_out_
     assert out["device_bytes"] <= 60 * MIB
     assert out["host_bytes"] >= 120 * MIB - out["device_bytes"]
     assert out["same"] == [True] * 5
+
+
+def test_a_host_reserve_pinned_at_enable_serves_the_first_squeeze_without_pinning(library):
+    """enable(host_reserve=...) pins host pages before any cap: the first
+    squeeze moves pages into them (no cuMemCreate while it spills), and the
+    reserve stays through the cap's removal and empty_cache() until it is
+    lowered. A size it cannot read is refused with the form it takes."""
+    out = run(library, """
+        cotenant.enable(host_reserve="16MiB")
+        stats = cotenant.memory_stats()
+        out["reserve"], out["pool"] = stats["host_reserve_bytes"], stats["host_pool_bytes"]
+        out["pinned_at_enable"] = fake.calls("cuMemCreate")
+        datas = [pattern(2 << 20, seed=40 + i) for i in range(4)]  # 4 x 8 MiB
+        xs = [data.to("cuda") for data in datas]
+        creates = fake.calls("cuMemCreate")
+        cotenant.set_memory_cap("16MiB")  # moves the pages at once
+        out["created_by_the_squeeze"] = fake.calls("cuMemCreate") - creates
+        out["host_bytes"] = cotenant.memory_stats()["host_bytes"]
+        out["same_squeezed"] = [same(x, data) for x, data in zip(xs, datas)]
+        cotenant.set_memory_cap(None)
+        torch.cuda.empty_cache()
+        out["pool_after_empty_cache"] = cotenant.memory_stats()["host_pool_bytes"]
+        out["same_back"] = [same(x, data) for x, data in zip(xs, datas)]
+        errors = []
+        for bad in (-5, "lots", True):
+            try:
+                cotenant.reserve_host_memory(bad)
+            except (ValueError, TypeError) as error:
+                errors.append(str(error))
+        out["errors"] = errors
+        out["lowered"] = cotenant.reserve_host_memory(0)
+        out["pool_after_lowering"] = cotenant.memory_stats()["host_pool_bytes"]
+    """)
+    assert out["reserve"] == out["pool"] == 16 * MIB
+    assert out["pinned_at_enable"] >= 8  # the reserve's 8 host pages
+    assert out["host_bytes"] == 16 * MIB
+    assert out["created_by_the_squeeze"] == 0
+    assert out["same_squeezed"] == [True] * 4 and out["same_back"] == [True] * 4
+    assert out["pool_after_empty_cache"] == 16 * MIB
+    assert "a host reserve cannot be -5 bytes" in out["errors"][0]
+    assert "cannot use 'lots' as a host reserve" in out["errors"][1]
+    assert "a host reserve must be bytes (int) or a size string" in out["errors"][2]
+    assert out["lowered"] == 0 and out["pool_after_lowering"] == 0
+
+
+def test_a_host_reserve_the_host_cannot_pin_warns_and_the_job_runs_on(library):
+    """A host that pins at most 8 MiB and a reserve of 64 MiB: enable()
+    says the job runs without its reserve and why, keeps none of it, and
+    the job works; cotenant.reserve_host_memory() itself raises."""
+    out = run(library, """
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cotenant.enable(host_reserve="64MiB")
+        out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        stats = cotenant.memory_stats()
+        out["reserve"], out["pool"] = stats["host_reserve_bytes"], stats["host_pool_bytes"]
+        data = pattern(1 << 20, seed=50)
+        out["same"] = same(data.to("cuda"), data)
+        try:
+            cotenant.reserve_host_memory("64MiB")
+            out["raised"] = None
+        except RuntimeError as error:
+            out["raised"] = str(error)
+    """, host_capacity=8 * MIB)
+    assert len(out["warnings"]) == 1
+    assert "runs WITHOUT its host reserve" in out["warnings"][0] and "ulimit -l" in out["warnings"][0]
+    assert out["reserve"] == 0 and out["pool"] == 0
+    assert out["same"]
+    assert "cannot reserve 64.00 MiB of host memory" in out["raised"]
 
 
 def test_without_host_vmm_allocations_over_the_cap_go_to_pinned_host_memory(library):
@@ -521,7 +592,7 @@ def test_tensors_alive_at_interpreter_exit_are_freed_without_terminating(library
     # A tensor's deleter runs in destructors, at interpreter exit too: a free
     # that fails there must be reported, not call std::terminate.
     code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=1 << 30, garbage=False,
-                          host_vmm=True)
+                          host_vmm=True, host_capacity=None)
     code += textwrap.dedent("""
         cotenant.enable()
         cotenant.set_memory_cap("64MiB")

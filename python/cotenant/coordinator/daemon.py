@@ -237,6 +237,7 @@ class Job:
             "cap": self.cap, "user_cap": self.user_cap, "share": self.share,
             "share_pinned": self.pinned_share is not None,
             "device_bytes": r.get("device_bytes", 0), "host_bytes": r.get("host_bytes", 0),
+            "host_pool_bytes": r.get("host_pool_bytes", 0),
             "allocated_bytes": r.get("allocated_bytes", 0), "cached_bytes": r.get("cached_bytes", 0),
             "spilled_bytes": r.get("spilled_bytes", 0), "restored_bytes": r.get("restored_bytes", 0),
             "page_moves": r.get("num_migrations", 0),
@@ -265,6 +266,9 @@ class Metrics:
         self.cap = Gauge("cotenant_job_memory_cap_bytes", "Device-memory cap in force (absent: none).", labels, registry=self.registry)
         self.device = Gauge("cotenant_job_device_bytes", "Device-resident bytes.", labels, registry=self.registry)
         self.host = Gauge("cotenant_job_host_bytes", "Host-resident (spilled) bytes.", labels, registry=self.registry)
+        self.host_pool = Gauge("cotenant_job_host_pool_bytes",
+                               "Pinned host memory held for spills, mapped at no tensor (kept pages, the reserve).",
+                               labels, registry=self.registry)
         self.share = Gauge("cotenant_job_compute_share", "Compute share in [0, 1].", labels, registry=self.registry)
         self.slowdown = Gauge("cotenant_job_slowdown", "Guaranteed iteration time over its solo baseline.", labels, registry=self.registry)
         self.spilled = Gauge("cotenant_job_spilled_bytes", "Bytes moved device -> host since the job started.",
@@ -279,6 +283,9 @@ class Metrics:
                                   registry=self.registry),
             "host_bytes": Gauge("cotenant_gpu_host_bytes", "Host-resident bytes of the GPU's jobs.", gpu,
                                 registry=self.registry),
+            "host_pool_bytes": Gauge("cotenant_gpu_host_pool_bytes",
+                                     "Pinned host memory the GPU's jobs hold for spills.", gpu,
+                                     registry=self.registry),
             "spilled_bytes": Gauge("cotenant_gpu_spilled_bytes", "Bytes the GPU's live jobs moved device -> host.",
                                    gpu, registry=self.registry),
             "restored_bytes": Gauge("cotenant_gpu_restored_bytes", "Bytes the GPU's live jobs moved host -> device.",
@@ -298,6 +305,7 @@ class Metrics:
                 self.cap.labels(*labels).set(job.cap)
             self.device.labels(*labels).set(job.report.get("device_bytes", 0))
             self.host.labels(*labels).set(job.report.get("host_bytes", 0))
+            self.host_pool.labels(*labels).set(job.report.get("host_pool_bytes", 0))
             self.share.labels(*labels).set(job.share)
             slowdown = job.slowdown()
             if slowdown is not None:
@@ -320,8 +328,8 @@ class Metrics:
 
     def forget(self, job: Job) -> None:
         labels = (job.gpu, job.name, job.role)
-        for gauge in (self.cap, self.device, self.host, self.share, self.slowdown, self.spilled, self.restored,
-                      self.moves):
+        for gauge in (self.cap, self.device, self.host, self.host_pool, self.share, self.slowdown, self.spilled,
+                      self.restored, self.moves):
             try:
                 gauge.remove(*labels)
             except KeyError:
@@ -1087,9 +1095,11 @@ class Coordinator:
 
 def _gpu_totals_of(jobs: List[Job]) -> Dict[str, int]:
     """What the jobs on one GPU hold and have moved (bytes, page moves)."""
-    sums = {"device_bytes": 0, "host_bytes": 0, "spilled_bytes": 0, "restored_bytes": 0, "page_moves": 0}
+    sums = {"device_bytes": 0, "host_bytes": 0, "host_pool_bytes": 0, "spilled_bytes": 0, "restored_bytes": 0,
+            "page_moves": 0}
     for job in jobs:
         for field_name, source in (("device_bytes", "device_bytes"), ("host_bytes", "host_bytes"),
+                                   ("host_pool_bytes", "host_pool_bytes"),
                                    ("spilled_bytes", "spilled_bytes"), ("restored_bytes", "restored_bytes"),
                                    ("page_moves", "num_migrations")):
             sums[field_name] += int(job.report.get(source, 0) or 0)

@@ -16,7 +16,7 @@ _MAX_COUNT = 2**63 - 1
 
 # Non-negative integers: bytes, counters, ids, nanoseconds.
 _COUNTS = frozenset({
-    "pid", "uid", "device", "device_bytes", "host_bytes", "allocated_bytes", "cached_bytes", "reserved_bytes",
+    "pid", "uid", "device", "device_bytes", "host_bytes", "host_pool_bytes", "allocated_bytes", "cached_bytes", "reserved_bytes",
     "peak_allocated_bytes", "spilled_bytes", "restored_bytes", "pending_migration_bytes", "num_migrations",
     "iteration_count", "iteration_last_ns", "iteration_ewma_ns", "iteration_p99_ns",
     "applied_command_sequence", "apply_errors", "heartbeat_ns",

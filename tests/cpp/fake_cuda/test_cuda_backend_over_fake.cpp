@@ -582,6 +582,42 @@ TEST_CASE("cuda_backend_over_fake_counts_the_driver_calls_and_their_time_of_a_sp
   device.check_clean();
 }
 
+// A host reserve pins its pages when it is asked for, each mapped at its copy
+// address: the job's first squeeze then makes the calls of one squeezed
+// before (no host page created), and the allocator's end releases them.
+TEST_CASE("cuda_backend_over_fake_a_host_reserve_pins_ahead_so_the_first_squeeze_pins_nothing",
+          "[fake_cuda][backend]") {
+  using Call = cuda::CudaBackend::DriverCall;
+  FakeCudaDevice device;
+  const std::size_t kPageBytes = 2 * kMiB;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  auto calls = [&](Call call) { return backend.driver_call_time(call).calls; };
+  {
+    CachingAllocator allocator(device.backend());
+    backend.reset_driver_call_times();
+    REQUIRE(allocator.reserve_host_memory(4 * kPageBytes) == 4 * kPageBytes);
+    CHECK(calls(Call::kCreateHostPage) == 4);
+    CHECK(calls(Call::kMap) == 4);  // at their copy addresses
+    const DevicePtr block = allocator.allocate(4 * kPageBytes, 0);
+    device.fill(block, 6, 4 * kPageBytes);
+    backend.reset_driver_call_times();
+    allocator.set_memory_cap(2 * kPageBytes);
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 2 * kPageBytes);
+    CHECK(calls(Call::kCreateHostPage) == 0);
+    CHECK(calls(Call::kCopyIssue) == 2);
+    CHECK(calls(Call::kMap) == 2);
+    CHECK(calls(Call::kUnmap) == 2);
+    CHECK(calls(Call::kReleaseDevicePage) == 2);
+    CHECK(device.holds(block, 6, 4 * kPageBytes));
+    allocator.set_memory_cap(kNoCap);
+    REQUIRE(migrate_at_safe_point(allocator, backend) == 2 * kPageBytes);
+    CHECK(device.holds(block, 6, 4 * kPageBytes));
+    CHECK(allocator.stats().host_pool_bytes.current == 4 * static_cast<std::int64_t>(kPageBytes));
+    allocator.free(block);
+  }
+  device.check_clean();
+}
+
 // Every driver and runtime call a page move makes, failing once at each of
 // its first calls, at a safe point with copies in flight (1 ms each): the
 // failed batch throws or completes, a retry finishes the moves, and then, and
