@@ -1479,31 +1479,42 @@ std::size_t CachingAllocator::apply_pending_migrations() {
 
 std::size_t CachingAllocator::reserve_host_memory(std::size_t bytes) {
   State& s = *state_;
-  std::lock_guard lock(s.mutex);
-  if (s.mode() != SpillMode::kRemap) {
-    throw Error(fmt::format(
-        "cannot reserve {} of host memory: this allocator has no host pages to keep (it places over-cap "
-        "memory in pinned fallback segments: the driver has no host virtual memory management, or "
-        "COTENANT_HOST_PAGES=pinned asked for it). Run without the reserve",
-        format_size(bytes)));
+  std::size_t pages = 0, have = 0;
+  {
+    std::lock_guard lock(s.mutex);
+    if (s.mode() != SpillMode::kRemap) {
+      throw Error(fmt::format(
+          "cannot reserve {} of host memory: this allocator has no host pages to keep (it places over-cap "
+          "memory in pinned fallback segments: the driver has no host virtual memory management, or "
+          "COTENANT_HOST_PAGES=pinned asked for it). Run without the reserve",
+          format_size(bytes)));
+    }
+    pages = (bytes + s.page_bytes - 1) / s.page_bytes;
+    have = s.host_pool.size();
   }
-  const std::size_t pages = (bytes + s.page_bytes - 1) / s.page_bytes;
-  const std::size_t had = s.host_pool.size();
+  // Pinned without the allocator's lock (the backend is thread-safe):
+  // allocations, safe points and the job channel's reads of the statistics
+  // go on while the host pins, which takes about as long as copying.
+  std::vector<PageHandle> pinned;
   try {
-    while (s.host_pool.size() < pages) {
-      const PageHandle page = s.backend.create_page(Residency::kHost);
+    while (have + pinned.size() < pages) {
+      const PageHandle page = backend_.create_page(Residency::kHost);
       if (!page) {
         throw Error(fmt::format(
             "cannot reserve {} of host memory: the host refused to pin more after {} (pinned memory is "
             "limited by free RAM and by the locked-memory limit, ulimit -l). Reserve less, or raise the limit",
-            format_size(pages * s.page_bytes), format_size(s.host_pool.size() * s.page_bytes)));
+            format_size(pages * s.page_bytes), format_size((have + pinned.size()) * s.page_bytes)));
       }
-      s.host_pool.push_back(page);
-      s.stats.host_pool_bytes.increase(static_cast<std::int64_t>(s.page_bytes));
+      pinned.push_back(page);
     }
   } catch (...) {
-    s.release_host_pool(had);  // what this call pinned goes back; the reserve stays as it was
+    for (PageHandle page : pinned) backend_.release_page(page);  // the reserve stays as it was
     throw;
+  }
+  std::lock_guard lock(s.mutex);
+  for (PageHandle page : pinned) {
+    s.host_pool.push_back(page);
+    s.stats.host_pool_bytes.increase(static_cast<std::int64_t>(s.page_bytes));
   }
   s.host_reserve_pages = pages;
   s.release_host_pool_unless_kept();  // a smaller reserve gives back what it no longer holds

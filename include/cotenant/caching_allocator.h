@@ -198,8 +198,8 @@ class CachingAllocator {
   // up. 0 gives the reserve back (kept pages beyond it follow
   // keep_host_pages). Returns the bytes reserved. Throws Error, keeping the
   // reserve as it was, when the host cannot pin that much, and in pinned
-  // fallback mode (no host pages to keep). Pins under the allocator's lock:
-  // allocations on other threads wait meanwhile.
+  // fallback mode (no host pages to keep). Pins without the allocator's
+  // lock: other threads allocate, free and move pages meanwhile.
   std::size_t reserve_host_memory(std::size_t bytes);
   std::size_t host_reserve() const;  // bytes
 
