@@ -402,25 +402,17 @@ def test_sigterm_stops_the_coordinator_but_leaves_jobs_and_their_blocks(node):
     assert '"coordinator stopped"' in node.read_log()
 
 
-def test_cotenant_run_passes_persistent_memory_for_admission_and_refuses_a_bad_one():
-    script = "import os; print(os.environ.get('COTENANT_PERSISTENT_MEMORY'))"
-    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "10GiB",
+@pytest.mark.parametrize("flag,variable,size,bad_size", [
+    ("--persistent", "COTENANT_PERSISTENT_MEMORY", "10GiB", "heaps"),  # for admission
+    ("--host-reserve", "COTENANT_HOST_RESERVE", "4GiB", "lots"),
+])
+def test_cotenant_run_passes_a_size_to_the_job_and_refuses_a_bad_one(flag, variable, size, bad_size):
+    script = f"import os; print(os.environ.get({variable!r}))"
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", flag, size,
                           "--", sys.executable, "-c", script], env={**child_env(), "COTENANT_DISABLE": "1"},
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "10GiB"
-    bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--persistent", "heaps",
+    assert out.stdout.strip() == size
+    bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", flag, bad_size,
                           "--", "true"], env=child_env(), capture_output=True, text=True, timeout=30)
-    assert bad.returncode != 0 and "heaps" in bad.stderr
-
-
-def test_cotenant_run_passes_a_host_reserve_and_refuses_a_bad_one():
-    script = "import os; print(os.environ.get('COTENANT_HOST_RESERVE'))"
-    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--host-reserve", "4GiB",
-                          "--", sys.executable, "-c", script], env={**child_env(), "COTENANT_DISABLE": "1"},
-                         capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "4GiB"
-    bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--host-reserve", "lots",
-                          "--", "true"], env=child_env(), capture_output=True, text=True, timeout=30)
-    assert bad.returncode != 0 and "lots" in bad.stderr
+    assert bad.returncode != 0 and bad_size in bad.stderr
