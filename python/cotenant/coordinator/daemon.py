@@ -1093,17 +1093,14 @@ class Coordinator:
         }
 
 
+# A GPU's total -> the job report field it sums.
+_GPU_TOTALS = {"device_bytes": "device_bytes", "host_bytes": "host_bytes", "host_pool_bytes": "host_pool_bytes",
+               "spilled_bytes": "spilled_bytes", "restored_bytes": "restored_bytes", "page_moves": "num_migrations"}
+
+
 def _gpu_totals_of(jobs: List[Job]) -> Dict[str, int]:
     """What the jobs on one GPU hold and have moved (bytes, page moves)."""
-    sums = {"device_bytes": 0, "host_bytes": 0, "host_pool_bytes": 0, "spilled_bytes": 0, "restored_bytes": 0,
-            "page_moves": 0}
-    for job in jobs:
-        for field_name, source in (("device_bytes", "device_bytes"), ("host_bytes", "host_bytes"),
-                                   ("host_pool_bytes", "host_pool_bytes"),
-                                   ("spilled_bytes", "spilled_bytes"), ("restored_bytes", "restored_bytes"),
-                                   ("page_moves", "num_migrations")):
-            sums[field_name] += int(job.report.get(source, 0) or 0)
-    return sums
+    return {total: sum(int(job.report.get(source, 0) or 0) for job in jobs) for total, source in _GPU_TOTALS.items()}
 
 
 def _raise_descriptor_limit() -> None:
