@@ -34,8 +34,15 @@ std::size_t round_up(std::size_t value, std::size_t multiple) {
 // pool, split, check the block's pages are mapped, count. Page creation,
 // cache release, spilling and migration are the slow paths.
 struct CachingAllocator::State {
-  State(Backend& backend, AllocatorOptions options)
-      : backend(backend), options(options), page_bytes(backend.granularity()) {
+  State(Backend& backend, AllocatorOptions options, std::shared_ptr<HostPagePool> shared_host_pages)
+      : backend(backend),
+        options(options),
+        page_bytes(backend.granularity()),
+        owns_host_pages(shared_host_pages == nullptr),
+        host_pages(owns_host_pages ? std::make_shared<HostPagePool>(backend) : std::move(shared_host_pages)) {
+    if (&host_pages->backend() != &backend) {
+      throw Error("an allocator's host page pool must be of the allocator's own backend (one pool per device)");
+    }
     if (options.round_bytes == 0 || page_bytes == 0 || page_bytes % options.round_bytes != 0) {
       throw Error(fmt::format("the allocator's rounding ({} bytes) must divide the page granularity ({} bytes)",
                               options.round_bytes, page_bytes));
@@ -72,11 +79,9 @@ struct CachingAllocator::State {
   std::vector<PageHandle> spill_targets;
   // Host pages kept after their last use (options.keep_host_pages, the
   // host reserve): the next page the host needs comes from here before the
-  // driver pins one.
-  std::vector<PageHandle> host_pool;
-  // reserve_host_memory(): the pool keeps at least this many pages through
-  // everything but the allocator's end.
-  std::size_t host_reserve_pages = 0;
+  // driver pins one. The device's pool when shared, else this allocator's.
+  const bool owns_host_pages;
+  const std::shared_ptr<HostPagePool> host_pages;
   AllocatorEventSink* sink = nullptr;  // set_event_sink(); null: no events
 
   // Tells the sink, if any (allocator_events.h): one pointer test when none.
@@ -244,11 +249,8 @@ struct CachingAllocator::State {
   // A new page on `where`: a kept host page when there is one, else the
   // backend's (an empty handle when that memory is exhausted).
   PageHandle new_page(Residency where) {
-    if (where == Residency::kHost && !host_pool.empty()) {
-      const PageHandle page = host_pool.back();
-      host_pool.pop_back();
-      stats.host_pool_bytes.decrease(static_cast<std::int64_t>(page_bytes));
-      return page;
+    if (where == Residency::kHost) {
+      if (const PageHandle kept = host_pages->take()) return kept;
     }
     return backend.create_page(where);
   }
@@ -258,31 +260,20 @@ struct CachingAllocator::State {
     return options.keep_host_pages && mode() == SpillMode::kRemap &&
            (effective_cap() != kNoCap || options.spill_without_cap);
   }
-  // A page nothing maps and nothing will read: kept when it is a host page
-  // and keeping_host_pages() or the pool is below the reserve, else released.
+  // A page nothing maps and nothing will read: a host page goes to the host
+  // pool (kept while this or another allocator keeps host pages, or below
+  // the reserve), a device page back to the driver.
   void give_back_page(PageHandle page) {
-    if (page.where == Residency::kHost && (keeping_host_pages() || host_pool.size() < host_reserve_pages)) {
-      host_pool.push_back(page);
-      stats.host_pool_bytes.increase(static_cast<std::int64_t>(page_bytes));
+    if (page.where == Residency::kHost) {
+      host_pages->give(page);
       return;
     }
     backend.release_page(page);
   }
-  // Gives kept host pages back to the driver until `keep` are left. The books
-  // first: a release the driver refuses leaves that page with the process,
-  // and the error goes on.
-  void release_host_pool(std::size_t keep) {
-    while (host_pool.size() > keep) {
-      const PageHandle page = host_pool.back();
-      host_pool.pop_back();
-      stats.host_pool_bytes.decrease(static_cast<std::int64_t>(page_bytes));
-      backend.release_page(page);
-    }
-  }
-  // After the cap or spill_all() changed: no cap left, nothing to keep.
-  void release_host_pool_unless_kept() {
-    if (!keeping_host_pages()) release_host_pool(host_reserve_pages);
-  }
+  // After the cap or spill_all() changed: tells the pool whether this
+  // allocator keeps host pages (with no keeper left, it gives back what
+  // lies beyond the reserve).
+  void update_host_keeping() { host_pages->set_keeping(this, keeping_host_pages()); }
 
   // A new page for an allocation that has `own_device_bytes` on the device
   // so far: on the device if it fits
@@ -1114,12 +1105,6 @@ struct CachingAllocator::State {
       if (target.where != Residency::kHost) fail("a spill target is not a host page");
     }
     const auto targets = static_cast<std::int64_t>(spill_targets.size()) * page;
-    for (PageHandle kept : host_pool) {
-      if (kept.where != Residency::kHost) fail("a kept page is not a host page");
-    }
-    if (stats.host_pool_bytes.current != static_cast<std::int64_t>(host_pool.size()) * page) {
-      fail("host_pool_bytes is not the kept host pages");
-    }
     if (free_count != free_blocks.size() || (step_plan.active() ? free_count : 0) != free_by_address.set().size() ||
         pinned_free_count != pinned_free.size()) {
       fail("free blocks and the free pools disagree in number");
@@ -1156,8 +1141,10 @@ struct CachingAllocator::State {
       }
     };
     attempt([&] { synchronize_waiting(); });
+    // This allocator keeps no more host pages (a shared pool stays with the
+    // device; one of its own goes with the allocator).
+    attempt([&] { host_pages->set_keeping(this, false); });
     attempt([&] { release_spill_targets(); });
-    attempt([&] { release_host_pool(0); });
     // One wait covers every page and pinned segment (none is possible during
     // a graph capture: then each release waits as it can).
     bool synchronized = false;
@@ -1200,10 +1187,12 @@ struct CachingAllocator::State {
   }
 };
 
-CachingAllocator::CachingAllocator(Backend& backend, AllocatorOptions options)
-    : backend_(backend), state_(std::make_unique<State>(backend, options)) {
+CachingAllocator::CachingAllocator(Backend& backend, AllocatorOptions options,
+                                   std::shared_ptr<HostPagePool> host_pages)
+    : backend_(backend), state_(std::make_unique<State>(backend, options, std::move(host_pages))) {
   state_->stats.memory_cap = kNoCap;
   state_->stats.mode = state_->mode();
+  state_->update_host_keeping();  // spill_without_cap keeps from the start
 }
 
 CachingAllocator::~CachingAllocator() {
@@ -1347,7 +1336,7 @@ void CachingAllocator::empty_cache() {
     s.release_pinned_cache(/*synchronized=*/true);
   }
   s.trim_spill_targets();
-  s.release_host_pool(s.host_reserve_pages);
+  s.host_pages->trim();
   // Whole free segments give their address range back too.
   for (auto it = s.segments.begin(); it != s.segments.end();) {
     Segment& segment = *it->second;
@@ -1432,7 +1421,7 @@ void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
     s.release_cached_pages(&device, s.device_bytes() - bytes);  // cache goes first: it costs no copy
   }
   s.trim_spill_targets();
-  s.release_host_pool_unless_kept();
+  s.update_host_keeping();
   s.mark_pending(pending_migrations_);
 }
 
@@ -1452,6 +1441,7 @@ void CachingAllocator::spill_all() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.spill_everything = true;
+  s.update_host_keeping();
   const Residency device = Residency::kDevice;
   s.release_cached_pages(&device);
   s.mark_pending(pending_migrations_);
@@ -1462,7 +1452,7 @@ void CachingAllocator::restore_all() {
   std::lock_guard lock(s.mutex);
   s.spill_everything = false;
   s.trim_spill_targets();
-  s.release_host_pool_unless_kept();
+  s.update_host_keeping();
   s.mark_pending(pending_migrations_);
 }
 
@@ -1479,53 +1469,12 @@ std::size_t CachingAllocator::apply_pending_migrations() {
 
 std::size_t CachingAllocator::reserve_host_memory(std::size_t bytes) {
   State& s = *state_;
-  std::size_t pages = 0, have = 0;
-  {
-    std::lock_guard lock(s.mutex);
-    if (s.mode() != SpillMode::kRemap) {
-      throw Error(fmt::format(
-          "cannot reserve {} of host memory: this allocator has no host pages to keep (it places over-cap "
-          "memory in pinned fallback segments: the driver has no host virtual memory management, or "
-          "COTENANT_HOST_PAGES=pinned asked for it). Run without the reserve",
-          format_size(bytes)));
-    }
-    pages = (bytes + s.page_bytes - 1) / s.page_bytes;
-    have = s.host_pool.size();
-  }
-  // Pinned without the allocator's lock (the backend is thread-safe):
-  // allocations, safe points and the job channel's reads of the statistics
-  // go on while the host pins, which takes about as long as copying.
-  std::vector<PageHandle> pinned;
-  try {
-    while (have + pinned.size() < pages) {
-      const PageHandle page = backend_.create_page(Residency::kHost);
-      if (!page) {
-        throw Error(fmt::format(
-            "cannot reserve {} of host memory: the host refused to pin more after {} (pinned memory is "
-            "limited by free RAM and by the locked-memory limit, ulimit -l). Reserve less, or raise the limit",
-            format_size(pages * s.page_bytes), format_size((have + pinned.size()) * s.page_bytes)));
-      }
-      pinned.push_back(page);
-    }
-  } catch (...) {
-    for (PageHandle page : pinned) backend_.release_page(page);  // the reserve stays as it was
-    throw;
-  }
-  std::lock_guard lock(s.mutex);
-  for (PageHandle page : pinned) {
-    s.host_pool.push_back(page);
-    s.stats.host_pool_bytes.increase(static_cast<std::int64_t>(s.page_bytes));
-  }
-  s.host_reserve_pages = pages;
-  s.release_host_pool_unless_kept();  // a smaller reserve gives back what it no longer holds
-  return pages * s.page_bytes;
+  // Pinned without the allocator's lock (nor the pool's): allocations, safe
+  // points and the job channel's reads of the statistics go on meanwhile.
+  return s.host_pages->reserve(bytes);
 }
 
-std::size_t CachingAllocator::host_reserve() const {
-  const State& s = *state_;
-  std::lock_guard lock(s.mutex);
-  return s.host_reserve_pages * s.page_bytes;
-}
+std::size_t CachingAllocator::host_reserve() const { return state_->host_pages->reserve_bytes(); }
 
 SpillMode CachingAllocator::mode() const { return state_->mode(); }
 
@@ -1537,6 +1486,7 @@ void CachingAllocator::check_invariants() const {
 AllocatorStats CachingAllocator::stats() const {
   std::lock_guard lock(state_->mutex);
   AllocatorStats out = state_->stats;
+  out.host_pool_bytes = state_->host_pages->kept();
   out.memory_cap = state_->cap;
   out.spilled_all = state_->spill_everything;
   out.mode = state_->mode();
@@ -1546,11 +1496,13 @@ AllocatorStats CachingAllocator::stats() const {
 void CachingAllocator::reset_peak_stats() {
   std::lock_guard lock(state_->mutex);
   state_->stats.reset_peaks();
+  state_->host_pages->reset_peak();
 }
 
 void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard lock(state_->mutex);
   state_->stats.reset_accumulated();
+  state_->host_pages->reset_accumulated();
 }
 
 void CachingAllocator::set_event_sink(AllocatorEventSink* sink) {
@@ -1602,7 +1554,6 @@ std::size_t CachingAllocator::discard_pages() {
                 "captured so far may use them. Discard after the capture ends.");
   }
   s.release_spill_targets();
-  s.release_host_pool(s.host_reserve_pages);
   // Discarded from the first page on: when the driver refuses an unmap part
   // way, the allocator still refuses allocations and back_discarded_pages()
   // backs (and zeroes) what is gone.

@@ -8,7 +8,8 @@
 
 namespace cotenant {
 
-PoolTable::PoolTable(Backend& backend) : backend_(backend) {}
+PoolTable::PoolTable(Backend& backend, std::shared_ptr<HostPagePool> host_pages)
+    : backend_(backend), host_pages_(std::move(host_pages)) {}
 
 PoolTable::~PoolTable() = default;
 
@@ -20,7 +21,7 @@ AllocatorOptions PoolTable::pool_options() {
 
 PoolTable::Pool& PoolTable::create_or_incref_locked(PoolId id) {
   Pool& pool = pools_[id];
-  if (!pool.allocator) pool.allocator = std::make_unique<CachingAllocator>(backend_, pool_options());
+  if (!pool.allocator) pool.allocator = std::make_unique<CachingAllocator>(backend_, pool_options(), host_pages_);
   ++pool.use_count;
   return pool;
 }

@@ -73,7 +73,8 @@ const std::string& RegionScope::current() { return t_region.name; }
 
 // ---- RegionTable -----------------------------------------------------------------
 
-RegionTable::RegionTable(Backend& backend) : backend_(backend) {}
+RegionTable::RegionTable(Backend& backend, std::shared_ptr<HostPagePool> host_pages)
+    : backend_(backend), host_pages_(std::move(host_pages)) {}
 
 RegionTable::~RegionTable() = default;
 
@@ -105,7 +106,7 @@ DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAlloc
   if (name.empty()) throw Error("RegionTable::allocate called outside every region");
   std::lock_guard lock(mutex_);
   Region& region = regions_[name];
-  if (!region.allocator) region.allocator = std::make_unique<CachingAllocator>(backend_, PoolTable::pool_options());
+  if (!region.allocator) region.allocator = std::make_unique<CachingAllocator>(backend_, PoolTable::pool_options(), host_pages_);
   if (region.state != RegionState::kActive) {
     throw Error(fmt::format("cannot allocate {} in region '{}': it is {}. Resume it first with "
                             "cotenant.resume_region(\"{}\"), or allocate outside the region.",

@@ -111,10 +111,11 @@ AllocatorOptions main_options() {
 DeviceAllocators::DeviceAllocators(c10::DeviceIndex device_index)
     : device(device_index),
       backend(std::make_unique<cuda::CudaBackend>(device_index)),
-      main(std::make_unique<CachingAllocator>(*backend, main_options())),
-      pools(std::make_unique<PoolTable>(*backend)),
+      host_pages(std::make_shared<HostPagePool>(*backend)),
+      main(std::make_unique<CachingAllocator>(*backend, main_options(), host_pages)),
+      pools(std::make_unique<PoolTable>(*backend, host_pages)),
       history(std::make_unique<MemoryHistory>()),
-      regions(std::make_unique<RegionTable>(*backend)) {}
+      regions(std::make_unique<RegionTable>(*backend, host_pages)) {}
 
 DeviceAllocators::~DeviceAllocators() = default;
 

@@ -13,7 +13,8 @@
 // addresses). Allocations on a stream that a beginAllocateToPool filter
 // accepts go to that pool's allocator until endAllocateToPool. Allocations
 // of a thread inside a region (region_table.h) go to that region's own
-// uncapped allocator.
+// uncapped allocator. All of them draw host pages from the device's one
+// HostPagePool (kept pinned pages and the host reserve).
 //
 // Page moves (spill/restore) happen only at safe points: see "The safe
 // point" in include/cotenant/caching_allocator.h.
@@ -54,6 +55,9 @@ struct DeviceAllocators {
 
   c10::DeviceIndex device;
   std::unique_ptr<cuda::CudaBackend> backend;
+  // Pinned host pages kept for reuse and the host reserve, shared by every
+  // allocator below: a reserve serves a squeeze and a region's pause alike.
+  std::shared_ptr<HostPagePool> host_pages;
   std::unique_ptr<CachingAllocator> main;  // capped; owns every non-graph allocation
   // CUDA-graph and MemPool pools, their holders and the capture routes.
   // pools.routing() is read lock-free on the allocation fast path.

@@ -59,6 +59,7 @@
 #include "cotenant/allocator_events.h"
 #include "cotenant/backend.h"
 #include "cotenant/cap.h"
+#include "cotenant/host_page_pool.h"
 #include "cotenant/stats.h"
 
 namespace cotenant {
@@ -116,8 +117,12 @@ struct SegmentInfo {
 
 class CachingAllocator {
  public:
-  explicit CachingAllocator(Backend& backend, AllocatorOptions options = {});
-  ~CachingAllocator();  // releases all memory back to the backend
+  // `host_pages`: the device's pool of kept host pages (host_page_pool.h),
+  // shared with the device's other allocators; null: a pool of its own,
+  // released with the allocator. A shared pool must be of `backend`.
+  explicit CachingAllocator(Backend& backend, AllocatorOptions options = {},
+                            std::shared_ptr<HostPagePool> host_pages = nullptr);
+  ~CachingAllocator();  // releases all memory back to the backend (a shared host pool stays)
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
@@ -190,16 +195,17 @@ class CachingAllocator {
   std::size_t back_discarded_pages();
   bool discarded() const;
 
-  // Pins host pages now until `bytes` (rounded up to whole pages) are kept,
-  // and keeps at least that many through empty_cache(), cap changes and
-  // discard_pages(), until the allocator ends: a job's first squeeze then
-  // pins nothing, as one squeezed before (pinning costs more than the copy).
-  // A spill takes reserve pages like any kept page; they return when given
-  // up. 0 gives the reserve back (kept pages beyond it follow
-  // keep_host_pages). Returns the bytes reserved. Throws Error, keeping the
-  // reserve as it was, when the host cannot pin that much, and in pinned
-  // fallback mode (no host pages to keep). Pins without the allocator's
-  // lock: other threads allocate, free and move pages meanwhile.
+  // Pins host pages now until `bytes` (rounded up to whole pages) are kept
+  // in the host pool, and keeps at least that many through empty_cache(),
+  // cap changes and discard_pages(), until a lower reserve or the pool's
+  // end: a job's first squeeze then pins nothing, as one squeezed before
+  // (pinning costs more than the copy), and so does a pause of a region
+  // that shares the pool. A spill takes reserve pages like any kept page;
+  // they return when given up. 0 gives the reserve back (kept pages beyond
+  // it follow keep_host_pages). Returns the bytes reserved. Throws Error,
+  // keeping the reserve as it was, when the host cannot pin that much, and
+  // in pinned fallback mode (no host pages to keep). Pins without the
+  // allocator's lock: other threads allocate, free and move pages meanwhile.
   std::size_t reserve_host_memory(std::size_t bytes);
   std::size_t host_reserve() const;  // bytes
 

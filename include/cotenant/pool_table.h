@@ -41,7 +41,9 @@ class PoolTable {
   // Which stream's allocations a route takes (PyTorch's capture filter).
   using StreamFilter = std::function<bool(StreamId)>;
 
-  explicit PoolTable(Backend& backend);
+  // `host_pages`: the device's host page pool, shared by the allocators
+  // made here (null: each gets one of its own).
+  explicit PoolTable(Backend& backend, std::shared_ptr<HostPagePool> host_pages = nullptr);
   ~PoolTable();
   PoolTable(const PoolTable&) = delete;
   PoolTable& operator=(const PoolTable&) = delete;
@@ -88,6 +90,7 @@ class PoolTable {
   void drop_if_done_locked(std::map<PoolId, Pool>::iterator it);
 
   Backend& backend_;
+  const std::shared_ptr<HostPagePool> host_pages_;
   mutable std::mutex mutex_;
   std::map<PoolId, Pool> pools_;
   std::vector<std::pair<PoolId, StreamFilter>> routes_;

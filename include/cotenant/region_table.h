@@ -19,7 +19,9 @@
 //  - pause(name, keep=true): every page of the region moves to the host
 //    (CachingAllocator::spill_all() and the page moves of a safe point):
 //    same addresses, contents kept, device memory freed. resume() brings the
-//    pages back to the device.
+//    pages back to the device. The host pages come from the table's
+//    HostPagePool when it has one (the device's, with its host reserve) and
+//    go back to it on resume.
 //  - pause(name, keep=false): every page is released
 //    (CachingAllocator::discard_pages()); the addresses stay reserved, and
 //    resume() backs the live blocks again with zeroed device pages.
@@ -79,7 +81,9 @@ class RegionScope {
 
 class RegionTable {
  public:
-  explicit RegionTable(Backend& backend);
+  // `host_pages`: the device's host page pool, shared by the allocators
+  // made here (null: each gets one of its own).
+  explicit RegionTable(Backend& backend, std::shared_ptr<HostPagePool> host_pages = nullptr);
   ~RegionTable();
   RegionTable(const RegionTable&) = delete;
   RegionTable& operator=(const RegionTable&) = delete;
@@ -117,6 +121,7 @@ class RegionTable {
   void refuse_during_capture(const std::string& name, const char* what) const;
 
   Backend& backend_;
+  const std::shared_ptr<HostPagePool> host_pages_;
   mutable std::mutex mutex_;
   std::map<std::string, Region> regions_;
   std::atomic<bool> graph_capture_{false};

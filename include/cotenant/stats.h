@@ -80,7 +80,8 @@ struct AllocatorStats {
   // Residency: mapped bytes by where they live (device + host == reserved);
   // pinned_fallback_bytes: kPinnedFallback allocations, part of host_resident_bytes.
   // host_pool_bytes: host pages kept for reuse after their last use (pinned,
-  // mapped nowhere; not part of reserved or host_resident_bytes).
+  // mapped nowhere; not part of reserved or host_resident_bytes), in the
+  // host pool the allocator draws from (shared by a device's allocators).
   //   spilled_bytes / restored_bytes  cumulative bytes moved device -> host / back
   //   num_migrations                  cumulative page moves, both directions
   //   num_spilled_allocations         allocations that got host memory at birth

@@ -420,7 +420,9 @@ def reserve_host_memory(size: Union[int, str], device: Any = None) -> int:
     pages move out at the speed of a copy instead of waiting for the host to
     pin memory (pinning runs at a few GB/s, a copy over PCIe at tens). A
     spill uses the reserve's pages and gives them back to it when the pages
-    return; empty_cache() and removing the cap keep it. 0 gives it back.
+    return, and so does a region's kept pause (pause_region(name, keep=True)):
+    the reserve is the device's. empty_cache() and removing the cap keep it.
+    0 gives it back.
 
     What it costs: the reserve is pinned host memory no other process can
     use, and pinning it takes as long as the first squeeze would have.

@@ -606,3 +606,65 @@ TEST_CASE("a_partial_move_stays_pending_and_the_next_safe_point_finishes_it", "[
   CHECK(holds(device, b, 2, 4 * kMiB));
   allocator.check_invariants();
 }
+
+// One host pool shared by a device's allocators: pages one gives up serve
+// another, an allocator that keeps host pages (under a cap) keeps them
+// whatever the others do, the pages beyond the reserve go back only when the
+// last keeper stops, and an allocator's end leaves the shared pool as it is.
+TEST_CASE("allocators_sharing_a_host_pool_reuse_each_others_pages_and_keep_them_while_one_keeps", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  auto host_pages = std::make_shared<HostPagePool>(device);
+  CachingAllocator capped(device, {}, host_pages);
+  auto other = std::make_unique<CachingAllocator>(device, AllocatorOptions{}, host_pages);
+  CHECK(capped.reserve_host_memory(2 * kMiB) == 2 * kMiB);
+  CHECK(other->host_reserve() == 2 * kMiB);  // one reserve per pool
+
+  // `capped` spills 3 pages under its cap: 1 from the reserve, 2 pinned.
+  const DevicePtr a = capped.allocate(6 * kMiB, 0);
+  fill(device, a, 7, 6 * kMiB);
+  capped.set_memory_cap(2 * kMiB);
+  CHECK(capped.apply_pending_migrations() == 4 * kMiB);
+  CHECK(host_pages->kept().current == 0);
+
+  // `other` (no cap: keeps nothing itself) pauses everything: 2 host pages pinned.
+  const DevicePtr b = other->allocate(4 * kMiB, 0);
+  fill(device, b, 9, 4 * kMiB);
+  const auto pinned = device.calls().create_page;
+  other->spill_all();
+  CHECK(other->apply_pending_migrations() == 4 * kMiB);
+  CHECK(device.calls().create_page - pinned == 2u);
+  other->restore_all();
+  CHECK(other->apply_pending_migrations() == 4 * kMiB);
+  CHECK(holds(device, b, 9, 4 * kMiB));
+  // Its restore gave 2 pages to the pool, which keeps them: `capped` keeps.
+  CHECK(host_pages->kept().current == 4 * kMiB);
+
+  // They serve `capped`'s next squeeze without pinning.
+  const auto before = device.calls().create_page;
+  capped.set_memory_cap(kMiB * 1);  // under a page: the last device page goes too
+  CHECK(capped.apply_pending_migrations() == 2 * kMiB);
+  CHECK(device.calls().create_page == before);
+  CHECK(holds(device, a, 7, 6 * kMiB));
+  CHECK(host_pages->kept().current == 2 * kMiB);
+
+  // The cap lifted: the pages come back and the pool keeps only the reserve.
+  capped.set_memory_cap(kNoCap);
+  CHECK(capped.apply_pending_migrations() == 6 * kMiB);
+  CHECK(host_pages->kept().current == 2 * kMiB);
+  CHECK(device.host_bytes_in_use() == 2 * kMiB);
+
+  other->free(b);
+  other.reset();  // the shared pool stays
+  CHECK(host_pages->kept().current == 2 * kMiB);
+  CHECK(capped.host_reserve() == 2 * kMiB);
+  CHECK(holds(device, a, 7, 6 * kMiB));
+  capped.check_invariants();
+  capped.free(a);
+}
+
+TEST_CASE("an_allocator_refuses_a_host_pool_of_another_device", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  SimulatedBackend elsewhere(device_config(1 * kGiB));
+  auto host_pages = std::make_shared<HostPagePool>(elsewhere);
+  CHECK_THROWS_WITH(CachingAllocator(device, {}, host_pages), Catch::Contains("one pool per device"));
+}

@@ -231,3 +231,38 @@ TEST_CASE("discarding_refuses_while_the_device_cannot_synchronize") {
   device.refuse_synchronization(false);
   CHECK(allocator.allocate(1, kStream) != 0);  // nothing was discarded
 }
+
+// A region that shares the device's host page pool pauses into the host
+// reserve: with a reserve as large as the region, a pause pins nothing, the
+// resume gives the pages back to the pool, and the next pause takes them
+// again. Without a reserve, a resume gives the host pages back to the driver.
+TEST_CASE("a_region_paused_with_keep_takes_its_host_pages_from_the_device_reserve_and_gives_them_back") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  auto host_pages = std::make_shared<HostPagePool>(device);
+  CachingAllocator main(device, {}, host_pages);
+  RegionTable table(device, host_pages);
+  const bool reserved = GENERATE(true, false);
+  CAPTURE(reserved);
+  if (reserved) CHECK(main.reserve_host_memory(10 * kMiB) == 10 * kMiB);
+  CachingAllocator* kv = nullptr;
+  const DevicePtr cache = allocate_in(table, "kv_cache", 9 * kMiB, &kv);
+
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    fill(device, cache, static_cast<std::uint8_t>(round + 1), 9 * kMiB);
+    const auto pinned = device.calls().create_page;
+    CHECK(table.pause("kv_cache", /*keep=*/true) == 10 * kMiB);
+    // 5 device pages went; with the reserve, no host page was pinned for them.
+    CHECK(device.calls().create_page - pinned == (reserved ? 0u : 5u));
+    CHECK(host_pages->kept().current == 0);
+    CHECK(holds(device, cache, static_cast<std::uint8_t>(round + 1), 9 * kMiB));
+
+    CHECK(table.resume("kv_cache") == 10 * kMiB);
+    CHECK(holds(device, cache, static_cast<std::uint8_t>(round + 1), 9 * kMiB));
+    CHECK(host_pages->kept().current == (reserved ? 10 * kMiB : 0));
+    CHECK(device.host_bytes_in_use() == (reserved ? 10 * kMiB : 0));
+    kv->check_invariants();
+  }
+  CHECK(main.stats().host_pool_bytes.current == (reserved ? 10 * kMiB : 0));  // the device's pool
+  CHECK(main.host_reserve() == (reserved ? 10 * kMiB : 0));
+}

@@ -298,6 +298,36 @@ def test_a_host_reserve_lets_the_first_squeeze_pin_nothing_and_keeps_the_values(
     assert out["kept"] == 64 * MIB, out
 
 
+def test_a_region_paused_with_keep_takes_its_host_pages_from_the_reserve():
+    """The host reserve is the device's: a region's kept pause creates no host
+    page (driver call counts), a kernel reads the paused tensor over the
+    host mapping, and the resume gives the pages back to the reserve."""
+    out = run_script("""
+        from cotenant import _C
+        device = torch.cuda.current_device()
+        cotenant.reserve_host_memory("64MiB")
+        with cotenant.region("kv_cache"):
+            kv = torch.arange(16 << 20, dtype=torch.float32, device="cuda")  # 64 MiB
+        total = kv.sum().item()
+        created, sums = [], []
+        for _ in range(2):
+            _C._reset_driver_call_times(device)
+            cotenant.pause_region("kv_cache", keep=True)
+            created.append(_C._driver_call_times(device)["create_host_page"]["calls"])
+            sums.append((kv * 1).sum().item())
+            cotenant.resume_region("kv_cache")
+            sums.append(kv.sum().item())
+        stats = cotenant.memory_stats()
+        print(json.dumps({"mode": stats["mode"], "total": total, "created": created, "sums": sums,
+                          "kept": stats["host_pool_bytes"]}))
+    """)
+    if out["mode"] != "remap":
+        pytest.skip("this GPU has no host virtual memory management: a kept pause needs host pages")
+    assert out["created"] == [0, 0], out
+    assert out["sums"] == [out["total"]] * 4, out
+    assert out["kept"] == 64 * MIB, out
+
+
 # ---- streams, graphs, compile, cuDNN, IPC ------------------------------------------------------
 
 

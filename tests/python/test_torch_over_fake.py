@@ -374,6 +374,31 @@ def test_a_paused_region_gives_its_device_memory_back_and_its_values_on_resume(l
     assert out["other_same"] and out["same_ptr"] and out["kv_same"]
 
 
+def test_a_region_paused_with_keep_uses_the_host_reserve_and_pins_nothing(library):
+    """The host reserve is the device's: a region's kept pause draws its host
+    pages from it (no cuMemCreate while it pauses, twice over), and the
+    resume gives them back to it, so the pinned memory stays the reserve."""
+    out = run(library, """
+        cotenant.enable(host_reserve="64MiB")
+        kv_data = pattern(16 << 20, seed=6)  # 64 MiB
+        with cotenant.region("kv_cache"):
+            kv = kv_data.to("cuda")
+        created, pools, same_values = [], [], []
+        for _ in range(2):
+            before = fake.calls("cuMemCreate")
+            cotenant.pause_region("kv_cache", keep=True)
+            created.append(fake.calls("cuMemCreate") - before)
+            same_values.append(same(kv, kv_data))
+            cotenant.resume_region("kv_cache")
+            pools.append(cotenant.memory_stats()["host_pool_bytes"])
+            same_values.append(same(kv, kv_data))
+        out["created"], out["pools"], out["same"] = created, pools, same_values
+    """)
+    assert out["created"] == [0, 0]
+    assert out["pools"] == [64 * MIB, 64 * MIB]
+    assert out["same"] == [True] * 4
+
+
 def test_a_region_paused_without_keep_resumes_as_zeros_at_the_same_address(library):
     """New pages hold garbage here, as the driver promises nothing: the zeros
     must be cotenant's."""

@@ -152,6 +152,36 @@ TEST_CASE("kept_region_moves_to_host_pages_and_back_with_its_bytes_over_fake", "
   check_fake_cuda_clean();
 }
 
+// With the device's host pool shared and a host reserve the region's size,
+// a kept pause pins nothing (no cuMemCreate of a host page) and a resume
+// hands the pages back to the pool for the next pause.
+TEST_CASE("a_kept_region_pauses_into_the_host_reserve_without_pinning_over_fake", "[fake_cuda][regions]") {
+  auto backend = garbage_device();
+  {
+    auto host_pages = std::make_shared<HostPagePool>(*backend);
+    CachingAllocator main(*backend, {}, host_pages);
+    RegionTable table(*backend, host_pages);
+    CHECK(main.reserve_host_memory(10 * kMiB) == 10 * kMiB);
+    CHECK(fake_cuda::host_bytes_in_use() == 10 * kMiB);
+    CachingAllocator* kv = nullptr;
+    const DevicePtr cache = filled_region_block(table, "weights", 9 * kMiB, 4, &kv);
+    for (int round = 0; round < 2; ++round) {
+      CAPTURE(round);
+      const auto created = fake_cuda::calls("cuMemCreate");
+      at_safe_point(*backend, [&] { table.pause("weights", /*keep=*/true); });
+      CHECK(fake_cuda::calls("cuMemCreate") == created);  // every host page came from the reserve
+      CHECK(fake_cuda::device_bytes_in_use() == 0);
+      CHECK(holds_bytes(cache, 4, 9 * kMiB));
+      at_safe_point(*backend, [&] { table.resume("weights"); });
+      CHECK(fake_cuda::host_bytes_in_use() == 10 * kMiB);  // back in the pool, not released
+      CHECK(holds_bytes(cache, 4, 9 * kMiB));
+      kv->check_invariants();
+    }
+  }
+  backend.reset();
+  check_fake_cuda_clean();
+}
+
 TEST_CASE("a_region_freed_while_discarded_leaves_nothing_behind_over_fake", "[fake_cuda][regions]") {
   auto backend = garbage_device();
   {
