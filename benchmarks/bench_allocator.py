@@ -13,6 +13,13 @@ Figures (written to benchmarks/results/allocator-<device>-<time>.json):
                                          spill with a host reserve (reserve_host_memory) takes the same path
   (measured: moves.reserve_pin_gbps      the rate at which reserve_host_memory pins host pages: the cost a host
                                          reserve moves from the first squeeze to enable)
+  region_pause_ratio_vs_memcpy           pause_region(keep=True) / resume_region of a region as large as the moves
+  region_resume_ratio_vs_memcpy          above, GB/s over pinned cudaMemcpy: each pause pins its host pages and
+                                         each resume gives them back (an RL job that pauses every step pays it
+                                         every step)
+  region_pause_ratio_vs_memcpy_reserved  the same with a host reserve of the region's size: the pause takes the
+  region_resume_ratio_vs_memcpy_reserved reserve's pages and the resume returns them (what it trades: that much
+                                         host memory pinned for the job's life)
   shrink_response_s_1GiB / _4GiB / _16GiB  seconds from a cap command to device bytes under the cap
   step_time_ratio_spilled_25pct / _50pct step time with a quarter / half of the working set on the host, over none
 
@@ -131,6 +138,10 @@ def compute_figures(measured: Dict[str, Dict]) -> Dict[str, Optional[float]]:
     figures["spill_bandwidth_ratio_vs_memcpy_kept"] = ratio(moves.get("spill_kept_gbps"), moves.get("memcpy_d2h_gbps"))
     figures["restore_bandwidth_ratio_vs_memcpy_kept"] = ratio(moves.get("restore_kept_gbps"),
                                                               moves.get("memcpy_h2d_gbps"))
+    for name, memcpy in (("pause", "memcpy_d2h_gbps"), ("resume", "memcpy_h2d_gbps")):
+        for suffix in ("", "_reserved"):
+            figures[f"region_{name}_ratio_vs_memcpy{suffix}"] = ratio(moves.get(f"region_{name}{suffix}_gbps"),
+                                                                      moves.get(memcpy))
     for gib in (1, 4, 16):
         figures[f"shrink_response_s_{gib}GiB"] = measured.get("shrink", {}).get(f"{gib}GiB")
     spilled = measured.get("spilled", {})
@@ -348,6 +359,28 @@ def worker_moves(allocator: str, args) -> Dict:
     result["reserve_pin_gbps"] = reserved / (time.perf_counter() - start) / 1e9
     result["reserve_driver_calls"] = _C._driver_call_times(device)
     cotenant.reserve_host_memory(0)
+    del x
+    torch.cuda.empty_cache()
+
+    # A region paused with keep=True and resumed, as an RL job does with its
+    # rollout engine's memory each step: without a reserve (each pause pins,
+    # each resume releases), then with one of the region's size.
+    with cotenant.region("bench"):
+        r = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    r.fill_(9)
+    torch.cuda.synchronize()
+    for suffix, reserve in (("", 0), ("_reserved", nbytes)):
+        cotenant.reserve_host_memory(reserve)
+        for name, call in (("pause", lambda: cotenant.pause_region("bench", keep=True)),
+                           ("resume", lambda: cotenant.resume_region("bench"))):
+            _C._reset_driver_call_times(device)
+            start = time.perf_counter()
+            moved = call()
+            result[f"region_{name}{suffix}_gbps"] = moved / (time.perf_counter() - start) / 1e9
+            result[f"region_{name}{suffix}_moved"] = moved
+            result[f"region_{name}{suffix}_driver_calls"] = _C._driver_call_times(device)
+    result["region_data_intact"] = bool((r[:: 1 << 20] == 9).all().item())
+    cotenant.reserve_host_memory(0)
     return result
 
 
@@ -523,6 +556,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps(result["figures"], indent=2))
     moves = measured["moves"]
     for name, _ in MOVE_ROUNDS:
+        if f"{name}_driver_calls" in moves:
+            print(f"\n{name}: {moves[name + '_gbps']:.2f} GB/s; where the time of "
+                  f"{moves[name + '_moved'] / GIB:.2f} GiB of page moves went")
+            pages = moves[name + "_moved"] // moves["page_bytes"]
+            print("\n".join(driver_time_table(moves[f"{name}_driver_calls"], pages)))
+    for name in ("region_pause", "region_resume", "region_pause_reserved", "region_resume_reserved"):
         if f"{name}_driver_calls" in moves:
             print(f"\n{name}: {moves[name + '_gbps']:.2f} GB/s; where the time of "
                   f"{moves[name + '_moved'] / GIB:.2f} GiB of page moves went")

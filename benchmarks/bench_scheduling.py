@@ -41,8 +41,8 @@ PCIE_COTENANT_SPILL = 2.5e9  # cotenant's own spill rate in that same run
 def experiments():
     """(label, trace, gpus, SimulationConfig kwargs) of each table."""
     runs = [(f"tiresias_60_job.csv, {g} GPUs", TIRESIAS_60, g, {}) for g in (4, 8)]
-    runs += [(f"tiresias_60_job.csv, 8 GPUs, utilization 0.5", TIRESIAS_60, 8, {"default_utilization": 0.5})]
-    runs += [(f"tiresias_60_job.csv, 8 GPUs, suspend/resume at 2.5 GB/s", TIRESIAS_60, 8,
+    runs += [("tiresias_60_job.csv, 8 GPUs, utilization 0.5", TIRESIAS_60, 8, {"default_utilization": 0.5})]
+    runs += [("tiresias_60_job.csv, 8 GPUs, suspend/resume at 2.5 GB/s", TIRESIAS_60, 8,
               {"pcie_bytes_per_s": PCIE_COTENANT_SPILL})]
     for name, (_, gpus, _, _, _) in GENERATED.items():
         runs.append((f"{name}, {gpus} GPUs", os.path.join(JOBS_DIR, name), gpus, {}))

@@ -98,14 +98,25 @@ PageHandle SimulatedBackend::create_page(Residency where) {
   return PageHandle{id, where};
 }
 
+SimulatedBackend::Page& SimulatedBackend::page_locked(PageHandle handle, const char* what) {
+  auto it = pages_.find(handle.id);
+  if (it == pages_.end()) throw Error(fmt::format("{} unknown page {}", what, handle.id));
+  return *it->second;
+}
+
+SimulatedBackend::Page& SimulatedBackend::mapped_page_locked(DevicePtr address, const char* what) {
+  auto it = mappings_.find(address);
+  if (it == mappings_.end()) throw Error(fmt::format("{} 0x{:x}, which is not mapped", what, address));
+  return *pages_.at(it->second);
+}
+
 void SimulatedBackend::release_page(PageHandle handle) {
   std::lock_guard lock(mutex_);
   ++calls_.release_page;
-  auto it = pages_.find(handle.id);
-  if (it == pages_.end()) throw Error(fmt::format("release_page of unknown page {}", handle.id));
-  if (it->second->mapped) throw Error(fmt::format("release_page of page {} while it is mapped", handle.id));
-  (it->second->where == Residency::kDevice ? device_used_ : host_used_) -= config_.granularity;
-  pages_.erase(it);
+  Page& page = page_locked(handle, "release_page of");
+  if (page.mapped) throw Error(fmt::format("release_page of page {} while it is mapped", handle.id));
+  (page.where == Residency::kDevice ? device_used_ : host_used_) -= config_.granularity;
+  pages_.erase(handle.id);
 }
 
 void SimulatedBackend::map(DevicePtr address, PageHandle handle) {
@@ -117,13 +128,12 @@ void SimulatedBackend::map(DevicePtr address, PageHandle handle) {
     throw Error(fmt::format("map at 0x{:x}, outside every reserved range", address));
   }
   if (mappings_.count(address)) throw Error(fmt::format("map at 0x{:x}, which is already mapped", address));
-  auto it = pages_.find(handle.id);
-  if (it == pages_.end()) throw Error(fmt::format("map of unknown page {}", handle.id));
-  if (it->second->mapped) throw Error(fmt::format("map of page {}, which is mapped elsewhere", handle.id));
-  if (it->second->where == Residency::kHost && !config_.host_pages_mappable) {
+  Page& page = page_locked(handle, "map of");
+  if (page.mapped) throw Error(fmt::format("map of page {}, which is mapped elsewhere", handle.id));
+  if (page.where == Residency::kHost && !config_.host_pages_mappable) {
     throw Error("map of a host page on a device without host virtual memory management");
   }
-  it->second->mapped = true;
+  page.mapped = true;
   mappings_.emplace(address, handle.id);
 }
 
@@ -156,22 +166,17 @@ void SimulatedBackend::unmap(DevicePtr address) {
 void SimulatedBackend::copy_into(DevicePtr address, PageHandle src) {
   std::lock_guard lock(mutex_);
   ++calls_.copy_into;
-  auto mapped = mappings_.find(address);
-  if (mapped == mappings_.end()) throw Error(fmt::format("copy into 0x{:x}, which is not mapped", address));
-  auto source = pages_.find(src.id);
-  if (source == pages_.end()) throw Error(fmt::format("copy from unknown page {}", src.id));
-  copy_page_locked(*pages_.at(mapped->second), *source->second);
+  Page& to = mapped_page_locked(address, "copy into");
+  copy_page_locked(to, page_locked(src, "copy from"));
 }
 
 void SimulatedBackend::copy_out(DevicePtr address, PageHandle dst) {
   std::lock_guard lock(mutex_);
   ++calls_.copy_out;
-  auto mapped = mappings_.find(address);
-  if (mapped == mappings_.end()) throw Error(fmt::format("copy out of 0x{:x}, which is not mapped", address));
-  auto target = pages_.find(dst.id);
-  if (target == pages_.end()) throw Error(fmt::format("copy into unknown page {}", dst.id));
-  if (target->second->mapped) throw Error(fmt::format("copy into page {}, which is mapped", dst.id));
-  copy_page_locked(*target->second, *pages_.at(mapped->second));
+  const Page& from = mapped_page_locked(address, "copy out of");
+  Page& to = page_locked(dst, "copy into");
+  if (to.mapped) throw Error(fmt::format("copy into page {}, which is mapped", dst.id));
+  copy_page_locked(to, from);
 }
 
 void SimulatedBackend::copy_page_locked(Page& to, const Page& from) {

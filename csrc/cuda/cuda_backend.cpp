@@ -24,22 +24,27 @@ void check_runtime(cudaError_t err, const char* what) {
 }
 
 // Makes `device` current for the scope (runtime calls act on the current
-// device) and restores the caller's device after.
+// device) and restores the caller's device after. One cudaGetDevice when the
+// device is current already (the usual case: a job on one GPU); nothing in
+// the scope sets another device, so there is nothing to restore then.
 class CurrentDevice {
  public:
   explicit CurrentDevice(int device) {
     check_runtime(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_runtime(cudaSetDevice(device), "cudaSetDevice");
+    if (previous_ != device) {
+      check_runtime(cudaSetDevice(device), "cudaSetDevice");
+      switched_ = true;
+    }
   }
   ~CurrentDevice() {
-    int now = previous_;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+    if (switched_) cudaSetDevice(previous_);
   }
   CurrentDevice(const CurrentDevice&) = delete;
   CurrentDevice& operator=(const CurrentDevice&) = delete;
 
  private:
   int previous_ = 0;
+  bool switched_ = false;
 };
 
 CUmemAllocationProp page_properties(CUmemLocationType type, int id) {

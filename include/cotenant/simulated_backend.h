@@ -100,6 +100,10 @@ class SimulatedBackend final : public Backend {
   const Page* page_at_locked(DevicePtr address, std::size_t* offset) const;
   Page* page_at_locked(DevicePtr address, std::size_t* offset);
   void copy_page_locked(Page& to, const Page& from);  // one page's bytes
+  // The page of `handle` / mapped at `address`; throws Error beginning with
+  // `what` when there is none.
+  Page& page_locked(PageHandle handle, const char* what);
+  Page& mapped_page_locked(DevicePtr address, const char* what);
 
   const SimulatedDeviceConfig config_;
   mutable std::mutex mutex_;

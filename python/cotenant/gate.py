@@ -41,7 +41,6 @@ share the segment, for jobs of several users on one GPU).
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 import types

@@ -6,7 +6,6 @@ COTENANT_SDIST and COTENANT_WHEEL naming the files it checked."""
 
 import os
 import subprocess
-import sys
 import sysconfig
 import tarfile
 import zipfile

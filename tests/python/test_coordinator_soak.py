@@ -9,7 +9,6 @@ was not killed is still managed, and no block is left behind.
 import json
 import os
 import random
-import signal
 import socket
 import threading
 import time

@@ -203,7 +203,7 @@ def test_opportunistic_gate_follows_a_guaranteed_job_in_another_process(segment_
     child = GuaranteedChild(segment_name)
     try:
         segment = core.GpuPeerSegment.open(segment_name, 0)
-        slot = segment.claim_opportunistic()
+        segment.claim_opportunistic()
         gate = core.LaunchGate(peer=core.SegmentPeerState(segment))
         view = segment.view()
         assert view["guaranteed"]["pid"] == child.process.pid

@@ -8,7 +8,6 @@ frames name that file and its lines."""
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 import textwrap

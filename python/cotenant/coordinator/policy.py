@@ -24,8 +24,8 @@ or refused when it could never fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Sequence
 
 MiB = 1 << 20
 

@@ -268,6 +268,36 @@ TEST_CASE("cuda_backend_over_fake_grant_access_reaches_pages_mapped_before_and_a
   check_fake_cuda_clean();
 }
 
+// The backend makes its device current for a call and gives the caller's
+// back after; when its device is current already, it sets none.
+TEST_CASE("cuda_backend_over_fake_leaves_the_callers_current_device_as_it_found_it", "[fake_cuda][backend]") {
+  fake_cuda::Config config;
+  config.device_count = 2;
+  fake_cuda::reset(config);
+  {
+    cuda::CudaBackend backend(0);
+    CachingAllocator allocator(backend);
+    allocator.set_memory_cap(2 * kMiB);
+    const int caller = GENERATE(0, 1);
+    CAPTURE(caller);
+    REQUIRE(cudaSetDevice(caller) == cudaSuccess);
+    const auto sets = fake_cuda::calls("cudaSetDevice");
+    const DevicePtr block = allocator.allocate(6 * kMiB, 0);
+    allocator.apply_pending_migrations();  // over the cap: pages move to the host
+    allocator.set_memory_cap(kNoCap);
+    allocator.apply_pending_migrations();  // and back
+    allocator.free(block);
+    allocator.empty_cache();
+    int now = -1;
+    REQUIRE(cudaGetDevice(&now) == cudaSuccess);
+    CHECK(now == caller);
+    if (caller == 0) CHECK(fake_cuda::calls("cudaSetDevice") == sets);  // already current: none set
+    if (caller == 1) CHECK(fake_cuda::calls("cudaSetDevice") > sets);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  }
+  check_fake_cuda_clean();
+}
+
 TEST_CASE("cuda_backend_over_fake_refuses_a_device_without_vmm_and_leaks_nothing", "[fake_cuda][backend]") {
   fake_cuda::Config config;
   config.vmm = false;
