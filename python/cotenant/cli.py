@@ -79,7 +79,8 @@ def job_state(job: Dict[str, Any]) -> str:
 
 
 def gpu_lines(view: Dict[str, Any]) -> List[str]:
-    """One line per GPU: its UUID, index, memory, and what its jobs hold and have moved."""
+    """One line per GPU: its UUID, index, memory, and what its jobs hold and have moved;
+    then one for the node's host memory and what the jobs pin in it."""
     lines = []
     for gpu in view.get("gpus", []):
         where = f" (index {gpu['index']})" if gpu.get("index") is not None else ""
@@ -93,6 +94,16 @@ def gpu_lines(view: Dict[str, Any]) -> List[str]:
             f" restored {_format_size(gpu.get('restored_bytes', 0))}, {gpu.get('page_moves', 0)} page moves")
         if gpu.get("note"):
             lines.append(f"  note: {gpu['note']}")
+    host = view.get("host")
+    if host:
+        pinned = _format_size(host.get("pinned_by_jobs_bytes", 0))
+        if host.get("total_bytes") is not None:
+            lines.append(f"host memory: {pinned} pinned by jobs (spilled tensors, pages kept for spills) of "
+                         f"{_format_size(host['total_bytes'])}; {_format_size(host['available_bytes'])} available")
+        else:
+            lines.append(f"host memory: {pinned} pinned by jobs (spilled tensors, pages kept for spills)")
+        if host.get("note"):
+            lines.append(f"  note: {host['note']}")
     return lines
 
 

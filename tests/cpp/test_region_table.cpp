@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <thread>
 
 #include "cotenant/errors.h"
@@ -265,4 +266,58 @@ TEST_CASE("a_region_paused_with_keep_takes_its_host_pages_from_the_device_reserv
   }
   CHECK(main.stats().host_pool_bytes.current == (reserved ? 10 * kMiB : 0));  // the device's pool
   CHECK(main.host_reserve() == (reserved ? 10 * kMiB : 0));
+}
+
+// One host pool, two threads: a region paused and resumed again and again
+// while the capped allocator allocates, frees and spills on another thread
+// and the reserve moves. Every byte stays, the books hold, and once the
+// reserve is 0 and the cap gone nothing is pinned (the sanitizer builds
+// check the races).
+TEST_CASE("a_region_pausing_while_the_capped_allocator_spills_shares_the_host_pool_safely") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  auto host_pages = std::make_shared<HostPagePool>(device);
+  CachingAllocator main(device, {}, host_pages);
+  RegionTable table(device, host_pages);
+  main.reserve_host_memory(8 * kMiB);
+  main.set_memory_cap(8 * kMiB);
+  CachingAllocator* kv = nullptr;
+  const DevicePtr cache = allocate_in(table, "kv_cache", 9 * kMiB, &kv);
+  fill(device, cache, 3, 9 * kMiB);
+
+  std::atomic<bool> done{false};
+  std::atomic<int> pauses{0}, corrupt_pauses{0};
+  std::thread pausing([&] {
+    for (int round = 0; !done.load(); ++round) {
+      table.pause("kv_cache", /*keep=*/true);
+      if (!holds(device, cache, 3, 9 * kMiB)) ++corrupt_pauses;
+      ++pauses;
+      table.resume("kv_cache");
+      if (round % 4 == 0) main.reserve_host_memory(round % 8 == 0 ? 16 * kMiB : 4 * kMiB);
+    }
+  });
+  std::vector<DevicePtr> live;
+  for (int i = 0; i < 200; ++i) {
+    live.push_back(main.allocate(static_cast<std::size_t>(1 + i % 3) * kMiB, 0));
+    fill(device, live.back(), static_cast<std::uint8_t>(i), kMiB);
+    if (live.size() > 6) {
+      CHECK(holds(device, live.front(), static_cast<std::uint8_t>(i - 6), kMiB));
+      main.free(live.front());
+      live.erase(live.begin());
+    }
+    main.apply_pending_migrations();
+  }
+  while (pauses.load() < 3) std::this_thread::yield();
+  done = true;
+  pausing.join();
+  CHECK(corrupt_pauses.load() == 0);
+  CHECK(table.state("kv_cache") == RegionState::kActive);
+  CHECK(holds(device, cache, 3, 9 * kMiB));
+  main.check_invariants();
+  kv->check_invariants();
+  for (DevicePtr address : live) main.free(address);
+  main.reserve_host_memory(0);
+  main.set_memory_cap(kNoCap);
+  main.apply_pending_migrations();
+  CHECK(host_pages->kept().current == 0);
+  CHECK(device.host_bytes_in_use() == 0);
 }

@@ -264,6 +264,12 @@ def test_metrics_endpoint_serves_job_gauges(node):
             'cotenant_gpu_host_bytes{gpu="index:0"} 0.0']
     assert wait_until(lambda: all(w in scrape() for w in kept)), scrape()
     assert node.job("g")["host_pool_bytes"] == 32 * MiB
+    # The node's host memory: what the jobs pin (the kept pages), and what the node has.
+    assert "cotenant_node_host_pinned_bytes 3.3554432e+07" in scrape()
+    assert "cotenant_node_host_available_bytes" in scrape()
+    host = node.status()["host"]
+    assert host["pinned_by_jobs_bytes"] == 32 * MiB and host["squeezable_bytes"] == 0  # no opportunistic job
+    assert 0 < host["available_bytes"] <= host["total_bytes"]
 
 
 def test_coordinator_logs_are_json_lines(node):

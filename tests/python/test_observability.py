@@ -65,6 +65,41 @@ def test_status_has_a_line_per_gpu_and_a_state_per_job():
         "train": "running", "extra": "throttled", "paused": "suspended", "waiting": "queued"}
 
 
+def test_status_shows_the_hosts_memory_beside_what_the_jobs_pin_and_warns_when_a_squeeze_would_not_fit():
+    from cotenant.coordinator import host_memory
+
+    jobs = VIEW["jobs"] + [dict(name="big", role="opportunistic", device_bytes=40 << 30, host_bytes=0,
+                                host_pool_bytes=1 << 30)]
+    roomy = host_memory.host_status({"total_bytes": 512 << 30, "available_bytes": 400 << 30}, jobs)
+    # 3 GiB spilled (extra, paused) + 1 GiB kept; a squeeze would move 8 + 40 GiB.
+    assert roomy["pinned_by_jobs_bytes"] == 4 << 30 and roomy["squeezable_bytes"] == 48 << 30
+    assert roomy["note"] is None
+    lines = cli.format_status({**VIEW, "host": roomy}).splitlines()
+    assert ("host memory: 4.00 GiB pinned by jobs (spilled tensors, pages kept for spills) of 512.00 GiB; "
+            "400.00 GiB available") in lines
+    tight = host_memory.host_status({"total_bytes": 64 << 30, "available_bytes": 20 << 30}, jobs)
+    assert "would pin 48.00 GiB" in tight["note"] and "20.00 GiB available" in tight["note"]
+    assert any(line.startswith("  note: squeezing every opportunistic job") for line in
+               cli.format_status({**VIEW, "host": tight}).splitlines())
+    unknown = host_memory.host_status(None, jobs)
+    assert unknown["total_bytes"] is None and unknown["note"] is None
+    assert "host memory: 4.00 GiB pinned by jobs (spilled tensors, pages kept for spills)" in \
+        cli.format_status({**VIEW, "host": unknown}).splitlines()
+
+
+def test_meminfo_is_read_in_bytes_and_an_unreadable_one_is_none(tmp_path):
+    from cotenant.coordinator import host_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n")
+    assert host_memory.read_meminfo(str(meminfo)) == {"total_bytes": 16 << 20, "available_bytes": 8 << 20}
+    meminfo.write_text("MemTotal:       16384 kB\n")  # a kernel without MemAvailable
+    assert host_memory.read_meminfo(str(meminfo)) is None
+    assert host_memory.read_meminfo(str(tmp_path / "absent")) is None
+    real = host_memory.read_meminfo()
+    assert real is None or 0 < real["available_bytes"] <= real["total_bytes"]
+
+
 def test_timeline_legends_do_not_cover_the_plots():
     pytest.importorskip("matplotlib")
     from cotenant import timeline

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Union
 
-from cotenant.coordinator import gpus, paths, policy, protocol, report
+from cotenant.coordinator import gpus, host_memory, paths, policy, protocol, report
 from cotenant.coordinator.protocol import ProtocolError
 from cotenant.coordinator.queue_service import QueueService
 from cotenant.coordinator.rundir import AlreadyRunning, RunDirectory, UnsafeRunDirectory
@@ -293,6 +293,16 @@ class Metrics:
             "page_moves": Gauge("cotenant_gpu_page_moves", "Pages the GPU's live jobs moved.", gpu,
                                 registry=self.registry),
         }
+        self.node_host = {
+            "pinned_by_jobs_bytes": Gauge("cotenant_node_host_pinned_bytes",
+                                          "Pinned host memory of all jobs: spilled bytes and kept host pages.",
+                                          registry=self.registry),
+            "available_bytes": Gauge("cotenant_node_host_available_bytes",
+                                     "The node's available host memory (MemAvailable).", registry=self.registry),
+            "squeezable_bytes": Gauge("cotenant_node_host_squeezable_bytes",
+                                      "Device bytes of opportunistic jobs: what squeezing them all would pin.",
+                                      registry=self.registry),
+        }
         self.jobs = Gauge("cotenant_jobs", "Jobs known to the coordinator.", ["gpu", "role"], registry=self.registry)
         self.reclaimed = Counter("cotenant_jobs_reclaimed_total", "Dead jobs whose memory was reclaimed.", registry=self.registry)
         self.errors = Counter("cotenant_protocol_errors_total", "Requests answered with an error.", ["code"], registry=self.registry)
@@ -325,6 +335,12 @@ class Metrics:
         self.jobs.clear()
         for (gpu, role), n in counts.items():
             self.jobs.labels(gpu, role).set(n)
+        host = host_memory.host_status(host_memory.read_meminfo(), (
+            {"role": job.role, **{k: job.report.get(k, 0) for k in ("device_bytes", "host_bytes", "host_pool_bytes")}}
+            for job in jobs.values()))
+        for name, gauge in self.node_host.items():
+            if host[name] is not None:
+                gauge.set(host[name])
 
     def forget(self, job: Job) -> None:
         labels = (job.gpu, job.name, job.role)
@@ -1085,10 +1101,12 @@ class Coordinator:
     def status(self) -> Dict[str, Any]:
         now_ns = _core().monotonic_ns()
         keys = sorted({j.gpu for j in self.jobs.values()} | {self._node_key(i) for i in self.config.gpus or []})
+        jobs = [j.status(now_ns) for j in sorted(self.jobs.values(), key=lambda j: (j.gpu, j.job_id))]
         return {
             "coordinator": {"pid": os.getpid(), "socket": self.socket_path, "protocol": protocol.PROTOCOL_VERSION},
             "gpus": [self._gpu_status(key) for key in keys],
-            "jobs": [j.status(now_ns) for j in sorted(self.jobs.values(), key=lambda j: (j.gpu, j.job_id))],
+            "host": host_memory.host_status(host_memory.read_meminfo(), jobs),
+            "jobs": jobs,
             "queue": self.queue.status(),
         }
 

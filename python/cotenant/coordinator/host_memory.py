@@ -1,0 +1,55 @@
+"""The node's host memory beside what the jobs pin in it.
+
+Every byte a job spills, and every host page it keeps for the next spill
+(its host reserve included), is pinned: the kernel can neither swap it nor
+give it to another process. The coordinator squeezes opportunistic jobs
+into host memory, so `cotenant status` and the metrics show how much the
+jobs pin, how much the node still has, and whether squeezing every
+opportunistic job off its GPU would fit in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Mapping, Optional
+
+MEMINFO = "/proc/meminfo"
+
+
+def read_meminfo(path: str = MEMINFO) -> Optional[Dict[str, int]]:
+    """{"total_bytes", "available_bytes"} from /proc/meminfo (MemTotal,
+    MemAvailable), or None where it cannot be read."""
+    fields: Dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if name in ("MemTotal", "MemAvailable") and parts and parts[0].isdigit():
+                    fields[name] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    except OSError:
+        return None
+    if "MemTotal" not in fields or "MemAvailable" not in fields:
+        return None
+    return {"total_bytes": fields["MemTotal"], "available_bytes": fields["MemAvailable"]}
+
+
+def host_status(meminfo: Optional[Mapping[str, int]], jobs: Iterable[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The status's "host" entry from the node's memory and the jobs' status
+    dicts: what they pin (spilled bytes, kept host pages), what a squeeze of
+    every opportunistic job would pin more (its device bytes), and a note
+    when that is more than the node has available."""
+    jobs = list(jobs)
+    pinned = sum(int(j.get("host_bytes", 0) or 0) + int(j.get("host_pool_bytes", 0) or 0) for j in jobs)
+    squeezable = sum(int(j.get("device_bytes", 0) or 0) for j in jobs if j.get("role") == "opportunistic")
+    out: Dict[str, Any] = {"pinned_by_jobs_bytes": pinned, "squeezable_bytes": squeezable,
+                           "total_bytes": None, "available_bytes": None, "note": None}
+    if meminfo is not None:
+        out.update(total_bytes=meminfo["total_bytes"], available_bytes=meminfo["available_bytes"])
+        if squeezable > meminfo["available_bytes"]:
+            from cotenant._core import format_size  # the one formatter
+
+            out["note"] = (f"squeezing every opportunistic job off its GPU would pin {format_size(squeezable)} "
+                           f"of host memory, more than the {format_size(meminfo['available_bytes'])} available: "
+                           "such a squeeze stops part way (its pages stay on the device). Free host memory, "
+                           "or run fewer opportunistic jobs on this node")
+    return out
