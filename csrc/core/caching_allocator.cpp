@@ -38,8 +38,7 @@ struct CachingAllocator::State {
       : backend(backend),
         options(options),
         page_bytes(backend.granularity()),
-        owns_host_pages(shared_host_pages == nullptr),
-        host_pages(owns_host_pages ? std::make_shared<HostPagePool>(backend) : std::move(shared_host_pages)) {
+        host_pages(shared_host_pages ? std::move(shared_host_pages) : std::make_shared<HostPagePool>(backend)) {
     if (&host_pages->backend() != &backend) {
       throw Error("an allocator's host page pool must be of the allocator's own backend (one pool per device)");
     }
@@ -80,7 +79,6 @@ struct CachingAllocator::State {
   // Host pages kept after their last use (options.keep_host_pages, the
   // host reserve): the next page the host needs comes from here before the
   // driver pins one. The device's pool when shared, else this allocator's.
-  const bool owns_host_pages;
   const std::shared_ptr<HostPagePool> host_pages;
   AllocatorEventSink* sink = nullptr;  // set_event_sink(); null: no events
 
