@@ -97,11 +97,14 @@ def gpu_lines(view: Dict[str, Any]) -> List[str]:
     host = view.get("host")
     if host:
         pinned = _format_size(host.get("pinned_by_jobs_bytes", 0))
+        held = host.get("held_back_bytes", 0)
+        held = f"; squeezes held back by {_format_size(held)}" if held else ""
         if host.get("total_bytes") is not None:
             lines.append(f"host memory: {pinned} pinned by jobs (spilled tensors, pages kept for spills) of "
-                         f"{_format_size(host['total_bytes'])}; {_format_size(host['available_bytes'])} available")
+                         f"{_format_size(host['total_bytes'])}; {_format_size(host['available_bytes'])} available"
+                         f"{held}")
         else:
-            lines.append(f"host memory: {pinned} pinned by jobs (spilled tensors, pages kept for spills)")
+            lines.append(f"host memory: {pinned} pinned by jobs (spilled tensors, pages kept for spills){held}")
         if host.get("note"):
             lines.append(f"  note: {host['note']}")
     return lines

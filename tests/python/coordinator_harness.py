@@ -56,12 +56,15 @@ def read_json(path):
 class Node:
     """One coordinator socket path with its coordinator process and jobs; cleans up everything."""
 
-    def __init__(self, gpu_memory="1GiB", headroom="128MiB", extra_args=()):
+    def __init__(self, gpu_memory="1GiB", headroom="128MiB", host_headroom="0", extra_args=()):
+        """host_headroom: the node's host memory no squeeze may pin; 0 by default, so that what
+        this machine has available does not change what a test sees."""
         # Unix socket paths are limited to 107 bytes: keep the directory short.
         self.directory = tempfile.mkdtemp(prefix="ct-", dir="/tmp")
         os.chmod(self.directory, 0o755)
         self.socket = os.path.join(self.directory, "c.sock")
-        self.args = ["--gpu-memory", gpu_memory, "--headroom", headroom, *extra_args]
+        self.args = ["--gpu-memory", gpu_memory, "--headroom", headroom, "--memory-host-headroom", host_headroom,
+                     *extra_args]
         self.coordinator = None
         self.coordinators = []  # every one started: close() stops those a test replaced too
         self.jobs = []

@@ -64,6 +64,33 @@ def test_guaranteed_burst_shrinks_opportunistic_cap_then_grows_guaranteed_cap(no
     assert max(together()) <= 896 * MiB
 
 
+def test_a_squeeze_that_would_pin_the_hosts_headroom_is_held_back_and_shown():
+    # A host headroom larger than any node: no squeeze may pin anything.
+    node = Node(host_headroom="1024TiB")
+    try:
+        node.start_coordinator()
+        # o holds less than the burst margin its first cap leaves it, so it never
+        # spills by itself (a job growing past its own cap is not a squeeze).
+        node.start_job("opportunistic", "o", hold_mib=192)
+        g = node.start_job("guaranteed", "g", hold_mib=256)
+        assert wait_until(lambda: (node.job("g") or {}).get("device_bytes", 0) == 256 * MiB)
+        assert node.job("o")["device_bytes"] == 192 * MiB and node.job("o")["squeeze_held_back_bytes"] == 0
+        g.burst(512)  # g needs more than the GPU: the plan squeezes o to its minimum cap
+        assert wait_until(lambda: node.job("o")["squeeze_held_back_bytes"] >= 180 * MiB, timeout=5), \
+            (node.status()["jobs"], node.read_log())
+        time.sleep(0.5)  # ten ticks: the cap stays up
+        o, g_now = node.job("o"), node.job("g")
+        assert o["host_bytes"] == 0 and o["device_bytes"] == 192 * MiB and o["cap"] >= 192 * MiB
+        # The guaranteed cap grew only into memory free on the device: g spills past it itself.
+        assert g_now["cap"] + o["device_bytes"] <= 896 * MiB and g_now["host_bytes"] > 0
+        host = node.status()["host"]
+        assert host["held_back_bytes"] == o["squeeze_held_back_bytes"] and host["headroom_bytes"] == 1024 << 40
+        assert "squeezes held back by" in host["note"] and "host_headroom" in host["note"]
+        assert "squeeze held back by host memory" in node.read_log()
+    finally:
+        node.close()
+
+
 def test_guaranteed_slowdown_cuts_the_opportunistic_share(node):
     node.start_coordinator()
     g = node.start_job("guaranteed", "g", hold_mib=64, iteration_us=5000)

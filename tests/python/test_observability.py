@@ -81,6 +81,17 @@ def test_status_shows_the_hosts_memory_beside_what_the_jobs_pin_and_warns_when_a
     assert "would pin 48.00 GiB" in tight["note"] and "20.00 GiB available" in tight["note"]
     assert any(line.startswith("  note: squeezing every opportunistic job") for line in
                cli.format_status({**VIEW, "host": tight}).splitlines())
+    # The headroom counts against what is available: 400 GiB less 380 cannot take 48.
+    kept = host_memory.host_status({"total_bytes": 512 << 30, "available_bytes": 400 << 30}, jobs, 380 << 30)
+    assert "more than the 20.00 GiB available beyond the 380.00 GiB host headroom" in kept["note"]
+    held = host_memory.host_status({"total_bytes": 512 << 30, "available_bytes": 400 << 30},
+                                   jobs + [dict(name="held", role="opportunistic", squeeze_held_back_bytes=3 << 30)],
+                                   380 << 30)
+    assert held["held_back_bytes"] == 3 << 30 and held["headroom_bytes"] == 380 << 30
+    assert held["note"].startswith("squeezes held back by 3.00 GiB to keep 380.00 GiB of host memory available")
+    held_lines = cli.format_status({**VIEW, "host": held}).splitlines()
+    assert ("host memory: 4.00 GiB pinned by jobs (spilled tensors, pages kept for spills) of 512.00 GiB; "
+            "400.00 GiB available; squeezes held back by 3.00 GiB") in held_lines
     unknown = host_memory.host_status(None, jobs)
     assert unknown["total_bytes"] is None and unknown["note"] is None
     assert "host memory: 4.00 GiB pinned by jobs (spilled tensors, pages kept for spills)" in \

@@ -176,3 +176,63 @@ def test_salus_admission(case, persistent, total, g_live, o_persistent, decision
     assert reason in admission.reason
     if decision != ADMIT:
         assert admission.reason.endswith(("grow", "frees up", "batch"))  # says what happens or what to do
+
+
+# (case, jobs, planned caps, host room, expected caps, expected held back)
+HOST_BOUND_CASES = [
+    ("unknown_host_memory_bounds_nothing",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 4 * GiB}, None,
+     {2: 4 * GiB}, {}),
+    ("a_squeeze_that_fits_is_left_alone",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 4 * GiB}, 4 * GiB,
+     {2: 4 * GiB}, {}),
+    ("no_room_keeps_the_live_device_bytes_where_they_are",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 4 * GiB}, 0,
+     {2: 8 * GiB}, {2: 4 * GiB}),
+    ("negative_room_is_no_room",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 4 * GiB}, -GiB,
+     {2: 8 * GiB}, {2: 4 * GiB}),
+    ("kept_host_pages_take_a_squeeze_first_then_the_room",
+     # 4 GiB to spill: 1 GiB into the pages it keeps, 1 GiB of room; 2 GiB stay on the device.
+     [Job(2, O, device_bytes=8 * GiB, host_pool_bytes=GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 4 * GiB},
+     GiB, {2: 6 * GiB}, {2: 2 * GiB}),
+    ("cache_above_the_live_bytes_goes_back_without_pinning",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=3 * GiB, cap=8 * GiB)], {2: 3 * GiB}, 0,
+     {2: 3 * GiB}, {}),
+    ("bytes_spilled_already_are_not_pinned_again",
+     # 10 GiB live, 4 on the host: 6 on the device, 2 of them above the new cap.
+     [Job(2, O, device_bytes=6 * GiB, host_bytes=4 * GiB, allocated_bytes=10 * GiB, cap=6 * GiB)], {2: 4 * GiB},
+     2 * GiB, {2: 4 * GiB}, {}),
+    ("two_opportunistic_squeezes_share_the_room_evenly",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB),
+      Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 4 * GiB, 3: 4 * GiB}, 4 * GiB,
+     {2: 6 * GiB, 3: 6 * GiB}, {2: 2 * GiB, 3: 2 * GiB}),
+    ("opportunistic_squeezes_come_before_a_guaranteed_one",
+     [Job(1, G, device_bytes=6 * GiB, allocated_bytes=6 * GiB, cap=6 * GiB),
+      Job(2, O, device_bytes=4 * GiB, allocated_bytes=4 * GiB, cap=4 * GiB)], {1: 5 * GiB, 2: 2 * GiB}, 2 * GiB,
+     {1: 6 * GiB, 2: 2 * GiB}, {1: GiB}),
+    ("an_administrators_cap_is_never_raised_and_takes_the_room_first",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, user_cap=5 * GiB),
+      Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 5 * GiB, 3: 6 * GiB}, 2 * GiB,
+     {2: 5 * GiB, 3: 8 * GiB}, {3: 2 * GiB}),
+]
+
+
+@pytest.mark.parametrize("case,jobs,planned,room,expected,held_back", HOST_BOUND_CASES,
+                         ids=[c[0] for c in HOST_BOUND_CASES])
+def test_squeezes_are_held_back_to_keep_the_host_headroom(case, jobs, planned, room, expected, held_back):
+    bound = policy.bound_squeezes_by_host(planned, jobs, room)
+    assert bound.caps == expected
+    assert bound.held_back == held_back
+    by_id = {j.job_id: j for j in jobs}
+    assert bound.pins_bytes == sum(by_id[k].pins_under(c) for k, c in bound.caps.items())
+    assert all(bound.caps[k] >= planned[k] for k in planned)  # a cap only ever stays higher
+    mandatory = sum(j.pins_under(planned[j.job_id]) for j in jobs if j.user_cap is not None)
+    if room is not None:
+        assert bound.pins_bytes <= max(room, mandatory)
+
+
+@pytest.mark.parametrize("case,total,jobs,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
+def test_a_roomy_host_changes_no_planned_cap(case, total, jobs, expected):
+    caps = policy.plan_memory_caps(total, jobs, CONFIG)
+    assert policy.bound_squeezes_by_host(caps, jobs, 1 << 50).caps == expected

@@ -193,6 +193,7 @@ class Job:
     pid_start_ticks: int = 0  # with pid, names the process for good (a reused pid starts later)
     owner_token: int = 0      # in the block's header and the durable state: what restart adopts
     silent_since: Optional[float] = None  # a live process's heartbeat stopped (stopped, or hung) at this time
+    held_back_bytes: int = 0  # how far its cap stays above the plan, so the node keeps its host headroom
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
         """True while the solo baseline is being measured. A guaranteed job that
@@ -213,6 +214,7 @@ class Job:
         return policy.JobObservation(
             job_id=self.job_id, role=self.role, device=self.device,
             device_bytes=self.report.get("device_bytes", 0), host_bytes=self.report.get("host_bytes", 0),
+            host_pool_bytes=self.report.get("host_pool_bytes", 0),
             allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
         )
 
@@ -242,6 +244,7 @@ class Job:
             "spilled_bytes": r.get("spilled_bytes", 0), "restored_bytes": r.get("restored_bytes", 0),
             "page_moves": r.get("num_migrations", 0),
             "pending_migration_bytes": r.get("pending_migration_bytes", 0),
+            "squeeze_held_back_bytes": self.held_back_bytes,
             "applied_cap": r.get("applied_memory_cap"), "applied_share": r.get("applied_share"),
             "iteration_ewma_us": self.iteration_ewma_us(), "iteration_count": r.get("iteration_count", 0),
             "effective_share": r.get("effective_share"),
@@ -302,6 +305,9 @@ class Metrics:
             "squeezable_bytes": Gauge("cotenant_node_host_squeezable_bytes",
                                       "Device bytes of opportunistic jobs: what squeezing them all would pin.",
                                       registry=self.registry),
+            "held_back_bytes": Gauge("cotenant_node_host_held_back_bytes",
+                                     "How far the jobs' caps stay above the plan to keep the host headroom available.",
+                                     registry=self.registry),
         }
         self.jobs = Gauge("cotenant_jobs", "Jobs known to the coordinator.", ["gpu", "role"], registry=self.registry)
         self.reclaimed = Counter("cotenant_jobs_reclaimed_total", "Dead jobs whose memory was reclaimed.", registry=self.registry)
@@ -336,7 +342,8 @@ class Metrics:
         for (gpu, role), n in counts.items():
             self.jobs.labels(gpu, role).set(n)
         host = host_memory.host_status(host_memory.read_meminfo(), (
-            {"role": job.role, **{k: job.report.get(k, 0) for k in ("device_bytes", "host_bytes", "host_pool_bytes")}}
+            {"role": job.role, "squeeze_held_back_bytes": job.held_back_bytes,
+             **{k: job.report.get(k, 0) for k in ("device_bytes", "host_bytes", "host_pool_bytes")}}
             for job in jobs.values()))
         for name, gauge in self.node_host.items():
             if host[name] is not None:
@@ -756,9 +763,12 @@ class Coordinator:
 
         # Memory.
         if total is not None:
-            caps = policy.plan_memory_caps(total, [j.observation() for j in jobs], self.config.memory)
+            observed = [j.observation() for j in jobs]
+            caps = policy.plan_memory_caps(total, observed, self.config.memory)
+            bound = policy.bound_squeezes_by_host(caps, observed, self._host_room(device))
+            self._held_back_by_host(jobs, bound.held_back)
             for job in jobs:
-                self._apply(job, cap=caps.get(job.job_id, job.cap))
+                self._apply(job, cap=bound.caps.get(job.job_id, job.cap))
         else:
             for job in jobs:  # capacity unknown: only administrator caps apply
                 self._apply(job, cap=job.user_cap)
@@ -780,6 +790,30 @@ class Coordinator:
                 self._apply(job, share=shares[job.job_id])
         for job in guaranteed:
             self._apply(job, share=job.pinned_share if job.pinned_share is not None else 1.0)
+
+    def _host_room(self, device: str) -> Optional[int]:
+        """What squeezes on GPU `device` may pin: the node's available host
+        memory less the host headroom and what caps on the other GPUs will
+        pin still (None where /proc/meminfo cannot be read: no bound)."""
+        meminfo = host_memory.read_meminfo()
+        if meminfo is None:
+            return None
+        elsewhere = sum(j.observation().pins_under(j.cap) for j in self.jobs.values() if j.gpu != device)
+        return meminfo["available_bytes"] - self.config.memory.host_headroom_bytes - elsewhere
+
+    def _held_back_by_host(self, jobs: List["Job"], held_back: Dict[int, int]) -> None:
+        """Records, and logs when it starts and ends, each job's squeeze held back by host memory."""
+        for job in jobs:
+            now_held = held_back.get(job.job_id, 0)
+            if bool(now_held) != bool(job.held_back_bytes):
+                if now_held:
+                    _event("squeeze held back by host memory", logging.WARNING, job=job.name,
+                           held_back_bytes=now_held, host_headroom_bytes=self.config.memory.host_headroom_bytes,
+                           consequence="the job's cap stays above the plan, its pages on the device, so that the "
+                                       "node keeps its host headroom available")
+                else:
+                    _event("squeeze no longer held back by host memory", job=job.name)
+            job.held_back_bytes = now_held
 
     def _apply(self, job: Job, cap: Any = ..., share: Any = ...) -> None:
         changes: Dict[str, Any] = {}
@@ -1105,7 +1139,7 @@ class Coordinator:
         return {
             "coordinator": {"pid": os.getpid(), "socket": self.socket_path, "protocol": protocol.PROTOCOL_VERSION},
             "gpus": [self._gpu_status(key) for key in keys],
-            "host": host_memory.host_status(host_memory.read_meminfo(), jobs),
+            "host": host_memory.host_status(host_memory.read_meminfo(), jobs, self.config.memory.host_headroom_bytes),
             "jobs": jobs,
             "queue": self.queue.status(),
         }

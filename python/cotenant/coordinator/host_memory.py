@@ -3,9 +3,11 @@
 Every byte a job spills, and every host page it keeps for the next spill
 (its host reserve included), is pinned: the kernel can neither swap it nor
 give it to another process. The coordinator squeezes opportunistic jobs
-into host memory, so `cotenant status` and the metrics show how much the
-jobs pin, how much the node still has, and whether squeezing every
-opportunistic job off its GPU would fit in it.
+into host memory and holds a squeeze back where it would leave the node less
+than its host headroom (policy.bound_squeezes_by_host); `cotenant status`
+and the metrics show how much the jobs pin, how much the node still has,
+how much is held back, and whether squeezing every opportunistic job off
+its GPU would fit.
 """
 
 from __future__ import annotations
@@ -33,23 +35,34 @@ def read_meminfo(path: str = MEMINFO) -> Optional[Dict[str, int]]:
     return {"total_bytes": fields["MemTotal"], "available_bytes": fields["MemAvailable"]}
 
 
-def host_status(meminfo: Optional[Mapping[str, int]], jobs: Iterable[Mapping[str, Any]]) -> Dict[str, Any]:
+def host_status(meminfo: Optional[Mapping[str, int]], jobs: Iterable[Mapping[str, Any]],
+                headroom_bytes: int = 0) -> Dict[str, Any]:
     """The status's "host" entry from the node's memory and the jobs' status
     dicts: what they pin (spilled bytes, kept host pages), what a squeeze of
-    every opportunistic job would pin more (its device bytes), and a note
-    when that is more than the node has available."""
+    every opportunistic job would pin more (its device bytes), how much the
+    policy holds squeezes back to keep `headroom_bytes` available, and a note
+    when it holds some back or would have to."""
     jobs = list(jobs)
     pinned = sum(int(j.get("host_bytes", 0) or 0) + int(j.get("host_pool_bytes", 0) or 0) for j in jobs)
     squeezable = sum(int(j.get("device_bytes", 0) or 0) for j in jobs if j.get("role") == "opportunistic")
+    held_back = sum(int(j.get("squeeze_held_back_bytes", 0) or 0) for j in jobs)
     out: Dict[str, Any] = {"pinned_by_jobs_bytes": pinned, "squeezable_bytes": squeezable,
-                           "total_bytes": None, "available_bytes": None, "note": None}
+                           "total_bytes": None, "available_bytes": None, "headroom_bytes": headroom_bytes,
+                           "held_back_bytes": held_back, "note": None}
+    from cotenant._core import format_size  # the one formatter
+
+    if held_back:
+        out["note"] = (f"squeezes held back by {format_size(held_back)} to keep {format_size(headroom_bytes)} of "
+                       "host memory available (the coordinator's [memory] host_headroom): those pages stay on the "
+                       "device and guaranteed jobs get less room. Free host memory, or run fewer opportunistic "
+                       "jobs on this node")
     if meminfo is not None:
         out.update(total_bytes=meminfo["total_bytes"], available_bytes=meminfo["available_bytes"])
-        if squeezable > meminfo["available_bytes"]:
-            from cotenant._core import format_size  # the one formatter
-
+        room = meminfo["available_bytes"] - headroom_bytes
+        if out["note"] is None and squeezable > room:
             out["note"] = (f"squeezing every opportunistic job off its GPU would pin {format_size(squeezable)} "
-                           f"of host memory, more than the {format_size(meminfo['available_bytes'])} available: "
-                           "such a squeeze stops part way (its pages stay on the device). Free host memory, "
-                           "or run fewer opportunistic jobs on this node")
+                           f"of host memory, more than the {format_size(max(0, room))} available beyond the "
+                           f"{format_size(headroom_bytes)} host headroom: the coordinator would hold such a squeeze "
+                           "back, its pages left on the device. Free host memory, or run fewer opportunistic jobs "
+                           "on this node")
     return out

@@ -20,6 +20,11 @@ during which opportunistic jobs are paused.
 Admission (Salus): an opportunistic job whose persistent memory cannot fit
 next to the guaranteed jobs and the admitted opportunistic ones is queued,
 or refused when it could never fit.
+Host memory: every byte a squeeze spills is pinned host memory, which the
+kernel can neither swap nor reclaim; a squeeze that would leave the node
+less than a host headroom available is held back (the cap stays higher,
+opportunistic jobs' squeezes before the others'), so cotenant never pins
+the node into its OOM killer.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class JobObservation:
     device: int = 0
     device_bytes: int = 0
     host_bytes: int = 0
+    host_pool_bytes: int = 0        # pinned host pages kept for spills (a squeeze fills them first)
     allocated_bytes: Optional[int] = None  # held by live tensors; None: count everything held
     cap: Optional[int] = None       # the cap now in force (None = none)
     user_cap: Optional[int] = None  # an upper bound an administrator set
@@ -58,12 +64,25 @@ class JobObservation:
         Its cache above that is released when its cap comes down."""
         return self.held_bytes if self.allocated_bytes is None else self.allocated_bytes
 
+    @property
+    def live_device_bytes(self) -> int:
+        """Its live tensors' bytes on the device: what a cap below them spills."""
+        return min(self.device_bytes, max(0, self.live_bytes - self.host_bytes))
+
+    def pins_under(self, cap: Optional[int]) -> int:
+        """Host memory a cap would pin beyond what the job holds pinned now:
+        the live device bytes above the cap, less the host pages it keeps."""
+        if cap is None:
+            return 0
+        return max(0, self.live_device_bytes - cap - self.host_pool_bytes)
+
 
 @dataclass(frozen=True)
 class MemoryPolicyConfig:
     headroom_bytes: int = 512 * MiB      # kept free on every GPU
     burst_margin_bytes: int = 256 * MiB  # room above what a job holds before its cap binds
     min_cap_bytes: int = 2 * MiB         # never cap a job below one page (cap 0 is refused)
+    host_headroom_bytes: int = 4 << 30   # host memory no squeeze may pin (kept available on the node)
 
 
 def plan_memory_caps(
@@ -116,6 +135,60 @@ def plan_memory_caps(
             target = max(job.cap, min(target, job.device_bytes + free_now))
         caps[job.job_id] = target
     return caps
+
+
+@dataclass(frozen=True)
+class HostBound:
+    """Caps after the host-memory bound, what they pin more, and how much
+    each held-back job's cap stays above the plan (bytes, by job id)."""
+
+    caps: Dict[int, int]
+    pins_bytes: int
+    held_back: Dict[int, int]
+
+
+def bound_squeezes_by_host(
+    caps: Dict[int, int], jobs: Sequence[JobObservation], host_room_bytes: Optional[int]
+) -> HostBound:
+    """Holds back the squeezes `caps` would make that do not fit in
+    `host_room_bytes` (the node's available host memory less the host
+    headroom and what squeezes on other GPUs will pin; None: unknown, no bound).
+
+    A squeeze pins the job's live device bytes above its new cap, less the
+    host pages it keeps. The room goes to opportunistic jobs' squeezes first
+    (they make way for guaranteed ones), water-filled, then to the others';
+    a job given less than its squeeze gets the cap that pins only that
+    much. An administrator's cap is never raised."""
+    by_id = {j.job_id: j for j in jobs}
+    wants = {job_id: by_id[job_id].pins_under(cap) for job_id, cap in caps.items() if job_id in by_id}
+    if host_room_bytes is None:
+        return HostBound(dict(caps), sum(wants.values()), {})
+    room = max(0, host_room_bytes)
+
+    def rank(job_id: int) -> int:  # an administrator's cap binds first; then opportunistic squeezes
+        job = by_id[job_id]
+        if job.user_cap is not None and caps[job_id] >= job.user_cap:
+            return 0
+        return 1 if job.role == OPPORTUNISTIC else 2
+
+    given: Dict[int, int] = {}
+    for group_rank in (0, 1, 2):
+        group = {k: v for k, v in wants.items() if rank(k) == group_rank}
+        given.update(_water_fill(room, group))
+        room -= sum(given[k] for k in group)
+    bounded = dict(caps)
+    held_back: Dict[int, int] = {}
+    for job_id, want in wants.items():
+        if given[job_id] >= want:
+            continue
+        job = by_id[job_id]
+        cap = job.live_device_bytes - job.host_pool_bytes - given[job_id]
+        if job.user_cap is not None:
+            cap = min(cap, job.user_cap)
+        if cap > caps[job_id]:
+            held_back[job_id] = cap - caps[job_id]
+            bounded[job_id] = cap
+    return HostBound(bounded, sum(by_id[k].pins_under(c) for k, c in bounded.items() if k in by_id), held_back)
 
 
 def _water_fill(budget: int, wants: Dict[int, int]) -> Dict[int, int]:

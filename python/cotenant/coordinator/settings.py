@@ -113,6 +113,8 @@ SETTINGS = (
     Setting("memory", "burst_margin", ("memory", "burst_margin_bytes"), _size,
             "room above what an opportunistic job holds before its cap binds"),
     Setting("memory", "min_cap", ("memory", "min_cap_bytes"), _size, "the lowest cap the policy sets"),
+    Setting("memory", "host_headroom", ("memory", "host_headroom_bytes"), _size,
+            "host memory kept available on the node: no squeeze pins it (the cap stays higher instead)"),
     Setting("share", "target_slowdown", ("share", "target_slowdown"), _number(1.0, float("inf"), low_open=True),
             "the guaranteed job's iteration time over its solo baseline that the policy keeps under"),
     Setting("share", "increase_step", ("share", "increase_step"), _number(0.0, 1.0, low_open=True),
