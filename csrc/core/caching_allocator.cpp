@@ -245,11 +245,10 @@ struct CachingAllocator::State {
   }
 
   // A new page on `where`: a kept host page when there is one, else the
-  // backend's (an empty handle when that memory is exhausted).
+  // backend's (an empty handle when that memory is exhausted, or a host page
+  // would take the host below its headroom).
   PageHandle new_page(Residency where) {
-    if (where == Residency::kHost) {
-      if (const PageHandle kept = host_pages->take()) return kept;
-    }
+    if (where == Residency::kHost) return host_pages->take_or_pin();
     return backend.create_page(where);
   }
   // Whether host pages given up are kept: while the job may need host pages
@@ -650,12 +649,12 @@ struct CachingAllocator::State {
     }
     const PoolKind pool = PoolKind::kLarge;
     size = round_up(size, page_bytes);
-    DevicePtr base = backend.allocate_pinned_host(size);
+    DevicePtr base = host_pages->may_pin(size) ? backend.allocate_pinned_host(size) : 0;
     if (base == 0 && !pinned_free.empty()) {
       // Host memory is short: the cached blocks (other streams', or too
       // large to reuse) go back first, then one more try.
       release_pinned_cache();
-      base = backend.allocate_pinned_host(size);
+      if (host_pages->may_pin(size)) base = backend.allocate_pinned_host(size);
     }
     if (base == 0) return nullptr;
     Block* block = add_segment(base, size, stream, pool, /*pinned_fallback=*/true);
@@ -720,16 +719,18 @@ struct CachingAllocator::State {
           format_size(static_cast<std::uint64_t>(
               std::max<std::int64_t>(stats.reserved_bytes.all.current - stats.allocated_bytes.all.current, 0)))));
     }
+    std::string host_note = host_pages->headroom_note();
+    if (!host_note.empty()) host_note = ": " + host_note;
     throw OutOfMemoryError(fmt::format(
         "cotenant: out of memory allocating {} on stream {:#x}: the device cap is {} with {} device-resident "
         "({} allocated by this process, {} reserved), the device reports {} free of {}, and host memory "
-        "for spilling is exhausted or disabled ({} host-resident). Free tensors, raise the cap with "
+        "for spilling is exhausted or disabled ({} host-resident{}). Free tensors, raise the cap with "
         "cotenant.set_memory_cap(), or make more host memory available.",
         format_size(requested), stream, limit == kNoCap ? std::string("unset") : format_size(limit),
         format_size(device_bytes()), format_size(static_cast<std::uint64_t>(stats.allocated_bytes.all.current)),
         format_size(static_cast<std::uint64_t>(stats.reserved_bytes.all.current)),
         format_size(backend.device_free_bytes()), format_size(backend.device_total_bytes()),
-        format_size(static_cast<std::uint64_t>(stats.host_resident_bytes.current))));
+        format_size(static_cast<std::uint64_t>(stats.host_resident_bytes.current)), host_note));
   }
 
   // ---- migration ----------------------------------------------------------
@@ -1485,6 +1486,7 @@ AllocatorStats CachingAllocator::stats() const {
   std::lock_guard lock(state_->mutex);
   AllocatorStats out = state_->stats;
   out.host_pool_bytes = state_->host_pages->kept();
+  out.num_host_headroom_refusals = state_->host_pages->headroom_refusals();
   out.memory_cap = state_->cap;
   out.spilled_all = state_->spill_everything;
   out.mode = state_->mode();

@@ -2,10 +2,28 @@
 
 #include <fmt/format.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "cotenant/errors.h"
 #include "cotenant/size.h"
 
 namespace cotenant {
+
+std::optional<std::size_t> read_mem_available(const char* path) {
+  std::ifstream meminfo(path);
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream fields(line.substr(13));
+    std::size_t value = 0;
+    std::string unit;
+    if (!(fields >> value)) return std::nullopt;
+    fields >> unit;
+    return unit == "kB" ? value * 1024 : value;
+  }
+  return std::nullopt;
+}
 
 HostPagePool::HostPagePool(Backend& backend) : backend_(backend), page_bytes_(backend.granularity()) {}
 
@@ -26,6 +44,63 @@ PageHandle HostPagePool::take() {
   kept_.pop_back();
   kept_bytes_.decrease(static_cast<std::int64_t>(page_bytes_));
   return page;
+}
+
+PageHandle HostPagePool::take_or_pin() {
+  {
+    std::lock_guard lock(mutex_);
+    if (!kept_.empty()) {
+      const PageHandle page = kept_.back();
+      kept_.pop_back();
+      kept_bytes_.decrease(static_cast<std::int64_t>(page_bytes_));
+      return page;
+    }
+    if (!may_pin_locked(page_bytes_)) return {};
+  }
+  return backend_.create_page(Residency::kHost);
+}
+
+bool HostPagePool::may_pin(std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  return may_pin_locked(bytes);
+}
+
+bool HostPagePool::may_pin_locked(std::size_t bytes) {
+  if (headroom_ == 0) return true;
+  const std::optional<std::size_t> available = backend_.host_available_bytes();
+  if (!available || *available >= headroom_ + bytes) return true;
+  ++headroom_refusals_;
+  return false;
+}
+
+void HostPagePool::set_headroom(std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  headroom_ = bytes;
+}
+
+std::size_t HostPagePool::headroom() const {
+  std::lock_guard lock(mutex_);
+  return headroom_;
+}
+
+std::int64_t HostPagePool::headroom_refusals() const {
+  std::lock_guard lock(mutex_);
+  return headroom_refusals_;
+}
+
+std::string HostPagePool::headroom_note() const {
+  std::size_t headroom = 0;
+  {
+    std::lock_guard lock(mutex_);
+    headroom = headroom_;
+  }
+  const std::optional<std::size_t> available = backend_.host_available_bytes();
+  if (headroom == 0 || !available || *available >= headroom + page_bytes_) return "";
+  return fmt::format(
+      "the host is at its headroom ({} available, {} kept available: COTENANT_HOST_HEADROOM, or the "
+      "coordinator's [memory] host_headroom; pinned memory cannot be swapped, and pinning the rest would "
+      "leave the system to its OOM killer)",
+      format_size(*available), format_size(headroom));
 }
 
 void HostPagePool::give(PageHandle page) {
@@ -83,6 +158,13 @@ std::size_t HostPagePool::reserve(std::size_t bytes) {
   std::vector<PageHandle> pinned;
   try {
     while (have + pinned.size() < pages) {
+      if (!may_pin(page_bytes_)) {
+        std::string why = headroom_note();
+        if (why.empty()) why = fmt::format("the host is at its headroom of {}", format_size(headroom()));
+        throw Error(fmt::format("cannot reserve {} of host memory after {}: {}. Reserve less, or lower the headroom",
+                                format_size(pages * page_bytes_), format_size((have + pinned.size()) * page_bytes_),
+                                why));
+      }
       const PageHandle page = backend_.create_page(Residency::kHost);
       if (!page) {
         throw Error(fmt::format(
@@ -124,6 +206,7 @@ void HostPagePool::reset_peak() {
 void HostPagePool::reset_accumulated() {
   std::lock_guard lock(mutex_);
   kept_bytes_.reset_accumulated();
+  headroom_refusals_ = 0;
 }
 
 }  // namespace cotenant

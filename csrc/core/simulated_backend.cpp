@@ -351,6 +351,11 @@ std::size_t SimulatedBackend::device_bytes_in_use() const {
   return device_used_;
 }
 
+std::optional<std::size_t> SimulatedBackend::host_available_bytes() const {
+  std::lock_guard lock(mutex_);
+  return config_.host_capacity > host_used_ ? config_.host_capacity - host_used_ : 0;
+}
+
 std::size_t SimulatedBackend::host_bytes_in_use() const {
   std::lock_guard lock(mutex_);
   return host_used_;

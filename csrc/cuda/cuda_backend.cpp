@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cotenant/errors.h"
+#include "cotenant/host_page_pool.h"
 #include "cuda_driver.h"
 
 namespace cotenant::cuda {
@@ -168,6 +169,8 @@ std::size_t CudaBackend::device_free_bytes() const {
   check_runtime(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return free;
 }
+
+std::optional<std::size_t> CudaBackend::host_available_bytes() const { return read_mem_available(); }
 
 DevicePtr CudaBackend::reserve(std::size_t bytes) {
   CUdeviceptr base = 0;

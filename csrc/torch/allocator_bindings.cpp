@@ -164,6 +164,7 @@ COTENANT_TORCH_BINDINGS(allocator) {
     out["mode"] = spill_mode_name(s.mode);
     out["host_page_kind"] = d.backend->host_page_kind();
     out["host_reserve_bytes"] = d.main->host_reserve();
+    out["host_headroom_bytes"] = d.host_pages->headroom();
     return out;
   }, py::arg("device"), "The capped allocator's statistics (torch's key names plus cotenant's).");
 
@@ -172,6 +173,9 @@ COTENANT_TORCH_BINDINGS(allocator) {
     py::gil_scoped_release release;  // pinning takes a while; other threads may run Python meanwhile
     return allocator.reserve_host_memory(bytes);
   }, py::arg("device"), py::arg("bytes"), "Pins host pages now and keeps them (see CachingAllocator). Returns bytes.");
+  m.def("set_host_headroom", [](std::uint64_t bytes) { CotenantCudaAllocator::instance().set_host_headroom(bytes); },
+        py::arg("bytes"), "Host memory no device's host pool pins into, on every device (HostPagePool).");
+  m.def("host_headroom", [] { return CotenantCudaAllocator::instance().host_headroom(); });
   m.def("spill_all", [](int device) { main_allocator(device).spill_all(); }, py::arg("device"));
   m.def("restore_all", [](int device) { main_allocator(device).restore_all(); }, py::arg("device"));
   m.def("has_pending_migrations", [] { return CotenantCudaAllocator::instance().has_pending_migrations(); });

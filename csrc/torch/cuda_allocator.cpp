@@ -176,6 +176,7 @@ DeviceAllocators& CotenantCudaAllocator::on(c10::DeviceIndex device) {
   }
   if (DeviceAllocators* d = devices_[device].load(std::memory_order_acquire)) return *d;
   auto created = std::make_unique<DeviceAllocators>(device);
+  created->host_pages->set_headroom(host_headroom_.load(std::memory_order_relaxed));
   DeviceAllocators* raw = created.get();
   owned_devices_.push_back(std::move(created));
   devices_[device].store(raw, std::memory_order_release);
@@ -186,6 +187,12 @@ DeviceAllocators& CotenantCudaAllocator::on(c10::DeviceIndex device) {
 DeviceAllocators* CotenantCudaAllocator::existing(c10::DeviceIndex device) const {
   if (device < 0 || device >= static_cast<c10::DeviceIndex>(devices_.size())) return nullptr;
   return devices_[device].load(std::memory_order_acquire);
+}
+
+void CotenantCudaAllocator::set_host_headroom(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(devices_mutex_);  // a device created meanwhile gets the new one
+  host_headroom_.store(bytes, std::memory_order_relaxed);
+  for (const auto& d : owned_devices_) d->host_pages->set_headroom(bytes);
 }
 
 bool CotenantCudaAllocator::has_pending_migrations() const {

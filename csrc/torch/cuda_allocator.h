@@ -88,6 +88,11 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // Already-created devices only (nullptr otherwise); lock-free.
   DeviceAllocators* existing(c10::DeviceIndex device) const;
 
+  // Host memory no device's host pool pins into (HostPagePool::set_headroom):
+  // for every device now and every device created later.
+  void set_host_headroom(std::size_t bytes);
+  std::size_t host_headroom() const { return host_headroom_.load(std::memory_order_relaxed); }
+
   // True when some device has pages waiting for a safe point (lock-free).
   bool has_pending_migrations() const;
   // The end of one step of the job's loop, on every device's main
@@ -201,7 +206,8 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   std::atomic<bool> enabled_{true};
   std::atomic<int> device_count_{0};
 
-  std::mutex devices_mutex_;  // creation of DeviceAllocators
+  std::mutex devices_mutex_;  // creation of DeviceAllocators, the host headroom's changes
+  std::atomic<std::size_t> host_headroom_{0};
   std::array<std::atomic<DeviceAllocators*>, C10_COMPILE_TIME_MAX_GPUS> devices_{};
   std::vector<std::unique_ptr<DeviceAllocators>> owned_devices_;
 

@@ -64,6 +64,12 @@ class Backend {
   // live pages cannot move between device and host.
   virtual bool host_pages_mappable() const = 0;
 
+  // Host memory the system could still give this process (Linux's
+  // MemAvailable), or nullopt when the backend cannot tell. Pinning more
+  // than this pushes the system towards its OOM killer: the host page pool
+  // stops pinning at a headroom above it (HostPagePool::set_headroom).
+  virtual std::optional<std::size_t> host_available_bytes() const { return std::nullopt; }
+
   // Reserves `bytes` (a multiple of granularity) of virtual address space
   // with nothing mapped. Returns 0 when the address space is exhausted.
   virtual DevicePtr reserve(std::size_t bytes) = 0;

@@ -19,6 +19,14 @@
 //    the kept pages beyond the reserve whoever keeps (empty_cache).
 //  - A host that cannot pin (no host virtual memory management: pinned
 //    fallback mode) has no pages to keep: reserve() refuses, naming it.
+//  - Headroom: pinned memory is memory the kernel can neither swap nor
+//    reclaim, so a job that spills until the host has nothing left takes
+//    the node to its OOM killer, which may pick any process. With a headroom
+//    set, pin() (and reserve(), and may_pin() for pinned fallback memory)
+//    refuses to pin where the backend's host_available_bytes() would fall
+//    below it: the caller sees an exhausted host (a squeeze stops part way,
+//    an allocation over the cap fails with OutOfMemoryError). Each refusal
+//    counts in headroom_refusals().
 //
 // Thread-safe: one mutex, which reserve() does not hold while it pins. A
 // caller may hold its own lock around take(), give() and trim() (allocators
@@ -27,13 +35,19 @@
 
 #include <cstddef>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "cotenant/backend.h"
 #include "cotenant/stats.h"
 
 namespace cotenant {
+
+// MemAvailable from a meminfo file (Linux's /proc/meminfo), in bytes; nullopt
+// where it cannot be read or has no such line (kernels before 3.14).
+std::optional<std::size_t> read_mem_available(const char* path = "/proc/meminfo");
 
 class HostPagePool {
  public:
@@ -46,6 +60,21 @@ class HostPagePool {
 
   // A kept page, or an empty handle when none is kept.
   PageHandle take();
+  // A kept page, else one newly pinned through the backend; an empty handle
+  // when none is kept and the host cannot, or may not (headroom), pin one.
+  PageHandle take_or_pin();
+  // Whether `bytes` more pinned host memory stays above the headroom
+  // (counts a refusal when not). For memory pinned outside the pool.
+  bool may_pin(std::size_t bytes);
+  // Host memory kept available: 0 (the default) pins until the host refuses.
+  void set_headroom(std::size_t bytes);
+  std::size_t headroom() const;
+  // Pins refused because of the headroom, since the last reset_accumulated().
+  std::int64_t headroom_refusals() const;
+  // When one more page would take the host below the headroom, the part of
+  // a message that says so ("the host is at its headroom (X available, Y
+  // kept available: ...)"); else "".
+  std::string headroom_note() const;
   // A host page the caller no longer maps: kept while a keeper keeps or
   // below the reserve, else released. Throws the backend's Error when it
   // refuses the release (the page stays with the process, out of the books).
@@ -76,6 +105,11 @@ class HostPagePool {
   std::size_t reserve_pages_ = 0;
   std::set<const void*> keepers_;
   Stat kept_bytes_;
+  std::size_t headroom_ = 0;
+  std::int64_t headroom_refusals_ = 0;
+
+  // Whether `bytes` more can be pinned above the headroom; counts a refusal. mutex_ held.
+  bool may_pin_locked(std::size_t bytes);
 
   void trim_locked();
 };

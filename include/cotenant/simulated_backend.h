@@ -53,6 +53,8 @@ class SimulatedBackend final : public Backend {
   std::size_t device_total_bytes() const override { return config_.device_capacity; }
   std::size_t device_free_bytes() const override;
   bool host_pages_mappable() const override { return config_.host_pages_mappable; }
+  // host_capacity less the host pages and pinned memory in use.
+  std::optional<std::size_t> host_available_bytes() const override;
 
   DevicePtr reserve(std::size_t bytes) override;
   void release(DevicePtr base, std::size_t bytes) override;

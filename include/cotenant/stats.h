@@ -65,7 +65,7 @@ const char* spill_mode_name(SpillMode mode);
   X(device_resident_bytes) X(host_resident_bytes) X(pinned_fallback_bytes) X(host_pool_bytes)
 #define COTENANT_COUNT_STATS(X) \
   X(num_alloc_retries) X(num_ooms) X(num_device_alloc) X(num_device_free) X(spilled_bytes) X(restored_bytes) \
-  X(num_migrations) X(num_spilled_allocations)
+  X(num_migrations) X(num_spilled_allocations) X(num_host_headroom_refusals)
 #define COTENANT_GAUGE_STATS(X) X(pending_spill_bytes) X(pending_restore_bytes)
 
 struct AllocatorStats {
@@ -85,6 +85,8 @@ struct AllocatorStats {
   //   spilled_bytes / restored_bytes  cumulative bytes moved device -> host / back
   //   num_migrations                  cumulative page moves, both directions
   //   num_spilled_allocations         allocations that got host memory at birth
+  //   num_host_headroom_refusals      host pages not pinned: the host was at its
+  //                                   headroom (the device's host pool's count)
   //   pending_spill/restore_bytes     marked, not yet moved
 #define COTENANT_DECLARE_POOLED(name) PooledStat name;
 #define COTENANT_DECLARE_PLAIN(name) Stat name;

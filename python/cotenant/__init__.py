@@ -15,6 +15,7 @@ from cotenant.api import (  # noqa: E402
     disable,
     enable,
     enable_from_environment,
+    host_headroom,
     is_enabled,
     memory_cap,
     memory_stats,
@@ -25,6 +26,7 @@ from cotenant.api import (  # noqa: E402
     restore_all,
     resume_region,
     safe_point,
+    set_host_headroom,
     set_memory_cap,
     spill_all,
 )

@@ -64,6 +64,8 @@ class _State:
         self.registration: Any = None
         self.job_channel = False
         self.optimizer_hook: Any = None
+        self.own_host_headroom: Optional[int] = None          # the job's own (enable(), set_host_headroom())
+        self.coordinator_host_headroom: Optional[int] = None  # the node's, from the coordinator
 
 
 _state = _State()
@@ -157,6 +159,11 @@ def parse_host_reserve(size: Union[int, str, None]) -> Optional[int]:
     return _parse_bytes(size, "a host reserve", "4GiB")
 
 
+def parse_host_headroom(size: Union[int, str, None]) -> Optional[int]:
+    """Reads a host headroom (see set_host_headroom): bytes (int) or a size string ("4GiB")."""
+    return _parse_bytes(size, "a host headroom", "4GiB")
+
+
 def parse_device(device: Any) -> Optional[int]:
     """Device index from None, an int, "cuda", "cuda:1" or a torch.device."""
     if device is None:
@@ -226,7 +233,8 @@ def _resolve_device(device: Any) -> int:
 def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str] = None,
            socket: Optional[str] = None, memory_cap: SizeLike = None,
            persistent_memory: Union[int, str, None] = None,
-           host_reserve: Union[int, str, None] = None) -> bool:
+           host_reserve: Union[int, str, None] = None,
+           host_headroom: Union[int, str, None] = None) -> bool:
     """Makes cotenant the process's CUDA allocator. Call it before the first CUDA tensor.
 
     role: None (cap only: no launch gate, and a coordinator neither protects
@@ -241,6 +249,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     host_reserve: host memory to pin now and keep (reserve_host_memory()),
     so that the job's first squeeze under a cap pins nothing. When the host
     cannot pin it, the job runs without it and says so (a RuntimeWarning).
+    host_headroom: host memory the job never pins into (set_host_headroom());
+    default COTENANT_HOST_HEADROOM, else the coordinator's, else 4 GiB.
 
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
     Raises NoGpuError without a usable GPU, RuntimeError when PyTorch's own
@@ -253,6 +263,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     to_cap(memory_cap)  # a bad cap fails before CUDA is touched
     persistent_bytes = parse_persistent_memory(persistent_memory)
     reserve_bytes = parse_host_reserve(host_reserve)
+    headroom_bytes = parse_host_headroom(host_headroom)
     if name is not None:
         from cotenant.coordinator.protocol import job_name_problem
 
@@ -296,6 +307,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         cap_bytes = None
         if memory_cap is not None:
             cap_bytes = set_memory_cap(memory_cap, index)
+        _state.own_host_headroom = headroom_bytes
+        _apply_host_headroom(_C)
         if reserve_bytes:
             _reserve_or_warn(_C, index, reserve_bytes)
         _join_coordinator(_C, role, index, name, socket, cap_bytes, persistent_bytes)
@@ -307,7 +320,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
 def enable_from_environment() -> bool:
     """Enables cotenant as `cotenant run` asks, through the environment: the
     keys of COTENANT_CONF or their variables (cotenant.settings): enable
-    (COTENANT_ENABLE=1), role, cap, device, socket, name, persistent, host_reserve.
+    (COTENANT_ENABLE=1), role, cap, device, socket, name, persistent, host_reserve,
+    host_headroom.
     disable (COTENANT_DISABLE=1) wins over all. In a child of the job (its
     pid is not COTENANT_JOB_PID) it does nothing. Returns True when cotenant
     was enabled; raises SettingsError (a ValueError) for a setting that
@@ -322,7 +336,8 @@ def enable_from_environment() -> bool:
         return False  # a worker or helper the job started: the job itself is enabled
     return enable(role=settings.get("role"), device=settings.get("device"), name=settings.get("name"),
                   socket=settings.get("socket"), memory_cap=settings.value("cap"),
-                  persistent_memory=settings.get("persistent"), host_reserve=settings.get("host_reserve"))
+                  persistent_memory=settings.get("persistent"), host_reserve=settings.get("host_reserve"),
+                  host_headroom=settings.get("host_headroom"))
 
 
 def is_enabled() -> bool:
@@ -389,6 +404,8 @@ def summarize_stats(raw: Dict[str, Any]) -> Dict[str, Any]:
         "host_bytes": int(raw.get("host_resident_bytes.current", 0)),
         "host_pool_bytes": int(raw.get("host_pool_bytes.current", 0)),
         "host_reserve_bytes": int(raw.get("host_reserve_bytes", 0)),
+        "host_headroom_bytes": int(raw.get("host_headroom_bytes", 0)),
+        "host_headroom_refusals": int(raw.get("num_host_headroom_refusals", 0)),
         "cached_bytes": max(reserved - allocated, 0),
         "allocated_bytes": allocated,
         "reserved_bytes": reserved,
@@ -434,6 +451,48 @@ def reserve_host_memory(size: Union[int, str], device: Any = None) -> int:
         raise TypeError("reserve_host_memory() needs a size: bytes (int) or a size string such as \"4GiB\"")
     index = _resolve_device(device)
     return int(_extension().reserve_host_memory(index, bytes_))
+
+
+def set_host_headroom(size: Union[int, str]) -> int:
+    """Keeps `size` of the host's memory available: the job pins no host
+    memory (spills, kept pages, a reserve, a region's kept pause) that would
+    leave the system less than that (Linux's MemAvailable). Pinned memory
+    cannot be swapped or reclaimed, so pinning the last of it hands the
+    node to the kernel's OOM killer, which may pick any process.
+
+    Past the headroom, a squeeze stops part way (its pages stay on the
+    device and the next safe point retries), an allocation that needs host
+    memory raises torch.OutOfMemoryError naming the headroom, and
+    reserve_host_memory() raises RuntimeError. With a coordinator, the
+    headroom in force is the larger of this and the coordinator's
+    `[memory] host_headroom`. Default: COTENANT_HOST_HEADROOM, else the
+    coordinator's, else 4 GiB. 0 pins until the host refuses. Applies to
+    every device. Returns the headroom in force, in bytes."""
+    bytes_ = parse_host_headroom(size)
+    if bytes_ is None:
+        raise TypeError("set_host_headroom() needs a size: bytes (int) or a size string such as \"4GiB\"")
+    _require_enabled()
+    _C = _extension()
+    with _state.lock:
+        _state.own_host_headroom = bytes_
+        return _apply_host_headroom(_C)
+
+
+def host_headroom() -> int:
+    """The host headroom in force, in bytes (see set_host_headroom)."""
+    _require_enabled()
+    return int(_extension().host_headroom())
+
+
+def _apply_host_headroom(_C) -> int:
+    """Sets the headroom in force: the larger of the job's own and the
+    coordinator's where either is given, else the default."""
+    from cotenant.coordinator.policy import DEFAULT_HOST_HEADROOM_BYTES
+
+    given = [v for v in (_state.own_host_headroom, _state.coordinator_host_headroom) if v is not None]
+    bytes_ = max(given) if given else DEFAULT_HOST_HEADROOM_BYTES
+    _C.set_host_headroom(bytes_)
+    return bytes_
 
 
 def spill_all(device: Any = None) -> int:
@@ -783,6 +842,9 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     if registration is None:
         return  # no coordinator running
     _state.registration = registration
+    if registration.host_headroom_bytes is not None:
+        _state.coordinator_host_headroom = registration.host_headroom_bytes
+        _apply_host_headroom(_C)
     if not registration.admitted:
         warnings.warn(f"cotenant: the coordinator queued this job ({registration.queue_reason}); "
                       f"it runs when the coordinator lets it", RuntimeWarning, stacklevel=3)

@@ -231,6 +231,9 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
     if args.host_reserve:
         _parse_size(args.host_reserve)
         env["COTENANT_HOST_RESERVE"] = args.host_reserve
+    if args.host_headroom:
+        _parse_size(args.host_headroom)
+        env["COTENANT_HOST_HEADROOM"] = args.host_headroom
     env["COTENANT_DEVICE"] = str(args.device)
     if args.socket:
         env["COTENANT_SOCKET"] = args.socket
@@ -436,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host-reserve", metavar="SIZE",
                        help="host memory pinned at start and kept, e.g. 4GiB: the job's first squeeze under a cap "
                             "then moves its pages at copy speed instead of pinning memory first")
+        p.add_argument("--host-headroom", metavar="SIZE",
+                       help="host memory the job never pins into (default 4GiB, or the coordinator's if larger): "
+                            "its spills stop there instead of taking the node to its OOM killer")
         p.add_argument("--name", help="job name shown by `cotenant status`")
         p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
         p.add_argument("--allow-uncapped", action="store_true",

@@ -70,6 +70,12 @@ def _host_reserve(text: str):
     return parse_host_reserve(text)
 
 
+def _host_headroom(text: str):
+    from cotenant.api import parse_host_headroom
+
+    return parse_host_headroom(text)
+
+
 def _device(text: str):
     from cotenant.api import parse_device
 
@@ -166,6 +172,8 @@ SETTINGS = (
             "memory held for the job's whole life, for the coordinator's admission"),
     Setting("host_reserve", "COTENANT_HOST_RESERVE", _host_reserve, "4GiB",
             "host memory pinned at enable and kept, so the first squeeze pins nothing"),
+    Setting("host_headroom", "COTENANT_HOST_HEADROOM", _host_headroom, "4GiB",
+            "host memory the job never pins into (spills stop there); the coordinator's may be larger"),
     Setting("share", "COTENANT_SHARE", _share, "0.5", "the job's own compute share at start, 0 to 1"),
     Setting("gate_max_in_flight", "COTENANT_GATE_MAX_IN_FLIGHT", _whole_number(1), "2",
             "the launch gate's admitted ops in flight"),

@@ -1,6 +1,10 @@
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include "cotenant/errors.h"
@@ -379,6 +383,77 @@ TEST_CASE("a_host_reserve_in_pinned_fallback_mode_is_refused_with_the_reason", "
   CHECK_THROWS_WITH(allocator.reserve_host_memory(2 * kMiB), Catch::Contains("pinned fallback"));
   CHECK(allocator.host_reserve() == 0);
   CHECK(device.host_bytes_in_use() == 0);
+}
+
+// Pinned host memory cannot be swapped or reclaimed: with a headroom the
+// pool pins nothing that would leave the host less than it. A squeeze then
+// stops part way (its pages stay on the device, pending), an allocation over
+// the cap fails naming the headroom, and a lower headroom lets the next safe
+// point finish.
+TEST_CASE("a_squeeze_stops_at_the_hosts_headroom_and_an_allocation_past_it_fails_naming_it", "[cap]") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 10 * kMiB;
+  SimulatedBackend device(config);
+  auto host_pages = std::make_shared<HostPagePool>(device);
+  host_pages->set_headroom(6 * kMiB);  // room for two pages
+  CachingAllocator allocator(device, {}, host_pages);
+  const DevicePtr a = allocator.allocate(8 * kMiB, 0);
+  fill(device, a, 3, 8 * kMiB);
+  allocator.set_memory_cap(2 * kMiB);
+  CHECK(allocator.apply_pending_migrations() == 4 * kMiB);  // two pages out, then the headroom
+  CHECK(allocator.has_pending_migrations());
+  CHECK(device.host_bytes_in_use() == 4 * kMiB);
+  CHECK(allocator.stats().num_host_headroom_refusals >= 1);
+  CHECK(holds(device, a, 3, 8 * kMiB));
+  CHECK_THROWS_WITH(allocator.allocate(2 * kMiB, 0),
+                    Catch::Contains("at its headroom (6.00 MiB available, 6.00 MiB kept available") &&
+                        Catch::Contains("COTENANT_HOST_HEADROOM"));
+  CHECK_THROWS_WITH(allocator.reserve_host_memory(8 * kMiB), Catch::Contains("at its headroom"));
+  CHECK(allocator.host_reserve() == 0);
+  host_pages->set_headroom(0);
+  CHECK(allocator.apply_pending_migrations() == 2 * kMiB);
+  CHECK_FALSE(allocator.has_pending_migrations());
+  CHECK(holds(device, a, 3, 8 * kMiB));
+  allocator.reset_accumulated_stats();
+  CHECK(allocator.stats().num_host_headroom_refusals == 0);
+  allocator.free(a);
+  allocator.check_invariants();
+}
+
+TEST_CASE("pinned_fallback_memory_stops_at_the_hosts_headroom_too", "[cap]") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB, true, /*host_mappable=*/false);
+  config.host_capacity = 10 * kMiB;
+  SimulatedBackend device(config);
+  auto host_pages = std::make_shared<HostPagePool>(device);
+  host_pages->set_headroom(6 * kMiB);
+  CachingAllocator allocator(device, {}, host_pages);
+  allocator.set_memory_cap(2 * kMiB);
+  const DevicePtr on_device = allocator.allocate(2 * kMiB, 0);
+  const DevicePtr pinned = allocator.allocate(4 * kMiB, 0);  // leaves exactly the headroom
+  CHECK(allocator.stats().pinned_fallback_bytes.current == 4 * kMiB);
+  CHECK_THROWS_WITH(allocator.allocate(kMiB, 0), Catch::Contains("at its headroom"));
+  CHECK(allocator.stats().pinned_fallback_bytes.current == 4 * kMiB);
+  allocator.free(pinned);
+  allocator.free(on_device);
+  allocator.check_invariants();
+}
+
+TEST_CASE("mem_available_is_read_from_meminfo_in_bytes_and_is_unknown_where_it_cannot_be", "[cap]") {
+  const std::string path = "/tmp/cotenant_meminfo_test_" + std::to_string(::getpid());
+  {
+    std::ofstream out(path);
+    out << "MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n";
+  }
+  CHECK(read_mem_available(path.c_str()) == std::optional<std::size_t>(8 * kMiB));
+  {
+    std::ofstream out(path);
+    out << "MemTotal:       16384 kB\n";  // a kernel without MemAvailable
+  }
+  CHECK_FALSE(read_mem_available(path.c_str()).has_value());
+  std::remove(path.c_str());
+  CHECK_FALSE(read_mem_available(path.c_str()).has_value());
+  const std::optional<std::size_t> real = read_mem_available();
+  CHECK((!real || *real > 0));
 }
 
 TEST_CASE("spill_all_moves_every_live_page_to_host_and_restore_all_brings_them_back", "[cap]") {

@@ -197,6 +197,30 @@ TEST_CASE("pausing_with_keep_when_the_host_runs_out_leaves_the_region_on_the_dev
   kv->check_invariants();
 }
 
+TEST_CASE("pausing_with_keep_at_the_hosts_headroom_leaves_the_region_on_the_device_and_says_why") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 10 * kMiB;
+  SimulatedBackend device(config);
+  auto host_pages = std::make_shared<HostPagePool>(device);
+  host_pages->set_headroom(6 * kMiB);  // two host pages may be pinned, for a region of four
+  RegionTable table(device, host_pages);
+  CachingAllocator* kv = nullptr;
+  const DevicePtr cache = allocate_in(table, "kv_cache", 8 * kMiB, &kv);
+  fill(device, cache, 6, 8 * kMiB);
+  CHECK_THROWS_AS(table.pause("kv_cache", true), OutOfMemoryError);
+  CHECK(table.state("kv_cache") == RegionState::kActive);
+  CHECK(kv->stats().host_resident_bytes.current == 0);
+  CHECK(device.host_bytes_in_use() == 0);  // what it pinned before the headroom went back
+  CHECK(host_pages->headroom_refusals() >= 1);
+  CHECK(holds(device, cache, 6, 8 * kMiB));
+  host_pages->set_headroom(0);
+  table.pause("kv_cache", true);
+  CHECK(table.state("kv_cache") == RegionState::kPausedKept);
+  table.resume("kv_cache");
+  CHECK(holds(device, cache, 6, 8 * kMiB));
+  kv->check_invariants();
+}
+
 TEST_CASE("resuming_a_discarded_region_on_a_full_device_stays_paused_and_can_be_retried") {
   SimulatedBackend device(device_config(16 * kMiB));
   CachingAllocator main(device);

@@ -298,6 +298,42 @@ def test_a_host_reserve_lets_the_first_squeeze_pin_nothing_and_keeps_the_values(
     assert out["kept"] == 64 * MIB, out
 
 
+def test_a_host_headroom_holds_a_squeeze_on_the_device_and_a_kernel_still_reads_the_tensor():
+    """With a headroom no host has, the squeeze pins nothing (driver call
+    counts): the pages stay on the device, a kernel reads the tensor, an
+    allocation past the cap names the headroom, and a headroom of 0 lets the
+    next safe point move the pages."""
+    out = run_script("""
+        from cotenant import _C
+        device = torch.cuda.current_device()
+        cotenant.set_host_headroom("1024TiB")
+        x = torch.arange(16 << 20, dtype=torch.float32, device="cuda")  # 64 MiB
+        total = x.sum().item()
+        _C._reset_driver_call_times(device)
+        cotenant.set_memory_cap("32MiB")
+        created = _C._driver_call_times(device)["create_host_page"]["calls"]
+        held = cotenant.memory_stats()
+        sum_held = x.sum().item()
+        try:
+            torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            oom = None
+        except torch.OutOfMemoryError as error:
+            oom = str(error)
+        cotenant.set_host_headroom(0)
+        cotenant.safe_point()
+        after = cotenant.memory_stats()
+        print(json.dumps({"mode": held["mode"], "created": created, "held_host": held["host_bytes"],
+                          "held_pending": held["pending_spill_bytes"], "total": total, "sum_held": sum_held,
+                          "oom": oom, "after_host": after["host_bytes"], "sum_after": x.sum().item()}))
+    """)
+    if out["mode"] != "remap":
+        pytest.skip("this GPU has no host virtual memory management: pages cannot move")
+    assert out["created"] == 0 and out["held_host"] == 0 and out["held_pending"] == 32 * MIB, out
+    assert out["oom"] is not None and "at its headroom" in out["oom"], out
+    assert out["after_host"] == 32 * MIB, out
+    assert out["sum_held"] == out["sum_after"] == out["total"], out
+
+
 def test_a_region_paused_with_keep_takes_its_host_pages_from_the_reserve():
     """The host reserve is the device's: a region's kept pause creates no host
     page (driver call counts), a kernel reads the paused tensor over the

@@ -132,7 +132,8 @@ def test_enable_rejects_an_unknown_role_before_touching_cuda():
 
 def test_api_calls_before_enable_say_to_call_enable_first():
     for call in (lambda: cotenant.set_memory_cap("1GiB"), cotenant.memory_cap,
-                 cotenant.memory_stats, cotenant.spill_all, cotenant.restore_all):
+                 cotenant.memory_stats, cotenant.spill_all, cotenant.restore_all,
+                 lambda: cotenant.set_host_headroom("1GiB"), cotenant.host_headroom):
         with pytest.raises(RuntimeError, match=r"call cotenant.enable\(\) first"):
             call()
 
@@ -255,6 +256,7 @@ def test_environment_enabling_is_off_unless_cotenant_enable_is_set():
 @pytest.mark.parametrize("variable, value, message", [
     ("COTENANT_MEMORY_CAP", "6 apples", 'COTENANT_MEMORY_CAP=\'6 apples\': cannot use "6 apples" as a memory cap'),
     ("COTENANT_PERSISTENT_MEMORY", "lots", "COTENANT_PERSISTENT_MEMORY='lots': cannot use 'lots' as persistent memory"),
+    ("COTENANT_HOST_HEADROOM", "-2GiB", "COTENANT_HOST_HEADROOM='-2GiB': cannot use '-2GiB' as a host headroom"),
 ])
 def test_environment_enabling_rejects_a_bad_size_before_touching_cuda(variable, value, message):
     result = _run_python("""
@@ -796,3 +798,27 @@ def test_allocator_benchmark_shows_where_page_move_time_went_busiest_first():
     assert lines[1].split()[1:] == ["512", "400.00", "781.2", "781.2"]
     assert lines[2].split()[1:] == ["1024", "5.00", "4.9", "9.8"]
     assert bench.driver_time_table(times, pages=0)[1].split()[-1] == "-"
+
+
+class _HeadroomRecorder:
+    def set_host_headroom(self, bytes_):
+        self.bytes = bytes_
+
+
+@pytest.mark.parametrize("own, coordinators, expected", [
+    (None, None, 4 * GIB),        # the default
+    (GIB, None, GIB),             # the job's own, even below the default
+    (None, 8 * GIB, 8 * GIB),     # the node's
+    (GIB, 8 * GIB, 8 * GIB),      # a job cannot go below the node's headroom
+    (16 * GIB, 8 * GIB, 16 * GIB),
+    (0, None, 0),                 # 0: pin until the host refuses
+])
+def test_the_host_headroom_in_force_is_the_larger_of_the_jobs_and_the_coordinators(own, coordinators, expected):
+    saved = (api._state.own_host_headroom, api._state.coordinator_host_headroom)
+    try:
+        api._state.own_host_headroom, api._state.coordinator_host_headroom = own, coordinators
+        recorder = _HeadroomRecorder()
+        assert api._apply_host_headroom(recorder) == expected
+        assert recorder.bytes == expected
+    finally:
+        api._state.own_host_headroom, api._state.coordinator_host_headroom = saved

@@ -35,6 +35,8 @@ def test_status_lists_registered_jobs_with_their_allocator_numbers(node):
     assert (b["pid"], b["role"]) == (o.pid, "opportunistic")
     assert a["cap"] is not None and b["cap"] is not None
     assert a["cap"] + b["cap"] <= 1024 * MiB - 128 * MiB  # the headroom stays free
+    # The node's host headroom reaches each job at registration (the harness runs with 0).
+    assert g.registration["host_headroom_bytes"] == 0 and o.registration["host_headroom_bytes"] == 0
 
 
 def test_guaranteed_burst_shrinks_opportunistic_cap_then_grows_guaranteed_cap(node):
@@ -71,7 +73,8 @@ def test_a_squeeze_that_would_pin_the_hosts_headroom_is_held_back_and_shown():
         node.start_coordinator()
         # o holds less than the burst margin its first cap leaves it, so it never
         # spills by itself (a job growing past its own cap is not a squeeze).
-        node.start_job("opportunistic", "o", hold_mib=192)
+        o_job = node.start_job("opportunistic", "o", hold_mib=192)
+        assert o_job.registration["host_headroom_bytes"] == 1024 << 40  # what the job then keeps too
         g = node.start_job("guaranteed", "g", hold_mib=256)
         assert wait_until(lambda: (node.job("g") or {}).get("device_bytes", 0) == 256 * MiB)
         assert node.job("o")["device_bytes"] == 192 * MiB and node.job("o")["squeeze_held_back_bytes"] == 0
@@ -438,6 +441,7 @@ def test_sigterm_stops_the_coordinator_but_leaves_jobs_and_their_blocks(node):
 @pytest.mark.parametrize("flag,variable,size,bad_size", [
     ("--persistent", "COTENANT_PERSISTENT_MEMORY", "10GiB", "heaps"),  # for admission
     ("--host-reserve", "COTENANT_HOST_RESERVE", "4GiB", "lots"),
+    ("--host-headroom", "COTENANT_HOST_HEADROOM", "8GiB", "some"),
 ])
 def test_cotenant_run_passes_a_size_to_the_job_and_refuses_a_bad_one(flag, variable, size, bad_size):
     script = f"import os; print(os.environ.get({variable!r}))"

@@ -234,6 +234,56 @@ def test_a_host_reserve_the_host_cannot_pin_warns_and_the_job_runs_on(library):
     assert "cannot reserve 64.00 MiB of host memory" in out["raised"]
 
 
+def test_a_host_headroom_stops_a_squeeze_and_an_allocation_past_it_names_it(library):
+    """A headroom larger than any host: nothing may be pinned. The squeeze
+    leaves the pages on the device (pending, values intact), an allocation
+    over the cap raises torch's OutOfMemoryError naming the headroom, and
+    set_host_headroom(0) lets the next safe point finish the squeeze."""
+    out = run(library, """
+        cotenant.enable(host_headroom="1024TiB")
+        out["headroom"] = cotenant.host_headroom()
+        datas = [pattern(2 << 20, seed=60 + i) for i in range(4)]  # 4 x 8 MiB
+        xs = [data.to("cuda") for data in datas]
+        creates = fake.calls("cuMemCreate")
+        cotenant.set_memory_cap("16MiB")
+        stats = cotenant.memory_stats()
+        out["held"] = {k: stats[k] for k in ("device_bytes", "host_bytes", "pending_spill_bytes",
+                                             "host_headroom_bytes", "host_headroom_refusals")}
+        out["pinned_while_held"] = fake.calls("cuMemCreate") - creates
+        try:
+            xs.append(pattern(2 << 20, seed=70).to("cuda"))
+            out["oom"] = None
+        except torch.OutOfMemoryError as error:
+            out["oom"] = str(error)
+        out["same_held"] = [same(x, data) for x, data in zip(xs, datas)]
+        out["in_force"] = cotenant.set_host_headroom(0)
+        cotenant.safe_point()
+        stats = cotenant.memory_stats()
+        out["after"] = {k: stats[k] for k in ("device_bytes", "host_bytes", "pending_spill_bytes")}
+        out["same_after"] = [same(x, data) for x, data in zip(xs, datas)]
+        errors = []
+        for bad in (-1, "plenty", None):
+            try:
+                cotenant.set_host_headroom(bad)
+            except (ValueError, TypeError) as error:
+                errors.append(str(error))
+        out["errors"] = errors
+    """)
+    assert out["headroom"] == 1024 << 40
+    held = out["held"]
+    assert held["device_bytes"] == 32 * MIB and held["host_bytes"] == 0 and held["pending_spill_bytes"] == 16 * MIB
+    assert held["host_headroom_bytes"] == 1024 << 40 and held["host_headroom_refusals"] >= 1
+    assert out["pinned_while_held"] == 0
+    assert "the host is at its headroom" in out["oom"] and "COTENANT_HOST_HEADROOM" in out["oom"]
+    assert out["same_held"] == [True] * 4
+    assert out["in_force"] == 0
+    assert out["after"] == {"device_bytes": 16 * MIB, "host_bytes": 16 * MIB, "pending_spill_bytes": 0}
+    assert out["same_after"] == [True] * 4
+    assert "a host headroom cannot be -1 bytes" in out["errors"][0]
+    assert "cannot use 'plenty' as a host headroom" in out["errors"][1]
+    assert "set_host_headroom() needs a size" in out["errors"][2]
+
+
 def test_without_host_vmm_allocations_over_the_cap_go_to_pinned_host_memory(library):
     """On a device that cannot map host pages, cotenant runs in pinned
     fallback mode: what does not fit under the cap is allocated in pinned

@@ -221,6 +221,7 @@ class Registration:
     admitted: bool
     queue_reason: str
     socket_path: str
+    host_headroom_bytes: Optional[int] = None  # the node's host headroom (a coordinator too old to say: None)
 
     def open_channel(self, **hooks: Any):
         """Starts the C++ JobChannel on this job's block (see cotenant._core.JobChannel)."""
@@ -300,8 +301,13 @@ def register(
     return Registration(
         job_id=reply["job_id"], name=reply["name"], block_name=reply["block"], memory_cap=reply["memory_cap"],
         share=reply["share"], admitted=reply["admitted"], queue_reason=reply.get("queue_reason", ""),
-        socket_path=client.socket_path,
+        socket_path=client.socket_path, host_headroom_bytes=_headroom(reply.get("host_headroom_bytes")),
     )
+
+
+def _headroom(value: Any) -> Optional[int]:
+    """The coordinator's host headroom from a reply: a non-negative int, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _call(op: str, socket_path: Optional[str], **fields: Any) -> Dict[str, Any]:

@@ -1087,7 +1087,8 @@ class Coordinator:
         _event("job registered", job=name, job_id=job_id, pid=pid, uid=uid, role=role, gpu=device, device=index,
                cap=job.cap, share=job.share, queued=not admitted)
         return protocol.reply_ok(req.id, job_id=job_id, name=name, block=block_name, memory_cap=job.cap,
-                                 share=job.share, admitted=admitted, queue_reason=reason)
+                                 share=job.share, admitted=admitted, queue_reason=reason,
+                                 host_headroom_bytes=self.config.memory.host_headroom_bytes)
 
     def _give_block_to(self, block_name: str, uid: int) -> None:
         """A job of another uid must be able to open its block (mode 0660): it

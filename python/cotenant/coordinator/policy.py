@@ -33,6 +33,9 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
 
 MiB = 1 << 20
+# Host memory no squeeze may pin: the coordinator's [memory] host_headroom and
+# a job's own default (cotenant.set_host_headroom).
+DEFAULT_HOST_HEADROOM_BYTES = 4 << 30
 
 GUARANTEED = "guaranteed"
 OPPORTUNISTIC = "opportunistic"
@@ -82,7 +85,7 @@ class MemoryPolicyConfig:
     headroom_bytes: int = 512 * MiB      # kept free on every GPU
     burst_margin_bytes: int = 256 * MiB  # room above what a job holds before its cap binds
     min_cap_bytes: int = 2 * MiB         # never cap a job below one page (cap 0 is refused)
-    host_headroom_bytes: int = 4 << 30   # host memory no squeeze may pin (kept available on the node)
+    host_headroom_bytes: int = DEFAULT_HOST_HEADROOM_BYTES  # host memory no squeeze may pin
 
 
 def plan_memory_caps(
