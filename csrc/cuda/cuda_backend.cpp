@@ -417,7 +417,7 @@ void CudaBackend::map_pages(DevicePtr address, const PageHandle* pages, std::siz
 }
 
 void CudaBackend::wait_for_launched_work(const char* why) {
-  if (quiescent_.load(std::memory_order_acquire)) return;  // the safe point synchronized already
+  if (quiescent_here()) return;  // this thread's safe point synchronized already
   CurrentDevice current(device_);
   Timed timed(*this, DriverCall::kDeviceSynchronize);
   check_runtime(cudaDeviceSynchronize(), why);
@@ -469,7 +469,7 @@ void CudaBackend::copy_page(DevicePtr dst, DevicePtr src) {
                           cudaMemcpyDefault, stream);
   }
   check_runtime(err, "copying a page between device and host (cudaMemcpyAsync)");
-  if (quiescent_.load(std::memory_order_acquire)) {
+  if (quiescent_here()) {
     copies_pending_ = true;  // finish_copies() waits for it with the rest of the batch
     return;
   }

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -59,12 +60,17 @@ class CudaBackend final : public Backend {
 
   // At a safe point the caller has synchronized the device and no launch can
   // start, so unmap() need not synchronize again for every page it moves.
-  // Set only by the thread holding the launch pause, around the page moves.
-  // While quiescent, copy_into() and copy_out() also return before their
-  // copy finished: copies run back to back on the copy stream while the
-  // next pages are mapped. finish_copies() must run before launches resume
-  // (and before set_quiescent(false)); it waits for them.
-  void set_quiescent(bool quiescent) { quiescent_.store(quiescent, std::memory_order_release); }
+  // Set only by the thread holding the launch pause, around the page moves,
+  // and it holds for that thread alone: another thread (one calling
+  // set_memory_cap() from Python, outside any op, while a tensor whose page
+  // a move still copies is freed) synchronizes as usual before it unmaps.
+  // While quiescent, that thread's copy_into() and copy_out() also return
+  // before their copy finished: copies run back to back on the copy stream
+  // while the next pages are mapped. finish_copies() must run before
+  // launches resume (and before set_quiescent(false)); it waits for them.
+  void set_quiescent(bool quiescent) {
+    quiescent_thread_.store(quiescent ? std::this_thread::get_id() : std::thread::id{}, std::memory_order_release);
+  }
   void finish_copies() override;
   CopyMark mark_copies() override;
   void wait_for_copies(CopyMark mark) override;
@@ -154,7 +160,10 @@ class CudaBackend final : public Backend {
   int host_numa_id_ = 0;
   std::size_t granularity_ = 0;
   std::atomic<bool> graph_capture_{false};
-  std::atomic<bool> quiescent_{false};
+  std::atomic<std::thread::id> quiescent_thread_{};  // the safe point's thread, while it moves pages
+  bool quiescent_here() const {
+    return quiescent_thread_.load(std::memory_order_acquire) == std::this_thread::get_id();
+  }
 
   // Copies between a host page's shadow and a live page's address, on
   // copy_stream_. copy_mutex_ serialises them and guards copies_pending_:

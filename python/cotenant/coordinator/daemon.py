@@ -770,6 +770,7 @@ class Coordinator:
             for job in jobs:
                 self._apply(job, cap=bound.caps.get(job.job_id, job.cap))
         else:
+            self._held_back_by_host(jobs, {})  # no plan, nothing held back
             for job in jobs:  # capacity unknown: only administrator caps apply
                 self._apply(job, cap=job.user_cap)
 
