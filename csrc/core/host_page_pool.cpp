@@ -37,15 +37,6 @@ HostPagePool::~HostPagePool() {
   }
 }
 
-PageHandle HostPagePool::take() {
-  std::lock_guard lock(mutex_);
-  if (kept_.empty()) return {};
-  const PageHandle page = kept_.back();
-  kept_.pop_back();
-  kept_bytes_.decrease(static_cast<std::int64_t>(page_bytes_));
-  return page;
-}
-
 PageHandle HostPagePool::take_or_pin() {
   {
     std::lock_guard lock(mutex_);

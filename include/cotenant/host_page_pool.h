@@ -7,8 +7,8 @@
 // alike. An allocator made without one gets a pool of its own.
 //
 // Model:
-//  - take() hands out a kept page, or an empty handle when none is kept (the
-//    caller pins one through the backend).
+//  - take_or_pin() hands out a kept page, or pins one through the backend
+//    when none is kept (an empty handle when the host cannot, or may not).
 //  - give(page) takes back a host page nothing maps: kept while some
 //    allocator of the pool keeps host pages (set_keeping: the capped one
 //    while a cap is set, AllocatorOptions::keep_host_pages) or while fewer
@@ -29,7 +29,7 @@
 //    counts in headroom_refusals().
 //
 // Thread-safe: one mutex, which reserve() does not hold while it pins. A
-// caller may hold its own lock around take(), give() and trim() (allocators
+// caller may hold its own lock around take_or_pin(), give() and trim() (allocators
 // do): the pool calls nothing but the backend.
 #pragma once
 
@@ -58,8 +58,6 @@ class HostPagePool {
 
   Backend& backend() const { return backend_; }
 
-  // A kept page, or an empty handle when none is kept.
-  PageHandle take();
   // A kept page, else one newly pinned through the backend; an empty handle
   // when none is kept and the host cannot, or may not (headroom), pin one.
   PageHandle take_or_pin();

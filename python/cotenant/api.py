@@ -250,7 +250,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     so that the job's first squeeze under a cap pins nothing. When the host
     cannot pin it, the job runs without it and says so (a RuntimeWarning).
     host_headroom: host memory the job never pins into (set_host_headroom());
-    default COTENANT_HOST_HEADROOM, else the coordinator's, else 4 GiB.
+    default COTENANT_HOST_HEADROOM. With a coordinator the larger of this and
+    its [memory] host_headroom holds; 4 GiB when neither is given.
 
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
     Raises NoGpuError without a usable GPU, RuntimeError when PyTorch's own
@@ -465,9 +466,10 @@ def set_host_headroom(size: Union[int, str]) -> int:
     memory raises torch.OutOfMemoryError naming the headroom, and
     reserve_host_memory() raises RuntimeError. With a coordinator, the
     headroom in force is the larger of this and the coordinator's
-    `[memory] host_headroom`. Default: COTENANT_HOST_HEADROOM, else the
-    coordinator's, else 4 GiB. 0 pins until the host refuses. Applies to
-    every device. Returns the headroom in force, in bytes."""
+    `[memory] host_headroom`; 4 GiB when neither the job (here,
+    enable(host_headroom=...) or COTENANT_HOST_HEADROOM) nor a coordinator
+    gives one. 0 pins until the host refuses. Applies to every device.
+    Returns the headroom in force, in bytes."""
     bytes_ = parse_host_headroom(size)
     if bytes_ is None:
         raise TypeError("set_host_headroom() needs a size: bytes (int) or a size string such as \"4GiB\"")

@@ -142,11 +142,10 @@ def plan_memory_caps(
 
 @dataclass(frozen=True)
 class HostBound:
-    """Caps after the host-memory bound, what they pin more, and how much
-    each held-back job's cap stays above the plan (bytes, by job id)."""
+    """Caps after the host-memory bound, and how much each held-back job's
+    cap stays above the plan (bytes, by job id)."""
 
     caps: Dict[int, int]
-    pins_bytes: int
     held_back: Dict[int, int]
 
 
@@ -158,14 +157,15 @@ def bound_squeezes_by_host(
     headroom and what squeezes on other GPUs will pin; None: unknown, no bound).
 
     A squeeze pins the job's live device bytes above its new cap, less the
-    host pages it keeps. The room goes to opportunistic jobs' squeezes first
-    (they make way for guaranteed ones), water-filled, then to the others';
-    a job given less than its squeeze gets the cap that pins only that
-    much. An administrator's cap is never raised."""
+    host pages it keeps (JobObservation.pins_under). An administrator's cap
+    is never raised, so its squeeze takes the room first; then opportunistic
+    jobs' squeezes (they make way for guaranteed ones), water-filled, then
+    the others'. A job given less than its squeeze gets the cap that pins
+    only that much."""
     by_id = {j.job_id: j for j in jobs}
     wants = {job_id: by_id[job_id].pins_under(cap) for job_id, cap in caps.items() if job_id in by_id}
     if host_room_bytes is None:
-        return HostBound(dict(caps), sum(wants.values()), {})
+        return HostBound(dict(caps), {})
     room = max(0, host_room_bytes)
 
     def rank(job_id: int) -> int:  # an administrator's cap binds first; then opportunistic squeezes
@@ -191,7 +191,7 @@ def bound_squeezes_by_host(
         if cap > caps[job_id]:
             held_back[job_id] = cap - caps[job_id]
             bounded[job_id] = cap
-    return HostBound(bounded, sum(by_id[k].pins_under(c) for k, c in bounded.items() if k in by_id), held_back)
+    return HostBound(bounded, held_back)
 
 
 def _water_fill(budget: int, wants: Dict[int, int]) -> Dict[int, int]:
