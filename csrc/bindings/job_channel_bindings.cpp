@@ -67,9 +67,10 @@ JobCommand command_from_name(const std::string& name) {
   throw Error("'" + name + "' is not a job command: use spill_all, restore_all, suspend or resume");
 }
 
-// One field to Python: caps as int-or-None, enums by name.
+// One field to Python: caps and the host room as int-or-None, enums by name.
 py::object field_to_python(const char* name, std::uint64_t value) {
-  if (std::string_view(name).find("memory_cap") != std::string_view::npos) return cap_to_python(value);
+  const std::string_view field(name);
+  if (field.find("memory_cap") != std::string_view::npos || field == "host_room_bytes") return cap_to_python(value);
   return py::int_(value);
 }
 py::object field_to_python(const char*, std::uint32_t value) { return py::int_(value); }

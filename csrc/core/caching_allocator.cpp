@@ -1466,6 +1466,8 @@ std::size_t CachingAllocator::apply_pending_migrations() {
   return moved;
 }
 
+std::optional<std::size_t> CachingAllocator::host_room() const { return state_->host_pages->room(); }
+
 std::size_t CachingAllocator::reserve_host_memory(std::size_t bytes) {
   State& s = *state_;
   // Pinned without the allocator's lock (nor the pool's): allocations, safe

@@ -2,28 +2,11 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
-#include <sstream>
 
 #include "cotenant/errors.h"
 #include "cotenant/size.h"
 
 namespace cotenant {
-
-std::optional<std::size_t> read_mem_available(const char* path) {
-  std::ifstream meminfo(path);
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    if (line.rfind("MemAvailable:", 0) != 0) continue;
-    std::istringstream fields(line.substr(13));
-    std::size_t value = 0;
-    std::string unit;
-    if (!(fields >> value)) return std::nullopt;
-    fields >> unit;
-    return unit == "kB" ? value * 1024 : value;
-  }
-  return std::nullopt;
-}
 
 HostPagePool::HostPagePool(Backend& backend) : backend_(backend), page_bytes_(backend.granularity()) {}
 
@@ -77,6 +60,13 @@ std::size_t HostPagePool::headroom() const {
 std::int64_t HostPagePool::headroom_refusals() const {
   std::lock_guard lock(mutex_);
   return headroom_refusals_;
+}
+
+std::optional<std::size_t> HostPagePool::room() const {
+  const std::optional<std::size_t> available = backend_.host_available_bytes();
+  if (!available) return std::nullopt;
+  const std::size_t keep = headroom();
+  return *available > keep ? *available - keep : 0;
 }
 
 std::string HostPagePool::headroom_note() const {

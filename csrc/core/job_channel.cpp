@@ -195,6 +195,19 @@ void JobChannel::publish_locked() {
       ++report_.apply_errors;
     }
   }
+  if (hooks_.host_room) {
+    const auto now = std::chrono::steady_clock::now();
+    if (host_room_read_ == std::chrono::steady_clock::time_point{} ||
+        now - host_room_read_ >= options_.host_room_interval) {
+      host_room_read_ = now;
+      try {
+        const std::optional<std::size_t> room = hooks_.host_room();
+        report_.host_room_bytes = room ? std::min<std::uint64_t>(*room, kNoCap - 1) : kNoCap;
+      } catch (...) {
+        ++report_.apply_errors;
+      }
+    }
+  }
   if (hooks_.iterations) {
     try {
       const IterationStats it = hooks_.iterations();

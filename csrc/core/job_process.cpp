@@ -32,6 +32,7 @@ JobChannelHooks job_channel_hooks(JobProcess& process) {
   };
   hooks.iterations = [&process] { return process.iterations(); };
   hooks.effective_share = [&process] { return process.effective_share(); };
+  hooks.host_room = [&process] { return process.allocator().host_room(); };
   return hooks;
 }
 

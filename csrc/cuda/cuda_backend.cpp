@@ -8,7 +8,7 @@
 #include <string>
 
 #include "cotenant/errors.h"
-#include "cotenant/host_page_pool.h"
+#include "cotenant/host_memory.h"
 #include "cuda_driver.h"
 
 namespace cotenant::cuda {
@@ -170,7 +170,7 @@ std::size_t CudaBackend::device_free_bytes() const {
   return free;
 }
 
-std::optional<std::size_t> CudaBackend::host_available_bytes() const { return read_mem_available(); }
+std::optional<std::size_t> CudaBackend::host_available_bytes() const { return read_host_available(); }
 
 DevicePtr CudaBackend::reserve(std::size_t bytes) {
   CUdeviceptr base = 0;

@@ -111,7 +111,8 @@ class CudaBackend final : public Backend {
   std::size_t device_total_bytes() const override;
   std::size_t device_free_bytes() const override;
   bool host_pages_mappable() const override { return host_location_ != HostLocation::kNone; }
-  // MemAvailable of /proc/meminfo (read at each call: a pin costs far more).
+  // read_host_available(): the least of MemAvailable and the room the
+  // process's memory cgroups leave (read at each call: a pin costs far more).
   std::optional<std::size_t> host_available_bytes() const override;
 
   DevicePtr reserve(std::size_t bytes) override;

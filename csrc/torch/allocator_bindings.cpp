@@ -165,6 +165,8 @@ COTENANT_TORCH_BINDINGS(allocator) {
     out["host_page_kind"] = d.backend->host_page_kind();
     out["host_reserve_bytes"] = d.main->host_reserve();
     out["host_headroom_bytes"] = d.host_pages->headroom();
+    const std::optional<std::size_t> available = d.backend->host_available_bytes();
+    out["host_available_bytes"] = available ? py::object(py::int_(*available)) : py::none();
     return out;
   }, py::arg("device"), "The capped allocator's statistics (torch's key names plus cotenant's).");
 

@@ -65,7 +65,8 @@ class Backend {
   virtual bool host_pages_mappable() const = 0;
 
   // Host memory the system could still give this process (Linux's
-  // MemAvailable), or nullopt when the backend cannot tell. Pinning more
+  // MemAvailable, less where the process's memory cgroup is nearer its
+  // limit: read_host_available()), or nullopt when the backend cannot tell. Pinning more
   // than this pushes the system towards its OOM killer: the host page pool
   // stops pinning at a headroom above it (HostPagePool::set_headroom).
   virtual std::optional<std::size_t> host_available_bytes() const { return std::nullopt; }

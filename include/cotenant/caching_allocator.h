@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cotenant/allocator_events.h"
@@ -208,6 +209,9 @@ class CachingAllocator {
   // allocator's lock: other threads allocate, free and move pages meanwhile.
   std::size_t reserve_host_memory(std::size_t bytes);
   std::size_t host_reserve() const;  // bytes
+  // What this allocator's host page pool may still pin (HostPagePool::room():
+  // the host's available memory less the headroom); nullopt where unknown.
+  std::optional<std::size_t> host_room() const;
 
   SpillMode mode() const;
   AllocatorStats stats() const;

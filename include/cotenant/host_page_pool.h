@@ -41,13 +41,10 @@
 #include <vector>
 
 #include "cotenant/backend.h"
+#include "cotenant/host_memory.h"
 #include "cotenant/stats.h"
 
 namespace cotenant {
-
-// MemAvailable from a meminfo file (Linux's /proc/meminfo), in bytes; nullopt
-// where it cannot be read or has no such line (kernels before 3.14).
-std::optional<std::size_t> read_mem_available(const char* path = "/proc/meminfo");
 
 class HostPagePool {
  public:
@@ -69,6 +66,10 @@ class HostPagePool {
   std::size_t headroom() const;
   // Pins refused because of the headroom, since the last reset_accumulated().
   std::int64_t headroom_refusals() const;
+  // What the pool may still pin: the backend's host_available_bytes() less
+  // the headroom (0 at or below it); nullopt where the backend cannot tell.
+  // Reads the host's figures at each call.
+  std::optional<std::size_t> room() const;
   // When one more page would take the host below the headroom, the part of
   // a message that says so ("the host is at its headroom (X available, Y
   // kept available: ...)"); else "".

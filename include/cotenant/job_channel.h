@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -54,10 +55,17 @@ struct JobChannelHooks {
   std::function<IterationStats()> iterations;
   // The share in force (min of the job's own and the coordinator's).
   std::function<double()> effective_share;
+  // What the job may still pin on the host (its allocator's host_room():
+  // available memory, its memory cgroup's included, less the headroom);
+  // nullopt or no hook: unknown. Read at most every host_room_interval.
+  std::function<std::optional<std::size_t>()> host_room;
 };
 
 struct JobChannelOptions {
   std::chrono::microseconds poll_interval{2000};
+  // How often the report's host_room_bytes is read again (it reads files
+  // under /proc and /sys; the coordinator plans once a tick).
+  std::chrono::milliseconds host_room_interval{100};
 };
 
 class JobChannel {
@@ -101,6 +109,7 @@ class JobChannel {
   double attempted_share_;
   bool suspended_ = false;        // a suspend command is in force
   bool launches_stopped_ = false;  // ... and set_suspended(true) took effect
+  std::chrono::steady_clock::time_point host_room_read_{};  // when host_room last ran
 
   std::mutex wake_mutex_;
   std::condition_variable wake_;

@@ -407,6 +407,7 @@ def summarize_stats(raw: Dict[str, Any]) -> Dict[str, Any]:
         "host_reserve_bytes": int(raw.get("host_reserve_bytes", 0)),
         "host_headroom_bytes": int(raw.get("host_headroom_bytes", 0)),
         "host_headroom_refusals": int(raw.get("num_host_headroom_refusals", 0)),
+        "host_available_bytes": None if raw.get("host_available_bytes") is None else int(raw["host_available_bytes"]),
         "cached_bytes": max(reserved - allocated, 0),
         "allocated_bytes": allocated,
         "reserved_bytes": reserved,
@@ -457,7 +458,8 @@ def reserve_host_memory(size: Union[int, str], device: Any = None) -> int:
 def set_host_headroom(size: Union[int, str]) -> int:
     """Keeps `size` of the host's memory available: the job pins no host
     memory (spills, kept pages, a reserve, a region's kept pause) that would
-    leave the system less than that (Linux's MemAvailable). Pinned memory
+    leave the system less than that (the least of Linux's MemAvailable and
+    what the process's memory cgroup leaves below its limit). Pinned memory
     cannot be swapped or reclaimed, so pinning the last of it hands the
     node to the kernel's OOM killer, which may pick any process.
 

@@ -419,3 +419,39 @@ TEST_CASE("section_left_mid_update_by_a_killed_writer_is_refused_then_repaired_b
   CHECK(channel.poll_once());
   CHECK(shm::read_report(coordinator.block()).applied_memory_cap == 32 * MiB);
 }
+
+TEST_CASE("report_carries_the_host_room_read_at_most_once_an_interval_and_none_when_unknown", "[job_channel]") {
+  CoordinatorBlock coordinator("hostroom");
+  SimulatedBackend backend(SimulatedJob::config());
+  auto host_pages = std::make_shared<HostPagePool>(backend);
+  host_pages->set_headroom(64 * MiB);
+  CachingAllocator allocator(backend, {}, host_pages);
+  SimulatedJobProcess process(allocator);
+  CHECK(allocator.host_room() == host_pages->room());
+  JobChannelOptions options;
+  options.host_room_interval = std::chrono::hours(1);
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process), options);
+  channel.poll_once();
+  const std::uint64_t first = shm::read_report(coordinator.block()).host_room_bytes;
+  CHECK(first == backend.host_available_bytes().value() - 64 * MiB);
+
+  // A cap spills 64 MiB to host pages: less room, but not read again within the interval.
+  const DevicePtr live = allocator.allocate(128 * MiB, 0);
+  allocator.set_memory_cap(64 * MiB);
+  allocator.apply_pending_migrations();
+  channel.poll_once();
+  CHECK(shm::read_report(coordinator.block()).host_room_bytes == first);
+
+  JobChannelOptions often;
+  often.host_room_interval = std::chrono::milliseconds(0);
+  JobChannel again(coordinator.region.name(), job_channel_hooks(process), often);
+  again.poll_once();
+  CHECK(shm::read_report(coordinator.block()).host_room_bytes == first - 64 * MiB);
+  allocator.free(live);
+
+  // No hook: the room is unknown, which the block says as kNoCap.
+  CoordinatorBlock other("hostroom_none");
+  JobChannel bare(other.region.name(), {});
+  bare.poll_once();
+  CHECK(shm::read_report(other.block()).host_room_bytes == kNoCap);
+}

@@ -4,10 +4,13 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "cotenant/errors.h"
+#include "cotenant/host_memory.h"
 #include "test_helpers.h"
 
 using namespace cotenant;
@@ -742,4 +745,104 @@ TEST_CASE("an_allocator_refuses_a_host_pool_of_another_device", "[cap]") {
   SimulatedBackend elsewhere(device_config(1 * kGiB));
   auto host_pages = std::make_shared<HostPagePool>(elsewhere);
   CHECK_THROWS_WITH(CachingAllocator(device, {}, host_pages), Catch::Contains("one pool per device"));
+}
+
+namespace {
+
+// A cgroup filesystem in a temporary directory: write(path, text) makes the
+// file and its directories.
+struct FakeCgroupFs {
+  std::filesystem::path root =
+      std::filesystem::temp_directory_path() / ("cotenant_cgroup_test_" + std::to_string(::getpid()));
+  FakeCgroupFs() { std::filesystem::remove_all(root); }
+  ~FakeCgroupFs() { std::filesystem::remove_all(root); }
+  void write(const std::string& relative, const std::string& text) const {
+    const std::filesystem::path file = root / relative;
+    std::filesystem::create_directories(file.parent_path());
+    std::ofstream(file) << text;
+  }
+  std::optional<std::size_t> room() const {
+    return read_cgroup_memory_room((root / "self_cgroup").string(), (root / "fs").string());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cgroup_v2_room_is_the_least_over_the_cgroup_and_its_ancestors_of_limit_less_working_set", "[cap]") {
+  FakeCgroupFs fs;
+  fs.write("self_cgroup", "0::/kubepods/pod1/job\n");
+  // The job's cgroup: no limit of its own ("max"); its pod: 1 GiB, 724 MiB used of which 100 MiB is
+  // inactive page cache (the kernel drops it before it kills): 400 MiB of room.
+  fs.write("fs/kubepods/pod1/job/memory.max", "max\n");
+  fs.write("fs/kubepods/pod1/job/memory.current", "629145600\n");
+  fs.write("fs/kubepods/pod1/memory.max", "1073741824\n");
+  fs.write("fs/kubepods/pod1/memory.current", std::to_string(724 * kMiB) + "\n");
+  fs.write("fs/kubepods/pod1/memory.stat", "anon 629145600\nactive_file 0\ninactive_file 104857600\n");
+  fs.write("fs/kubepods/memory.max", "8589934592\n");
+  fs.write("fs/kubepods/memory.current", "1073741824\n");
+  CHECK(fs.room() == std::optional<std::size_t>(400 * kMiB));
+
+  // An ancestor nearer its own limit binds instead: 8 GiB with 7.9 GiB used.
+  fs.write("fs/kubepods/memory.current", std::to_string(8 * kGiB - 100 * kMiB) + "\n");
+  CHECK(fs.room() == std::optional<std::size_t>(100 * kMiB));
+
+  // Past the limit (usage above it while the kernel reclaims): no room, not a wrapped-around number.
+  fs.write("fs/kubepods/pod1/memory.current", std::to_string(2 * kGiB) + "\n");
+  CHECK(fs.room() == std::optional<std::size_t>(0));
+}
+
+TEST_CASE("cgroup_room_is_unknown_without_a_limit_and_reads_the_mount_root_in_a_cgroup_namespace", "[cap]") {
+  FakeCgroupFs fs;
+  CHECK_FALSE(fs.room().has_value());  // no /proc/self/cgroup at all
+  fs.write("self_cgroup", "0::/user.slice/session.scope\n");
+  fs.write("fs/user.slice/session.scope/memory.max", "max\n");
+  fs.write("fs/user.slice/session.scope/memory.current", "4096\n");
+  CHECK_FALSE(fs.room().has_value());  // nothing on the way has a limit
+
+  // In a container's cgroup namespace /proc/self/cgroup says "0::/" (or a path the mount does not show):
+  // the mount's root is the container's cgroup, and its limit holds.
+  fs.write("self_cgroup", "0::/\n");
+  fs.write("fs/memory.max", std::to_string(2 * kGiB) + "\n");
+  fs.write("fs/memory.current", std::to_string(kGiB) + "\n");
+  CHECK(fs.room() == std::optional<std::size_t>(kGiB));
+  fs.write("self_cgroup", "0::/../../elsewhere\n");
+  CHECK(fs.room() == std::optional<std::size_t>(kGiB));
+  fs.write("self_cgroup", "0::/not/mounted/here\n");
+  CHECK(fs.room() == std::optional<std::size_t>(kGiB));
+}
+
+TEST_CASE("cgroup_v1_room_reads_the_memory_controller_and_wins_on_a_hybrid_system", "[cap]") {
+  FakeCgroupFs fs;
+  fs.write("self_cgroup", "12:cpu,cpuacct:/docker/abc\n5:memory:/docker/abc\n0::/docker/abc\n");
+  fs.write("fs/memory/docker/abc/memory.limit_in_bytes", std::to_string(512 * kMiB) + "\n");
+  fs.write("fs/memory/docker/abc/memory.usage_in_bytes", std::to_string(300 * kMiB) + "\n");
+  fs.write("fs/memory/docker/abc/memory.stat",
+           "inactive_file 1048576\ntotal_inactive_file " + std::to_string(88 * kMiB) + "\n");
+  fs.write("fs/memory/memory.limit_in_bytes", "9223372036854771712\n");  // v1's "no limit"
+  fs.write("fs/memory/memory.usage_in_bytes", std::to_string(kGiB) + "\n");
+  fs.write("fs/docker/abc/memory.max", "1\n");  // the v2 tree of a hybrid system has no memory controller
+  CHECK(fs.room() == std::optional<std::size_t>(300 * kMiB));
+}
+
+TEST_CASE("host_available_is_the_least_of_mem_available_and_the_cgroup_room", "[cap]") {
+  const std::optional<std::size_t> available = read_host_available();
+  const std::optional<std::size_t> node = read_mem_available();
+  const std::optional<std::size_t> cgroup = read_cgroup_memory_room();
+  REQUIRE((node || cgroup));  // Linux: at least MemAvailable
+  // The figures move between the reads, so compare within what a test's neighbours could take meanwhile.
+  const std::size_t expected = node && cgroup ? std::min(*node, *cgroup) : node ? *node : *cgroup;
+  REQUIRE(available.has_value());
+  const std::size_t drift = 256 * kMiB;
+  CHECK(*available + drift >= expected);
+  CHECK(*available <= expected + drift);
+
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 10 * kMiB;
+  SimulatedBackend device(config);
+  HostPagePool pool(device);
+  CHECK(pool.room() == std::optional<std::size_t>(10 * kMiB));
+  pool.set_headroom(6 * kMiB);
+  CHECK(pool.room() == std::optional<std::size_t>(4 * kMiB));
+  pool.set_headroom(12 * kMiB);
+  CHECK(pool.room() == std::optional<std::size_t>(0));
 }

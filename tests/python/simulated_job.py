@@ -74,6 +74,9 @@ def main():
     parser.add_argument("--persistent-mib", type=int, default=0)
     parser.add_argument("--iteration-us", type=float, default=10000)
     parser.add_argument("--device-capacity-mib", type=int, default=1024)
+    parser.add_argument("--host-capacity-mib", type=int, default=int(os.environ.get("SIMULATED_HOST_CAPACITY_MIB", 1 << 20)),
+                        help="host memory the job may pin, as its memory cgroup's room would say "
+                             "(default: $SIMULATED_HOST_CAPACITY_MIB, else 1 TiB)")
     parser.add_argument("--control", default="")
     parser.add_argument("--register-after-s", type=float, default=0.0,
                         help="wait this long before registering (a worker slow to start)")
@@ -99,7 +102,8 @@ def main():
     if registration is None:
         print(json.dumps({"registration": None}), flush=True)
         return 0
-    backend = _core.SimulatedBackend(device_capacity=args.device_capacity_mib * MiB)
+    backend = _core.SimulatedBackend(device_capacity=args.device_capacity_mib * MiB,
+                                     host_capacity=args.host_capacity_mib * MiB)
     allocator = _core.CachingAllocator(backend)
     held = [allocator.allocate(16 * MiB) for _ in range(args.hold_mib // 16)]
     patterns = [write_pattern(backend, address, i, registration.name) for i, address in enumerate(held)]

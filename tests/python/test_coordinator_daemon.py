@@ -94,6 +94,24 @@ def test_a_squeeze_that_would_pin_the_hosts_headroom_is_held_back_and_shown():
         node.close()
 
 
+def test_a_job_whose_own_limit_is_near_is_squeezed_only_as_far_as_it_can_pin(node):
+    # o may pin 64 MiB (as in a container whose memory cgroup is near its limit); the node has room.
+    node.start_coordinator()
+    node.start_job("opportunistic", "o", hold_mib=192, env={"SIMULATED_HOST_CAPACITY_MIB": "64"})
+    g = node.start_job("guaranteed", "g", hold_mib=256)
+    assert wait_until(lambda: (node.job("o") or {}).get("host_room_bytes") == 64 * MiB), node.status()["jobs"]
+    g.burst(512)  # the plan would squeeze o to its minimum cap: 190 MiB to pin
+    # It gets the cap its 64 MiB can reach, and reaches it: not a cap it would stay above forever.
+    assert wait_until(lambda: node.job("o")["host_bytes"] == 64 * MiB and node.job("o")["device_bytes"] == 128 * MiB,
+                      timeout=5), node.status()["jobs"]
+    assert wait_until(lambda: node.job("o")["host_room_bytes"] == 0), node.status()["jobs"]
+    time.sleep(0.3)
+    o = node.job("o")
+    assert o["cap"] >= o["device_bytes"] == 128 * MiB and o["pending_migration_bytes"] == 0
+    assert o["squeeze_held_back_bytes"] >= 120 * MiB
+    assert "squeeze held back by host memory" in node.read_log()
+
+
 def test_guaranteed_slowdown_cuts_the_opportunistic_share(node):
     node.start_coordinator()
     g = node.start_job("guaranteed", "g", hold_mib=64, iteration_us=5000)

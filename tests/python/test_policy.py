@@ -215,6 +215,23 @@ HOST_BOUND_CASES = [
      [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, user_cap=5 * GiB),
       Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 5 * GiB, 3: 6 * GiB}, 2 * GiB,
      {2: 5 * GiB, 3: 8 * GiB}, {3: 2 * GiB}),
+    ("a_jobs_own_room_holds_back_its_squeeze_on_a_roomy_host",
+     # Its memory cgroup leaves it 1 GiB to pin: it would stop part way, over its cap, so the cap stays higher.
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=GiB)], {2: 4 * GiB},
+     1 << 50, {2: 7 * GiB}, {2: 3 * GiB}),
+    ("a_job_at_its_own_limit_keeps_its_pages",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=0)], {2: 4 * GiB},
+     1 << 50, {2: 8 * GiB}, {2: 4 * GiB}),
+    ("a_jobs_own_room_holds_when_the_nodes_is_unknown",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB)], {2: 4 * GiB},
+     None, {2: 6 * GiB}, {2: 2 * GiB}),
+    ("node_room_a_limited_job_cannot_use_goes_to_the_others",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=GiB),
+      Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB)], {2: 4 * GiB, 3: 4 * GiB}, 6 * GiB,
+     {2: 7 * GiB, 3: 4 * GiB}, {2: 3 * GiB}),
+    ("an_administrators_cap_is_not_raised_for_the_jobs_own_room_either",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, user_cap=5 * GiB, host_room_bytes=GiB)],
+     {2: 5 * GiB}, 1 << 50, {2: 5 * GiB}, {}),
 ]
 
 
@@ -230,6 +247,10 @@ def test_squeezes_are_held_back_to_keep_the_host_headroom(case, jobs, planned, r
     mandatory = sum(j.pins_under(planned[j.job_id]) for j in jobs if j.user_cap is not None)
     if room is not None:
         assert pins <= max(room, mandatory)
+    for job_id, cap in bound.caps.items():  # no job is asked to pin past its own room, but an administrator's cap
+        job = by_id[job_id]
+        if job.host_room_bytes is not None and job.user_cap is None:
+            assert job.pins_under(cap) <= job.host_room_bytes
 
 
 @pytest.mark.parametrize("case,total,jobs,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])

@@ -249,6 +249,10 @@ def test_a_host_headroom_stops_a_squeeze_and_an_allocation_past_it_names_it(libr
         stats = cotenant.memory_stats()
         out["held"] = {k: stats[k] for k in ("device_bytes", "host_bytes", "pending_spill_bytes",
                                              "host_headroom_bytes", "host_headroom_refusals")}
+        out["available"] = stats["host_available_bytes"]
+        with open("/proc/meminfo") as meminfo:
+            out["mem_available"] = next(int(line.split()[1]) * 1024 for line in meminfo
+                                        if line.startswith("MemAvailable:"))
         out["pinned_while_held"] = fake.calls("cuMemCreate") - creates
         try:
             xs.append(pattern(2 << 20, seed=70).to("cuda"))
@@ -273,6 +277,8 @@ def test_a_host_headroom_stops_a_squeeze_and_an_allocation_past_it_names_it(libr
     held = out["held"]
     assert held["device_bytes"] == 32 * MIB and held["host_bytes"] == 0 and held["pending_spill_bytes"] == 16 * MIB
     assert held["host_headroom_bytes"] == 1024 << 40 and held["host_headroom_refusals"] >= 1
+    # What the job may take: MemAvailable, or less where its memory cgroup's limit is nearer.
+    assert isinstance(out["available"], int) and 0 < out["available"] <= out["mem_available"] + (512 << 20)
     assert out["pinned_while_held"] == 0
     assert "the host is at its headroom" in out["oom"] and "COTENANT_HOST_HEADROOM" in out["oom"]
     assert out["same_held"] == [True] * 4

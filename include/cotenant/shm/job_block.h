@@ -45,6 +45,7 @@
 // Version 2: one iteration measurement (ns), cap-only role, pid start time,
 // GPU UUID, owner token, effective share; coordinator-owned control.
 // Version 3: host_pool_bytes (pinned host pages the job holds for spills).
+// Version 4: host_room_bytes (what the job may still pin on the host).
 #pragma once
 
 #include <atomic>
@@ -61,7 +62,7 @@
 namespace cotenant::shm {
 
 inline constexpr std::uint64_t kJobBlockMagic = 0x4b4c424f4a4e4f43ull;  // "CONJOBLK" little-endian
-inline constexpr std::uint32_t kJobBlockVersion = 3;
+inline constexpr std::uint32_t kJobBlockVersion = 4;
 inline constexpr std::size_t kJobNameBytes = 64;          // including the terminating NUL
 inline constexpr std::size_t kGpuUuidBytes = 48;         // "GPU-xxxxxxxx-...", NUL-terminated
 
@@ -117,6 +118,7 @@ struct JobIdentity {
   X(std::uint64_t, device_bytes, 0)    /* device-resident mapped bytes */               \
   X(std::uint64_t, host_bytes, 0)      /* host-resident mapped bytes (spilled) */       \
   X(std::uint64_t, host_pool_bytes, 0) /* pinned host pages held for spills, unmapped */ \
+  X(std::uint64_t, host_room_bytes, kNoCap) /* it may still pin; kNoCap: unknown */   \
   X(std::uint64_t, allocated_bytes, 0) /* held by live tensors */                       \
   X(std::uint64_t, cached_bytes, 0)    /* reserved but not allocated */                 \
   X(std::uint64_t, reserved_bytes, 0)  /* device + host */                              \

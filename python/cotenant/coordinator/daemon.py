@@ -214,7 +214,7 @@ class Job:
         return policy.JobObservation(
             job_id=self.job_id, role=self.role, device=self.device,
             device_bytes=self.report.get("device_bytes", 0), host_bytes=self.report.get("host_bytes", 0),
-            host_pool_bytes=self.report.get("host_pool_bytes", 0),
+            host_pool_bytes=self.report.get("host_pool_bytes", 0), host_room_bytes=self.report.get("host_room_bytes"),
             allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
         )
 
@@ -239,7 +239,7 @@ class Job:
             "cap": self.cap, "user_cap": self.user_cap, "share": self.share,
             "share_pinned": self.pinned_share is not None,
             "device_bytes": r.get("device_bytes", 0), "host_bytes": r.get("host_bytes", 0),
-            "host_pool_bytes": r.get("host_pool_bytes", 0),
+            "host_pool_bytes": r.get("host_pool_bytes", 0), "host_room_bytes": r.get("host_room_bytes"),
             "allocated_bytes": r.get("allocated_bytes", 0), "cached_bytes": r.get("cached_bytes", 0),
             "spilled_bytes": r.get("spilled_bytes", 0), "restored_bytes": r.get("restored_bytes", 0),
             "page_moves": r.get("num_migrations", 0),
@@ -630,8 +630,9 @@ class Coordinator:
             reason = self._death_reason(job, now_ns)
             if reason:
                 self._reclaim(job, reason)
+        meminfo = host_memory.read_meminfo()  # once a tick, for every GPU's plan
         for gpu in sorted({j.gpu for j in self.jobs.values()}):
-            self._plan_device(gpu, now)
+            self._plan_device(gpu, now, meminfo)
         self.queue.tick(now)
         if self.queue.changed():
             self._state_dirty = True
@@ -734,7 +735,7 @@ class Coordinator:
                                 f"{gpu}'s memory; give the cap in bytes (e.g. \"6GiB\")", request_id)
         return cap.resolve(self._device_total(gpu) or 0)
 
-    def _plan_device(self, device: str, now: float) -> None:
+    def _plan_device(self, device: str, now: float, meminfo: Optional[Dict[str, int]]) -> None:
         jobs = [j for j in self.jobs.values() if j.gpu == device]
         total = self._device_total(device)
         guaranteed = [j for j in jobs if j.role == policy.GUARANTEED]
@@ -765,7 +766,7 @@ class Coordinator:
         if total is not None:
             observed = [j.observation() for j in jobs]
             caps = policy.plan_memory_caps(total, observed, self.config.memory)
-            bound = policy.bound_squeezes_by_host(caps, observed, self._host_room(device))
+            bound = policy.bound_squeezes_by_host(caps, observed, self._host_room(device, meminfo))
             self._held_back_by_host(jobs, bound.held_back)
             for job in jobs:
                 self._apply(job, cap=bound.caps.get(job.job_id, job.cap))
@@ -792,11 +793,11 @@ class Coordinator:
         for job in guaranteed:
             self._apply(job, share=job.pinned_share if job.pinned_share is not None else 1.0)
 
-    def _host_room(self, device: str) -> Optional[int]:
+    def _host_room(self, device: str, meminfo: Optional[Dict[str, int]]) -> Optional[int]:
         """What squeezes on GPU `device` may pin: the node's available host
-        memory less the host headroom and what caps on the other GPUs will
-        pin still (None where /proc/meminfo cannot be read: no bound)."""
-        meminfo = host_memory.read_meminfo()
+        memory (`meminfo`, read_meminfo()'s) less the host headroom and what
+        caps on the other GPUs will pin still (None where /proc/meminfo cannot
+        be read: no bound)."""
         if meminfo is None:
             return None
         elsewhere = sum(j.observation().pins_under(j.cap) for j in self.jobs.values() if j.gpu != device)
@@ -810,8 +811,10 @@ class Coordinator:
                 if now_held:
                     _event("squeeze held back by host memory", logging.WARNING, job=job.name,
                            held_back_bytes=now_held, host_headroom_bytes=self.config.memory.host_headroom_bytes,
+                           job_host_room_bytes=job.report.get("host_room_bytes"),
                            consequence="the job's cap stays above the plan, its pages on the device, so that the "
-                                       "node keeps its host headroom available")
+                                       "node keeps its host headroom available and the job stays within its "
+                                       "own memory limit")
                 else:
                     _event("squeeze no longer held back by host memory", job=job.name)
             job.held_back_bytes = now_held
@@ -998,7 +1001,7 @@ class Coordinator:
                 if self._device_total(job.gpu) is None:
                     self._apply(job, cap=job.user_cap)
                 else:
-                    self._plan_device(job.gpu, time.monotonic())
+                    self._plan_device(job.gpu, time.monotonic(), host_memory.read_meminfo())
                 _event("cap set", job=job.name, user_cap=job.user_cap, by_pid=pid, by_uid=uid)
                 return protocol.reply_ok(req.id, job=job.name, memory_cap=job.cap, user_cap=job.user_cap)
             if op == "set_share":
@@ -1082,7 +1085,7 @@ class Coordinator:
                   cap=user_cap, share=share, pid_start_ticks=start_ticks, owner_token=owner_token)
         job.report = block.report() or {}
         self.jobs[job_id] = job
-        self._plan_device(device, time.monotonic())
+        self._plan_device(device, time.monotonic(), host_memory.read_meminfo())
         self._state_dirty = True
         self._save_state()
         _event("job registered", job=name, job_id=job_id, pid=pid, uid=uid, role=role, gpu=device, device=index,

@@ -52,6 +52,7 @@ class JobObservation:
     device_bytes: int = 0
     host_bytes: int = 0
     host_pool_bytes: int = 0        # pinned host pages kept for spills (a squeeze fills them first)
+    host_room_bytes: Optional[int] = None  # what the job may still pin by its own account (None: unknown)
     allocated_bytes: Optional[int] = None  # held by live tensors; None: count everything held
     cap: Optional[int] = None       # the cap now in force (None = none)
     user_cap: Optional[int] = None  # an upper bound an administrator set
@@ -154,7 +155,10 @@ def bound_squeezes_by_host(
 ) -> HostBound:
     """Holds back the squeezes `caps` would make that do not fit in
     `host_room_bytes` (the node's available host memory less the host
-    headroom and what squeezes on other GPUs will pin; None: unknown, no bound).
+    headroom and what squeezes on other GPUs will pin; None: unknown, no
+    bound) or in a job's own room (JobObservation.host_room_bytes: its
+    memory cgroup's limit and its headroom; a job pins no further, so a
+    squeeze past it would stop part way and leave the device over the cap).
 
     A squeeze pins the job's live device bytes above its new cap, less the
     host pages it keeps (JobObservation.pins_under). An administrator's cap
@@ -164,9 +168,10 @@ def bound_squeezes_by_host(
     only that much."""
     by_id = {j.job_id: j for j in jobs}
     wants = {job_id: by_id[job_id].pins_under(cap) for job_id, cap in caps.items() if job_id in by_id}
-    if host_room_bytes is None:
-        return HostBound(dict(caps), {})
-    room = max(0, host_room_bytes)
+    own_room = {job_id: by_id[job_id].host_room_bytes for job_id in wants}
+    fits = {job_id: want if own_room[job_id] is None else min(want, max(0, own_room[job_id]))
+            for job_id, want in wants.items()}
+    room = None if host_room_bytes is None else max(0, host_room_bytes)
 
     def rank(job_id: int) -> int:  # an administrator's cap binds first; then opportunistic squeezes
         job = by_id[job_id]
@@ -174,11 +179,12 @@ def bound_squeezes_by_host(
             return 0
         return 1 if job.role == OPPORTUNISTIC else 2
 
-    given: Dict[int, int] = {}
-    for group_rank in (0, 1, 2):
-        group = {k: v for k, v in wants.items() if rank(k) == group_rank}
-        given.update(_water_fill(room, group))
-        room -= sum(given[k] for k in group)
+    given: Dict[int, int] = dict(fits)
+    if room is not None:
+        for group_rank in (0, 1, 2):
+            group = {k: v for k, v in fits.items() if rank(k) == group_rank}
+            given.update(_water_fill(room, group))
+            room -= sum(given[k] for k in group)
     bounded = dict(caps)
     held_back: Dict[int, int] = {}
     for job_id, want in wants.items():

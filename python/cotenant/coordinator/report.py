@@ -23,7 +23,7 @@ _COUNTS = frozenset({
 })
 _DURATIONS_US: frozenset = frozenset()                                 # finite, >= 0 (none left: times are ns counts)
 _FRACTIONS = frozenset({"applied_share", "effective_share"})           # in [0, 1]
-_OPTIONAL_BYTES = frozenset({"applied_memory_cap"})                    # None = no cap
+_OPTIONAL_BYTES = frozenset({"applied_memory_cap", "host_room_bytes"})  # None = no cap / unknown
 _NAMES = frozenset({"role", "state"})                                  # from the layout's own enums
 
 
