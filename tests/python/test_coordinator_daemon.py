@@ -112,6 +112,29 @@ def test_a_job_whose_own_limit_is_near_is_squeezed_only_as_far_as_it_can_pin(nod
     assert "squeeze held back by host memory" in node.read_log()
 
 
+def test_jobs_of_one_memory_cgroup_on_two_gpus_share_its_room(node):
+    # Every job here runs in this test's cgroup, as the ranks of one container do: one room between them.
+    # Each simulated job's own figure counts only its own pins, so sharing is the coordinator's doing.
+    node.start_coordinator()
+    near = {"SIMULATED_HOST_CAPACITY_MIB": "64"}
+    node.start_job("opportunistic", "o0", hold_mib=192, env={**near, "COTENANT_DEVICE": "0"})
+    g0 = node.start_job("guaranteed", "g0", hold_mib=256, env={"COTENANT_DEVICE": "0"})
+    node.start_job("opportunistic", "o1", hold_mib=192, env={**near, "COTENANT_DEVICE": "1"})
+    g1 = node.start_job("guaranteed", "g1", hold_mib=256, env={"COTENANT_DEVICE": "1"})
+    assert wait_until(lambda: all((node.job(n) or {}).get("host_room_bytes") is not None
+                                  for n in ("o0", "g0", "o1", "g1"))), node.status()["jobs"]
+    g0.burst(512)
+    assert wait_until(lambda: node.job("o0")["host_bytes"] == 64 * MiB and node.job("o0")["host_room_bytes"] == 0,
+                      timeout=5), [{k: j[k] for k in ("name", "cap", "device_bytes", "host_bytes", "host_room_bytes",
+                                                   "squeeze_held_back_bytes", "pending_migration_bytes")}
+                                   for j in node.status()["jobs"]]
+    g1.burst(512)
+    assert wait_until(lambda: node.job("o1")["squeeze_held_back_bytes"] >= 180 * MiB, timeout=5), node.status()["jobs"]
+    time.sleep(0.3)
+    o1 = node.job("o1")
+    assert o1["host_bytes"] == 0 and o1["device_bytes"] == 192 * MiB and o1["host_room_bytes"] == 64 * MiB
+
+
 def test_guaranteed_slowdown_cuts_the_opportunistic_share(node):
     node.start_coordinator()
     g = node.start_job("guaranteed", "g", hold_mib=64, iteration_us=5000)

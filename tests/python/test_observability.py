@@ -111,6 +111,21 @@ def test_meminfo_is_read_in_bytes_and_an_unreadable_one_is_none(tmp_path):
     assert real is None or 0 < real["available_bytes"] <= real["total_bytes"]
 
 
+def test_a_processs_cgroups_are_read_as_text_and_an_unreadable_one_is_none(tmp_path):
+    import os
+
+    from cotenant.coordinator import host_memory
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cgroup").write_text("0::/kubepods/pod1/rank0\n")
+    assert host_memory.read_cgroup(42, proc=str(tmp_path)) == "0::/kubepods/pod1/rank0"
+    (tmp_path / "42" / "cgroup").write_text("")
+    assert host_memory.read_cgroup(42, proc=str(tmp_path)) is None
+    assert host_memory.read_cgroup(43, proc=str(tmp_path)) is None
+    with open(f"/proc/{os.getpid()}/cgroup") as f:
+        assert host_memory.read_cgroup(os.getpid()) == f.read().strip()
+
+
 def test_timeline_legends_do_not_cover_the_plots():
     pytest.importorskip("matplotlib")
     from cotenant import timeline

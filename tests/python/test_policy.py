@@ -232,6 +232,25 @@ HOST_BOUND_CASES = [
     ("an_administrators_cap_is_not_raised_for_the_jobs_own_room_either",
      [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, user_cap=5 * GiB, host_room_bytes=GiB)],
      {2: 5 * GiB}, 1 << 50, {2: 5 * GiB}, {}),
+    ("jobs_of_one_cgroup_share_its_room",
+     # Two ranks in one container: each reads the container's 2 GiB of room, which they share.
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
+          host_room_group="pod"),
+      Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
+          host_room_group="pod")], {2: 4 * GiB, 3: 4 * GiB}, 1 << 50,
+     {2: 7 * GiB, 3: 7 * GiB}, {2: 3 * GiB, 3: 3 * GiB}),
+    ("jobs_of_two_cgroups_each_have_their_own_room",
+     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
+          host_room_group="a"),
+      Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
+          host_room_group="b")], {2: 4 * GiB, 3: 4 * GiB}, 1 << 50,
+     {2: 6 * GiB, 3: 6 * GiB}, {2: 2 * GiB, 3: 2 * GiB}),
+    ("in_a_shared_cgroup_the_opportunistic_squeeze_comes_first",
+     [Job(1, G, device_bytes=6 * GiB, allocated_bytes=6 * GiB, cap=6 * GiB, host_room_bytes=3 * GiB,
+          host_room_group="pod"),
+      Job(2, O, device_bytes=4 * GiB, allocated_bytes=4 * GiB, cap=4 * GiB, host_room_bytes=3 * GiB,
+          host_room_group="pod")], {1: 4 * GiB, 2: 2 * GiB}, 1 << 50,
+     {1: 5 * GiB, 2: 2 * GiB}, {1: GiB}),
 ]
 
 
@@ -247,10 +266,25 @@ def test_squeezes_are_held_back_to_keep_the_host_headroom(case, jobs, planned, r
     mandatory = sum(j.pins_under(planned[j.job_id]) for j in jobs if j.user_cap is not None)
     if room is not None:
         assert pins <= max(room, mandatory)
+    groups = {}
     for job_id, cap in bound.caps.items():  # no job is asked to pin past its own room, but an administrator's cap
         job = by_id[job_id]
         if job.host_room_bytes is not None and job.user_cap is None:
             assert job.pins_under(cap) <= job.host_room_bytes
+            if job.host_room_group is not None:
+                room, pins = groups.get(job.host_room_group, (job.host_room_bytes, 0))
+                groups[job.host_room_group] = (min(room, job.host_room_bytes), pins + job.pins_under(cap))
+    assert all(pins <= room for room, pins in groups.values())  # nor a cgroup's jobs past its room together
+
+
+def test_a_cgroups_room_from_its_jobs_on_other_gpus_bounds_its_jobs_here():
+    jobs = [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=3 * GiB,
+                host_room_group="pod")]
+    bound = policy.bound_squeezes_by_host({2: 4 * GiB}, jobs, 1 << 50, {"pod": GiB, "other": 8 * GiB})
+    assert bound.caps == {2: 7 * GiB} and bound.held_back == {2: 3 * GiB}
+    assert policy.bound_squeezes_by_host({2: 4 * GiB}, jobs, 1 << 50, {"pod": -GiB}).caps == {2: 8 * GiB}
+    # A group room larger than what its jobs here report does not raise theirs.
+    assert policy.bound_squeezes_by_host({2: 4 * GiB}, jobs, 1 << 50, {"pod": 8 * GiB}).caps == {2: 5 * GiB}
 
 
 @pytest.mark.parametrize("case,total,jobs,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])

@@ -194,6 +194,7 @@ class Job:
     owner_token: int = 0      # in the block's header and the durable state: what restart adopts
     silent_since: Optional[float] = None  # a live process's heartbeat stopped (stopped, or hung) at this time
     held_back_bytes: int = 0  # how far its cap stays above the plan, so the node keeps its host headroom
+    cgroup: Optional[str] = None  # its process's /proc/<pid>/cgroup: jobs with the same share its memory limit
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
         """True while the solo baseline is being measured. A guaranteed job that
@@ -215,6 +216,7 @@ class Job:
             job_id=self.job_id, role=self.role, device=self.device,
             device_bytes=self.report.get("device_bytes", 0), host_bytes=self.report.get("host_bytes", 0),
             host_pool_bytes=self.report.get("host_pool_bytes", 0), host_room_bytes=self.report.get("host_room_bytes"),
+            host_room_group=self.cgroup,
             allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
         )
 
@@ -526,7 +528,7 @@ class Coordinator:
             return None
         job = Job(job_id=job_id, name=entry["name"], role=entry["role"], device=int(entry["device"]), pid=pid,
                   gpu=str(entry.get("gpu") or gpus.gpu_key(None, int(entry["device"]))), uid=uid, block=block, report=block.report() or {"pid": pid, "state": "starting"},
-                  adopted=True, pid_start_ticks=start_ticks, owner_token=token)
+                  adopted=True, pid_start_ticks=start_ticks, owner_token=token, cgroup=host_memory.read_cgroup(pid))
         job.user_cap = entry.get("user_cap")
         job.pinned_share = entry.get("pinned_share")
         job.persistent_bytes = entry.get("persistent_bytes", 0)
@@ -766,7 +768,8 @@ class Coordinator:
         if total is not None:
             observed = [j.observation() for j in jobs]
             caps = policy.plan_memory_caps(total, observed, self.config.memory)
-            bound = policy.bound_squeezes_by_host(caps, observed, self._host_room(device, meminfo))
+            bound = policy.bound_squeezes_by_host(caps, observed, self._host_room(device, meminfo),
+                                                  self._group_rooms(device))
             self._held_back_by_host(jobs, bound.held_back)
             for job in jobs:
                 self._apply(job, cap=bound.caps.get(job.job_id, job.cap))
@@ -802,6 +805,22 @@ class Coordinator:
             return None
         elsewhere = sum(j.observation().pins_under(j.cap) for j in self.jobs.values() if j.gpu != device)
         return meminfo["available_bytes"] - self.config.memory.host_headroom_bytes - elsewhere
+
+    def _group_rooms(self, device: str) -> Dict[str, int]:
+        """The host room each memory cgroup leaves its jobs on GPU `device`:
+        the ranks of one container on several GPUs share its limit. The least
+        any of its jobs reports (the latest to see the others' pins), less
+        what caps on the other GPUs will still pin."""
+        rooms: Dict[str, int] = {}
+        elsewhere: Dict[str, int] = {}
+        for job in self.jobs.values():
+            room = job.report.get("host_room_bytes")
+            if job.cgroup is None or room is None:
+                continue
+            rooms[job.cgroup] = min(rooms.get(job.cgroup, room), room)
+            if job.gpu != device:
+                elsewhere[job.cgroup] = elsewhere.get(job.cgroup, 0) + job.observation().pins_under(job.cap)
+        return {group: room - elsewhere.get(group, 0) for group, room in rooms.items()}
 
     def _held_back_by_host(self, jobs: List["Job"], held_back: Dict[int, int]) -> None:
         """Records, and logs when it starts and ends, each job's squeeze held back by host memory."""
@@ -1082,7 +1101,8 @@ class Coordinator:
         self._give_block_to(block_name, uid)
         job = Job(job_id=job_id, name=name, role=role, device=index, gpu=device, pid=pid, uid=uid, block=block,
                   user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
-                  cap=user_cap, share=share, pid_start_ticks=start_ticks, owner_token=owner_token)
+                  cap=user_cap, share=share, pid_start_ticks=start_ticks, owner_token=owner_token,
+                  cgroup=host_memory.read_cgroup(pid))
         job.report = block.report() or {}
         self.jobs[job_id] = job
         self._plan_device(device, time.monotonic(), host_memory.read_meminfo())

@@ -35,6 +35,18 @@ def read_meminfo(path: str = MEMINFO) -> Optional[Dict[str, int]]:
     return {"total_bytes": fields["MemTotal"], "available_bytes": fields["MemAvailable"]}
 
 
+def read_cgroup(pid: int, proc: str = "/proc") -> Optional[str]:
+    """The cgroups of process `pid` as /proc/<pid>/cgroup names them (one
+    line per hierarchy), or None where it cannot be read. Two processes with
+    the same text are in the same memory cgroup, and share its limit."""
+    try:
+        with open(f"{proc}/{int(pid)}/cgroup") as f:
+            text = f.read().strip()
+    except (OSError, ValueError):
+        return None
+    return text or None
+
+
 def host_status(meminfo: Optional[Mapping[str, int]], jobs: Iterable[Mapping[str, Any]],
                 headroom_bytes: int = 0) -> Dict[str, Any]:
     """The status's "host" entry from the node's memory and the jobs' status

@@ -30,7 +30,7 @@ the node into its OOM killer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 MiB = 1 << 20
 # Host memory no squeeze may pin: the coordinator's [memory] host_headroom and
@@ -53,6 +53,7 @@ class JobObservation:
     host_bytes: int = 0
     host_pool_bytes: int = 0        # pinned host pages kept for spills (a squeeze fills them first)
     host_room_bytes: Optional[int] = None  # what the job may still pin by its own account (None: unknown)
+    host_room_group: Optional[str] = None  # jobs of one group (one memory cgroup) share that room
     allocated_bytes: Optional[int] = None  # held by live tensors; None: count everything held
     cap: Optional[int] = None       # the cap now in force (None = none)
     user_cap: Optional[int] = None  # an upper bound an administrator set
@@ -151,7 +152,8 @@ class HostBound:
 
 
 def bound_squeezes_by_host(
-    caps: Dict[int, int], jobs: Sequence[JobObservation], host_room_bytes: Optional[int]
+    caps: Dict[int, int], jobs: Sequence[JobObservation], host_room_bytes: Optional[int],
+    group_rooms: Optional[Dict[str, int]] = None,
 ) -> HostBound:
     """Holds back the squeezes `caps` would make that do not fit in
     `host_room_bytes` (the node's available host memory less the host
@@ -159,6 +161,10 @@ def bound_squeezes_by_host(
     bound) or in a job's own room (JobObservation.host_room_bytes: its
     memory cgroup's limit and its headroom; a job pins no further, so a
     squeeze past it would stop part way and leave the device over the cap).
+    Jobs of one host_room_group (processes of one container: the ranks of a
+    torchrun) share one room: `group_rooms[group]` where given (the least
+    any of the group's jobs on any GPU reports, less what squeezes of its
+    jobs on other GPUs will pin), else the least its jobs here report.
 
     A squeeze pins the job's live device bytes above its new cap, less the
     host pages it keeps (JobObservation.pins_under). An administrator's cap
@@ -168,10 +174,10 @@ def bound_squeezes_by_host(
     only that much."""
     by_id = {j.job_id: j for j in jobs}
     wants = {job_id: by_id[job_id].pins_under(cap) for job_id, cap in caps.items() if job_id in by_id}
-    own_room = {job_id: by_id[job_id].host_room_bytes for job_id in wants}
-    fits = {job_id: want if own_room[job_id] is None else min(want, max(0, own_room[job_id]))
-            for job_id, want in wants.items()}
-    room = None if host_room_bytes is None else max(0, host_room_bytes)
+    fits = {}
+    for job_id, want in wants.items():
+        own = by_id[job_id].host_room_bytes
+        fits[job_id] = want if own is None else min(want, max(0, own))
 
     def rank(job_id: int) -> int:  # an administrator's cap binds first; then opportunistic squeezes
         job = by_id[job_id]
@@ -179,12 +185,18 @@ def bound_squeezes_by_host(
             return 0
         return 1 if job.role == OPPORTUNISTIC else 2
 
-    given: Dict[int, int] = dict(fits)
-    if room is not None:
-        for group_rank in (0, 1, 2):
-            group = {k: v for k, v in fits.items() if rank(k) == group_rank}
-            given.update(_water_fill(room, group))
-            room -= sum(given[k] for k in group)
+    groups: Dict[str, List[int]] = {}
+    for job_id in fits:
+        group = by_id[job_id].host_room_group
+        if group is not None and by_id[job_id].host_room_bytes is not None:
+            groups.setdefault(group, []).append(job_id)
+    for group, members in groups.items():
+        # Each member reads the same room; the least is the latest to have seen the others' pins.
+        shared = min(by_id[k].host_room_bytes for k in members)
+        if group_rooms is not None and group in group_rooms:
+            shared = min(shared, group_rooms[group])
+        fits.update(_fill_by_rank(shared, {k: fits[k] for k in members}, rank))
+    given = fits if host_room_bytes is None else _fill_by_rank(host_room_bytes, fits, rank)
     bounded = dict(caps)
     held_back: Dict[int, int] = {}
     for job_id, want in wants.items():
@@ -198,6 +210,17 @@ def bound_squeezes_by_host(
             held_back[job_id] = cap - caps[job_id]
             bounded[job_id] = cap
     return HostBound(bounded, held_back)
+
+
+def _fill_by_rank(room: int, wants: Dict[int, int], rank: Callable[[int], int]) -> Dict[int, int]:
+    """Gives `room` (at least 0) to `wants` rank by rank (0 first), water-filled within a rank."""
+    room = max(0, room)
+    given: Dict[int, int] = {}
+    for group_rank in sorted({rank(k) for k in wants}):
+        group = {k: v for k, v in wants.items() if rank(k) == group_rank}
+        given.update(_water_fill(room, group))
+        room -= sum(given[k] for k in group)
+    return given
 
 
 def _water_fill(budget: int, wants: Dict[int, int]) -> Dict[int, int]:
