@@ -1,12 +1,13 @@
 #include "cotenant/host_memory.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string_view>
-#include <vector>
 
 namespace cotenant {
 
@@ -17,17 +18,58 @@ namespace {
 // v1 reports "no limit" as the largest page-aligned signed 64-bit count.
 constexpr std::uint64_t kNoLimitAbove = std::uint64_t{1} << 62;
 
+// A small file's text (what one read() gives, at most 16 KiB: meminfo and
+// memory.stat fit), or nullopt where it cannot be read. open/read rather than
+// a stream: these files are read before each pin.
+std::optional<std::string> read_text(const char* path) {
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::string text(16 * 1024, '\0');
+  std::size_t filled = 0;
+  while (filled < text.size()) {
+    const ssize_t got = ::read(fd, text.data() + filled, text.size() - filled);
+    if (got < 0) {
+      ::close(fd);
+      return std::nullopt;
+    }
+    if (got == 0) break;
+    filled += static_cast<std::size_t>(got);
+  }
+  ::close(fd);
+  text.resize(filled);
+  return text;
+}
+
+// The decimal number at the start of `text` (after blanks); nullopt if none.
+std::optional<std::uint64_t> parse_number(std::string_view text) {
+  const std::size_t at = text.find_first_not_of(" \t");
+  if (at == std::string_view::npos) return std::nullopt;
+  std::uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data() + at, text.data() + text.size(), value);
+  if (error != std::errc{} || end == text.data() + at) return std::nullopt;
+  return value;
+}
+
+// The number a cgroup file holds; nullopt where it is missing, unreadable,
+// or says "max" (v2's no limit).
 std::optional<std::uint64_t> read_number(const fs::path& file) {
-  std::ifstream in(file);
-  std::string word;
-  if (!(in >> word) || word.empty() || word.find_first_not_of("0123456789") != std::string::npos) {
-    return std::nullopt;  // missing, unreadable, or "max" (v2's no limit)
+  const std::optional<std::string> text = read_text(file.c_str());
+  return text ? parse_number(*text) : std::nullopt;
+}
+
+// The value of the line "<key> <value>" (memory.stat) or "<key>: <value>"
+// (meminfo) in `text`; nullopt where there is none.
+std::optional<std::uint64_t> keyed_value(std::string_view text, std::string_view key) {
+  for (std::size_t at = 0; at < text.size();) {
+    const std::size_t end = std::min(text.find('\n', at), text.size());
+    const std::string_view line = text.substr(at, end - at);
+    if (line.size() > key.size() && line.compare(0, key.size(), key) == 0 &&
+        (line[key.size()] == ' ' || line[key.size()] == ':')) {
+      return parse_number(line.substr(key.size() + 1));
+    }
+    at = end + 1;
   }
-  try {
-    return std::stoull(word);
-  } catch (...) {
-    return std::nullopt;
-  }
+  return std::nullopt;
 }
 
 struct CgroupFiles {
@@ -42,15 +84,11 @@ constexpr CgroupFiles kV1{"memory.limit_in_bytes", "memory.usage_in_bytes", "tot
 
 // Inactive file pages from a memory.stat file; 0 where it names none.
 std::uint64_t read_inactive_file(const fs::path& stat, const CgroupFiles& files) {
-  std::ifstream in(stat);
-  std::string key;
-  std::uint64_t value = 0;
-  std::optional<std::uint64_t> primary, fallback;
-  while (in >> key >> value) {
-    if (key == files.inactive_file) primary = value;
-    else if (files.inactive_file_fallback && key == files.inactive_file_fallback) fallback = value;
-  }
-  return primary ? *primary : fallback.value_or(0);
+  const std::optional<std::string> text = read_text(stat.c_str());
+  if (!text) return 0;
+  if (const std::optional<std::uint64_t> value = keyed_value(*text, files.inactive_file)) return *value;
+  if (files.inactive_file_fallback) return keyed_value(*text, files.inactive_file_fallback).value_or(0);
+  return 0;
 }
 
 // `path` without trailing separators ("/a/b/" -> "/a/b"), normalized.
@@ -88,44 +126,42 @@ std::optional<std::size_t> least_room(const fs::path& top_dir, const std::string
 }  // namespace
 
 std::optional<std::size_t> read_mem_available(const char* path) {
-  std::ifstream meminfo(path);
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    if (line.rfind("MemAvailable:", 0) != 0) continue;
-    std::istringstream fields(line.substr(13));
-    std::size_t value = 0;
-    std::string unit;
-    if (!(fields >> value)) return std::nullopt;
-    fields >> unit;
-    return unit == "kB" ? value * 1024 : value;
-  }
-  return std::nullopt;
+  const std::optional<std::string> text = read_text(path);
+  if (!text) return std::nullopt;
+  const std::optional<std::uint64_t> kib = keyed_value(*text, "MemAvailable");
+  if (!kib) return std::nullopt;
+  return static_cast<std::size_t>(*kib) * 1024;  // meminfo counts in kB (KiB)
 }
 
 std::optional<std::size_t> read_cgroup_memory_room(const std::string& proc_cgroup, const std::string& cgroup_root) {
   // Lines are "hierarchy-id:controllers:path": "0::/path" for v2, and for v1
   // one per hierarchy, the memory controller's naming "memory" among its
   // comma-separated controllers. A v1 memory line wins (hybrid systems).
-  std::ifstream in(proc_cgroup);
-  std::string line;
-  std::optional<std::string> v1_path, v2_path;
-  while (std::getline(in, line)) {
+  const std::optional<std::string> text = read_text(proc_cgroup.c_str());
+  if (!text) return std::nullopt;
+  std::optional<std::string_view> v1_path, v2_path;
+  const std::string_view all(*text);
+  for (std::size_t at = 0; at < all.size();) {
+    const std::size_t end = std::min(all.find('\n', at), all.size());
+    const std::string_view line = all.substr(at, end - at);
+    at = end + 1;
     const std::size_t first = line.find(':');
-    const std::size_t second = first == std::string::npos ? first : line.find(':', first + 1);
-    if (second == std::string::npos) continue;
-    const std::string controllers = line.substr(first + 1, second - first - 1);
-    const std::string path = line.substr(second + 1);
-    if (controllers.empty() && line.compare(0, first, "0") == 0) {
+    const std::size_t second = first == std::string_view::npos ? first : line.find(':', first + 1);
+    if (second == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(first + 1, second - first - 1);
+    const std::string_view path = line.substr(second + 1);
+    if (controllers.empty() && line.substr(0, first) == "0") {
       v2_path = path;
       continue;
     }
-    std::istringstream names(controllers);
-    for (std::string name; std::getline(names, name, ',');) {
-      if (name == "memory") v1_path = path;
+    for (std::size_t from = 0; from <= controllers.size();) {
+      const std::size_t comma = std::min(controllers.find(',', from), controllers.size());
+      if (controllers.substr(from, comma - from) == "memory") v1_path = path;
+      from = comma + 1;
     }
   }
-  if (v1_path) return least_room(fs::path(cgroup_root) / "memory", *v1_path, kV1);
-  if (v2_path) return least_room(fs::path(cgroup_root), *v2_path, kV2);
+  if (v1_path) return least_room(fs::path(cgroup_root) / "memory", std::string(*v1_path), kV1);
+  if (v2_path) return least_room(fs::path(cgroup_root), std::string(*v2_path), kV2);
   return std::nullopt;
 }
 

@@ -178,6 +178,12 @@ def test_salus_admission(case, persistent, total, g_live, o_persistent, decision
         assert admission.reason.endswith(("grow", "frees up", "batch"))  # says what happens or what to do
 
 
+def _in_cgroup(job_id, role, gib, room_gib, group):
+    """A job whose GiB are all live on the device, at that cap, in cgroup `group` with `room_gib` to pin."""
+    return Job(job_id, role, device_bytes=gib * GiB, allocated_bytes=gib * GiB, cap=gib * GiB,
+               host_room_bytes=room_gib * GiB, host_room_group=group)
+
+
 # (case, jobs, planned caps, host room, expected caps, expected held back)
 HOST_BOUND_CASES = [
     ("unknown_host_memory_bounds_nothing",
@@ -234,22 +240,13 @@ HOST_BOUND_CASES = [
      {2: 5 * GiB}, 1 << 50, {2: 5 * GiB}, {}),
     ("jobs_of_one_cgroup_share_its_room",
      # Two ranks in one container: each reads the container's 2 GiB of room, which they share.
-     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
-          host_room_group="pod"),
-      Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
-          host_room_group="pod")], {2: 4 * GiB, 3: 4 * GiB}, 1 << 50,
+     [_in_cgroup(2, O, 8, 2, "pod"), _in_cgroup(3, O, 8, 2, "pod")], {2: 4 * GiB, 3: 4 * GiB}, 1 << 50,
      {2: 7 * GiB, 3: 7 * GiB}, {2: 3 * GiB, 3: 3 * GiB}),
     ("jobs_of_two_cgroups_each_have_their_own_room",
-     [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
-          host_room_group="a"),
-      Job(3, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=2 * GiB,
-          host_room_group="b")], {2: 4 * GiB, 3: 4 * GiB}, 1 << 50,
+     [_in_cgroup(2, O, 8, 2, "a"), _in_cgroup(3, O, 8, 2, "b")], {2: 4 * GiB, 3: 4 * GiB}, 1 << 50,
      {2: 6 * GiB, 3: 6 * GiB}, {2: 2 * GiB, 3: 2 * GiB}),
     ("in_a_shared_cgroup_the_opportunistic_squeeze_comes_first",
-     [Job(1, G, device_bytes=6 * GiB, allocated_bytes=6 * GiB, cap=6 * GiB, host_room_bytes=3 * GiB,
-          host_room_group="pod"),
-      Job(2, O, device_bytes=4 * GiB, allocated_bytes=4 * GiB, cap=4 * GiB, host_room_bytes=3 * GiB,
-          host_room_group="pod")], {1: 4 * GiB, 2: 2 * GiB}, 1 << 50,
+     [_in_cgroup(1, G, 6, 3, "pod"), _in_cgroup(2, O, 4, 3, "pod")], {1: 4 * GiB, 2: 2 * GiB}, 1 << 50,
      {1: 5 * GiB, 2: 2 * GiB}, {1: GiB}),
 ]
 
