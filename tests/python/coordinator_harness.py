@@ -234,11 +234,15 @@ def cap_a_job_through_the_coordinator(job_code, cap, env, name="capjob"):
     """Starts a coordinator and `cotenant run --opportunistic --name NAME --
     python -c JOB_CODE` with `env`, sets the job's cap to `cap` through the
     coordinator once the job has registered, and returns the JSON object the
-    job prints last. Both processes are stopped at the end."""
+    job prints last. Both processes are stopped at the end. Neither keeps a
+    host headroom: what the test runs beside (a build, other tests) must not
+    decide whether the squeeze may pin."""
+    env = {**env, "COTENANT_HOST_HEADROOM": "0"}
     directory = tempfile.mkdtemp(prefix="ctc-", dir="/tmp")  # Unix socket paths are short
     sock = os.path.join(directory, "c.sock")
     coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
-                                    "--gpus", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                    "--gpus", "0", "--memory-host-headroom", "0"],
+                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     job = None
     try:
         deadline = time.time() + 30

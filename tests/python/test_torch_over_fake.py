@@ -720,6 +720,7 @@ while time.time() < deadline:
         break
     time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
 print(json.dumps({"cap": s["memory_cap"], "device": s["device_bytes"], "host": s["host_bytes"],
+                  "headroom": s["host_headroom_bytes"], "refusals": s["host_headroom_refusals"],
                   "same": bool(torch.equal(x.to("cpu"), data)), "violations": fake.violations()}))
 '''
 
@@ -731,7 +732,8 @@ def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library):
     result = cap_a_job_through_the_coordinator(job_code(library, CAPPED_JOB), "64MiB", env)
     assert result["violations"] == []
     assert result["cap"] == 64 * MIB
-    assert result["device"] <= result["cap"]
+    assert result["headroom"] == 0  # the harness's: the host's load does not decide this test
+    assert result["device"] <= result["cap"], result
     assert result["host"] >= 64 * MIB
     assert result["same"]  # the bytes survived the move
 
