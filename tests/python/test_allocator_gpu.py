@@ -322,9 +322,12 @@ def test_a_host_headroom_holds_a_squeeze_on_the_device_and_a_kernel_still_reads_
         cotenant.set_host_headroom(0)
         cotenant.safe_point()
         after = cotenant.memory_stats()
+        with open("/proc/meminfo") as meminfo:
+            mem_available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
         print(json.dumps({"mode": held["mode"], "created": created, "held_host": held["host_bytes"],
                           "held_pending": held["pending_spill_bytes"], "total": total, "sum_held": sum_held,
-                          "oom": oom, "after_host": after["host_bytes"], "sum_after": x.sum().item()}))
+                          "oom": oom, "after_host": after["host_bytes"], "sum_after": x.sum().item(),
+                          "available": after["host_available_bytes"], "mem_available": mem_available}))
     """)
     if out["mode"] != "remap":
         pytest.skip("this GPU has no host virtual memory management: pages cannot move")
@@ -332,6 +335,8 @@ def test_a_host_headroom_holds_a_squeeze_on_the_device_and_a_kernel_still_reads_
     assert out["oom"] is not None and "at its headroom" in out["oom"], out
     assert out["after_host"] == 32 * MIB, out
     assert out["sum_held"] == out["sum_after"] == out["total"], out
+    # What the job may take: MemAvailable, or less where its memory cgroup's limit is nearer.
+    assert 0 < out["available"] <= out["mem_available"] + (512 << 20), out
 
 
 def test_a_region_paused_with_keep_takes_its_host_pages_from_the_reserve():
