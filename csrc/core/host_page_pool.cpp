@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-
 #include "cotenant/errors.h"
 #include "cotenant/size.h"
 
@@ -70,11 +69,7 @@ std::optional<std::size_t> HostPagePool::room() const {
 }
 
 std::string HostPagePool::headroom_note() const {
-  std::size_t headroom = 0;
-  {
-    std::lock_guard lock(mutex_);
-    headroom = headroom_;
-  }
+  const std::size_t headroom = this->headroom();
   const std::optional<std::size_t> available = backend_.host_available_bytes();
   if (headroom == 0 || !available || *available >= headroom + page_bytes_) return "";
   return fmt::format(

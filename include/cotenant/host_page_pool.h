@@ -22,7 +22,7 @@
 //  - Headroom: pinned memory is memory the kernel can neither swap nor
 //    reclaim, so a job that spills until the host has nothing left takes
 //    the node to its OOM killer, which may pick any process. With a headroom
-//    set, pin() (and reserve(), and may_pin() for pinned fallback memory)
+//    set, take_or_pin() (and reserve(), and may_pin() for pinned fallback memory)
 //    refuses to pin where the backend's host_available_bytes() would fall
 //    below it: the caller sees an exhausted host (a squeeze stops part way,
 //    an allocation over the cap fails with OutOfMemoryError). Each refusal
@@ -41,7 +41,6 @@
 #include <vector>
 
 #include "cotenant/backend.h"
-#include "cotenant/host_memory.h"
 #include "cotenant/stats.h"
 
 namespace cotenant {

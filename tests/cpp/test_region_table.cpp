@@ -47,6 +47,17 @@ DevicePtr allocate_in(RegionTable& table, const std::string& name, std::size_t b
   return address;
 }
 
+// A kept pause of "kv_cache" (8 MiB holding 6s at `cache`) that the host cannot
+// take: it raises OutOfMemoryError and the region stays on the device, its
+// bytes as they were.
+void check_kept_pause_refused_leaves_it_on_the_device(RegionTable& table, SimulatedBackend& device,
+                                                      CachingAllocator& region, DevicePtr cache) {
+  CHECK_THROWS_AS(table.pause("kv_cache", true), OutOfMemoryError);
+  CHECK(table.state("kv_cache") == RegionState::kActive);
+  CHECK(region.stats().host_resident_bytes.current == 0);
+  CHECK(holds(device, cache, 6, 8 * kMiB));
+}
+
 }  // namespace
 
 TEST_CASE("pausing_a_region_with_keep_moves_its_pages_to_the_host_and_resume_brings_its_bytes_back") {
@@ -190,10 +201,7 @@ TEST_CASE("pausing_with_keep_when_the_host_runs_out_leaves_the_region_on_the_dev
   CachingAllocator* kv = nullptr;
   const DevicePtr cache = allocate_in(table, "kv_cache", 8 * kMiB, &kv);
   fill(device, cache, 6, 8 * kMiB);
-  CHECK_THROWS_AS(table.pause("kv_cache", true), OutOfMemoryError);
-  CHECK(table.state("kv_cache") == RegionState::kActive);
-  CHECK(kv->stats().host_resident_bytes.current == 0);
-  CHECK(holds(device, cache, 6, 8 * kMiB));
+  check_kept_pause_refused_leaves_it_on_the_device(table, device, *kv, cache);
   kv->check_invariants();
 }
 
@@ -207,12 +215,9 @@ TEST_CASE("pausing_with_keep_at_the_hosts_headroom_leaves_the_region_on_the_devi
   CachingAllocator* kv = nullptr;
   const DevicePtr cache = allocate_in(table, "kv_cache", 8 * kMiB, &kv);
   fill(device, cache, 6, 8 * kMiB);
-  CHECK_THROWS_AS(table.pause("kv_cache", true), OutOfMemoryError);
-  CHECK(table.state("kv_cache") == RegionState::kActive);
-  CHECK(kv->stats().host_resident_bytes.current == 0);
+  check_kept_pause_refused_leaves_it_on_the_device(table, device, *kv, cache);
   CHECK(device.host_bytes_in_use() == 0);  // what it pinned before the headroom went back
   CHECK(host_pages->headroom_refusals() >= 1);
-  CHECK(holds(device, cache, 6, 8 * kMiB));
   host_pages->set_headroom(0);
   table.pause("kv_cache", true);
   CHECK(table.state("kv_cache") == RegionState::kPausedKept);

@@ -35,7 +35,7 @@ import stat
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 from cotenant.coordinator import gpus, host_memory, paths, policy, protocol, report
 from cotenant.coordinator.protocol import ProtocolError
@@ -315,7 +315,7 @@ class Metrics:
         self.reclaimed = Counter("cotenant_jobs_reclaimed_total", "Dead jobs whose memory was reclaimed.", registry=self.registry)
         self.errors = Counter("cotenant_protocol_errors_total", "Requests answered with an error.", ["code"], registry=self.registry)
 
-    def update(self, jobs: Dict[int, Job]) -> None:
+    def update(self, jobs: Dict[int, Job], meminfo: Optional[Dict[str, int]]) -> None:
         counts: Dict[tuple, int] = collections.Counter()
         for job in jobs.values():
             labels = (job.gpu, job.name, job.role)
@@ -343,7 +343,7 @@ class Metrics:
         self.jobs.clear()
         for (gpu, role), n in counts.items():
             self.jobs.labels(gpu, role).set(n)
-        host = host_memory.host_status(host_memory.read_meminfo(), (
+        host = host_memory.host_status(meminfo, (
             {"role": job.role, "squeeze_held_back_bytes": job.held_back_bytes,
              **{k: job.report.get(k, 0) for k in ("device_bytes", "host_bytes", "host_pool_bytes")}}
             for job in jobs.values()))
@@ -642,7 +642,7 @@ class Coordinator:
             self._last_history = now
             self._record_history()
         if self.metrics is not None:
-            self.metrics.update(self.jobs)
+            self.metrics.update(self.jobs, meminfo)
         if self._state_dirty:
             self._save_state()
 
@@ -768,8 +768,8 @@ class Coordinator:
         if total is not None:
             observed = [j.observation() for j in jobs]
             caps = policy.plan_memory_caps(total, observed, self.config.memory)
-            bound = policy.bound_squeezes_by_host(caps, observed, self._host_room(device, meminfo),
-                                                  self._group_rooms(device))
+            node_room, group_rooms = self._host_rooms(device, meminfo)
+            bound = policy.bound_squeezes_by_host(caps, observed, node_room, group_rooms)
             self._held_back_by_host(jobs, bound.held_back)
             for job in jobs:
                 self._apply(job, cap=bound.caps.get(job.job_id, job.cap))
@@ -796,31 +796,26 @@ class Coordinator:
         for job in guaranteed:
             self._apply(job, share=job.pinned_share if job.pinned_share is not None else 1.0)
 
-    def _host_room(self, device: str, meminfo: Optional[Dict[str, int]]) -> Optional[int]:
-        """What squeezes on GPU `device` may pin: the node's available host
-        memory (`meminfo`, read_meminfo()'s) less the host headroom and what
-        caps on the other GPUs will pin still (None where /proc/meminfo cannot
-        be read: no bound)."""
-        if meminfo is None:
-            return None
-        elsewhere = sum(j.observation().pins_under(j.cap) for j in self.jobs.values() if j.gpu != device)
-        return meminfo["available_bytes"] - self.config.memory.host_headroom_bytes - elsewhere
-
-    def _group_rooms(self, device: str) -> Dict[str, int]:
-        """The host room each memory cgroup leaves its jobs on GPU `device`:
-        the ranks of one container on several GPUs share its limit. The least
-        any of its jobs reports (the latest to see the others' pins), less
-        what caps on the other GPUs will still pin."""
+    def _host_rooms(self, device: str, meminfo: Optional[Dict[str, int]]) -> Tuple[Optional[int], Dict[str, int]]:
+        """What squeezes on GPU `device` may pin: on the node, its available
+        host memory (`meminfo`, read_meminfo()'s) less the host headroom
+        (None where /proc/meminfo cannot be read: no bound); in each memory
+        cgroup (the ranks of one container on several GPUs share its limit),
+        the least any of its jobs reports (the latest to see the others'
+        pins). Each less what caps on the other GPUs will still pin."""
+        elsewhere = 0
         rooms: Dict[str, int] = {}
-        elsewhere: Dict[str, int] = {}
+        group_elsewhere: Dict[str, int] = {}
         for job in self.jobs.values():
+            pins = job.observation().pins_under(job.cap) if job.gpu != device else 0
+            elsewhere += pins
             room = job.report.get("host_room_bytes")
-            if job.cgroup is None or room is None:
-                continue
-            rooms[job.cgroup] = min(rooms.get(job.cgroup, room), room)
-            if job.gpu != device:
-                elsewhere[job.cgroup] = elsewhere.get(job.cgroup, 0) + job.observation().pins_under(job.cap)
-        return {group: room - elsewhere.get(group, 0) for group, room in rooms.items()}
+            if job.cgroup is not None and room is not None:
+                rooms[job.cgroup] = min(rooms.get(job.cgroup, room), room)
+                group_elsewhere[job.cgroup] = group_elsewhere.get(job.cgroup, 0) + pins
+        headroom = self.config.memory.host_headroom_bytes
+        node = None if meminfo is None else meminfo["available_bytes"] - headroom - elsewhere
+        return node, {group: room - group_elsewhere[group] for group, room in rooms.items()}
 
     def _held_back_by_host(self, jobs: List["Job"], held_back: Dict[int, int]) -> None:
         """Records, and logs when it starts and ends, each job's squeeze held back by host memory."""
