@@ -34,7 +34,10 @@ import sys
 from typing import Any, Dict, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRACES = sorted(glob.glob(os.path.join(HERE, "traces", "*.jsonl.gz")))
+# The synthetic traces (scripts/make_traces.py) and PyTorch memory snapshots
+# of real training runs on a GPU (record_snapshots.py).
+TRACES = (sorted(glob.glob(os.path.join(HERE, "traces", "*.jsonl.gz")))
+          + sorted(glob.glob(os.path.join(HERE, "traces", "recorded", "*.pickle.gz"))))
 
 # The project's targets for the allocator, each an upper bound.
 FRAGMENTATION_TARGET = 1.05             # peak reserved / peak allocated
@@ -190,14 +193,14 @@ def print_pair(pair: Dict[str, Any], args) -> None:
 
 def print_figures(traces: Dict[str, Dict[str, Any]]) -> None:
     size = _core.format_size
-    header = (f"{'trace':<28}{'ops':>8}{'peak alloc':>12}{'peak reserved':>15}{'frag':>7}{'maps':>7}{'unmaps':>8}"
+    header = (f"{'trace':<32}{'ops':>8}{'peak alloc':>12}{'peak reserved':>15}{'frag':>7}{'maps':>7}{'unmaps':>8}"
               f"{'maps/page':>11}{'maps/iter':>11}{'host/iter':>12}{'ns/alloc':>10}{'ns/free':>9}")
     print(header)
     print("-" * len(header))
     for name, t in traces.items():
         maps_per_iteration = t["steady_maps_per_iteration"]
         host_per_iteration = t["steady_host_touched_bytes_per_iteration"]
-        print(f"{name:<28}{t['num_ops']:>8}{size(t['peak_allocated_bytes']):>12}{size(t['peak_reserved_bytes']):>15}"
+        print(f"{name:<32}{t['num_ops']:>8}{size(t['peak_allocated_bytes']):>12}{size(t['peak_reserved_bytes']):>15}"
               f"{t['fragmentation']:>7.3f}{t['num_page_maps']:>7}{t['num_page_unmaps']:>8}"
               f"{t['maps_per_peak_page']:>11.2f}"
               f"{'-' if maps_per_iteration is None else f'{maps_per_iteration:.2f}':>11}"
@@ -208,7 +211,7 @@ def print_figures(traces: Dict[str, Dict[str, Any]]) -> None:
 
 
 def print_targets(traces: Dict[str, Dict[str, Any]]) -> None:
-    header = (f"{'targets met':<28}{f'fragmentation <= {FRAGMENTATION_TARGET:.2f}':>24}"
+    header = (f"{'targets met':<32}{f'fragmentation <= {FRAGMENTATION_TARGET:.2f}':>24}"
               f"{f'maps/peak page <= {MAPS_PER_PEAK_PAGE_TARGET:.0f}':>22}"
               f"{f'steady maps/iter == {STEADY_MAPS_PER_ITERATION_TARGET:.0f}':>24}"
               f"{f'alloc+free <= {ALLOC_FREE_PAIR_NS_TARGET:.0f} ns':>24}")
@@ -220,7 +223,7 @@ def print_targets(traces: Dict[str, Dict[str, Any]]) -> None:
                  verdict(met["maps_per_peak_page"], f"{t['maps_per_peak_page']:.2f}"),
                  verdict(met["steady_maps_per_iteration"], "" if steady is None else f"{steady:.2f}"),
                  verdict(met["alloc_free_pair_ns"], f"{t['ns_per_alloc'] + t['ns_per_free']:.0f} ns"))
-        print(f"{name:<28}{cells[0]:>24}{cells[1]:>22}{cells[2]:>24}{cells[3]:>24}")
+        print(f"{name:<32}{cells[0]:>24}{cells[1]:>22}{cells[2]:>24}{cells[3]:>24}")
     print("(alloc+free per trace: its ns/alloc + ns/free, first calls that map pages included)")
 
 

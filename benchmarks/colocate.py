@@ -45,6 +45,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -290,7 +291,11 @@ def _make_step(torch, workload: str):
 
 
 def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
+    import faulthandler
+
     import torch
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks where a late worker is
 
     mode, role = args.mode, args.role
     if mode.startswith("cotenant") or mode == "gated-solo":
@@ -389,15 +394,26 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float,
             worker_command(workload, role, mode, args, gap_s if role == "guaranteed" else 0.0, sync_dir),
             env=env, stdout=out), out)
     try:
+        deadline = time.monotonic() + WORKER_START_S
         while not all(os.path.exists(os.path.join(sync_dir, f"{r}.ready")) for r in roles):
             for role, (p, _) in processes.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"the {role} worker of mode {mode} exited with {p.returncode} before starting")
+            if time.monotonic() > deadline:
+                _dump_stacks_of(processes)
+                raise RuntimeError(f"the workers of mode {mode} were not ready after {WORKER_START_S:.0f} s "
+                                   "(their threads' stacks are in the log)")
             time.sleep(0.05)
         open(os.path.join(sync_dir, "go"), "w").close()
+        deadline = time.monotonic() + args.seconds + WORKER_FINISH_S
         results = {}
         for role, (p, out) in processes.items():
-            p.wait()
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                _dump_stacks_of(processes)
+                raise RuntimeError(f"the {role} worker of mode {mode} did not finish {WORKER_FINISH_S:.0f} s after "
+                                   "its measured seconds (its threads' stacks are in the log)") from None
             out.close()
             with open(os.path.join(sync_dir, f"{role}.json")) as f:
                 lines = f.read().strip().splitlines()
@@ -420,6 +436,21 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float,
             _core.GpuPeerSegment.remove(segment)
         except Exception:  # noqa: BLE001 (cleanup only)
             pass
+
+
+# How long a worker may take to load and warm up, and to finish after its
+# measured seconds, before the run is given up (a worker that hangs must not
+# take the whole benchmark with it).
+WORKER_START_S = 180.0
+WORKER_FINISH_S = 60.0
+
+
+def _dump_stacks_of(processes) -> None:
+    """Asks each live worker to print its threads' stacks (to the log) before it is killed."""
+    for p, _ in processes.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
 
 
 def start_coordinator(directory: str, timeout_s: float = 30.0):
@@ -491,6 +522,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 mps.stop()
 
     figures = compute_figures(solo, runs)
+    print("colocate: the gate's overhead ...", file=sys.stderr, flush=True)
     try:
         tracked = _run(args, "gated-solo", {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"]
         plain_tiny = _run(args, "solo", {"opportunistic": "tiny-ops"}, 0.0)["opportunistic"]

@@ -5,7 +5,8 @@
 # and writes logs and result JSON to $OUT (default benchmarks/results/gpu_check)
 # and the benchmarks' JSON to benchmarks/results/.
 #
-#   scripts/gpu_check.sh [PHASE ...]     PHASE: build tests bench (default: all three)
+#   scripts/gpu_check.sh [PHASE ...]     PHASE: build tests bench (default: all three);
+#                                        bench is allocator colocate snapshots, each a phase of its own
 #
 # Phases after `build` use the installed package; `build` is skipped when the
 # installed modules are newer than every source file. Each phase is bounded
@@ -25,12 +26,11 @@
 #   GPU_CHECK_SNAPSHOT_SECONDS  seconds of recording for record_snapshots.py, both workloads (default 60)
 #   GPU_CHECK_SNAPSHOT_ARGS   its extra arguments (e.g. --expandable-segments, --steps 10)
 #
-# Measured on one H100 (2026-11): build 1 min; the gpu tests 75 s with -n 4;
-# bench_allocator.py --quick 3 min; colocate.py with 6 s runs about 4 min.
-# So `build tests` and `build bench` each fit one device call. The snapshot
-# step (record_snapshots.py, then a replay of each) adds about 1.5 min to
-# bench (estimated, not yet measured), close to the 10-minute limit of one
-# call: when the build is up to date, run `bench` alone.
+# Measured on one H100 (2026-11-24): build 1 min; the gpu tests 110 s with -n 4;
+# bench_allocator.py --quick 3 min; colocate.py with 6 s runs more than
+# 280 s (its six modes and two solo runs); the snapshots 40 s. So `build
+# tests` fits one device call, and `allocator snapshots` and `colocate` one
+# each (bench in one call runs past the 10-minute limit of one call).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -44,7 +44,13 @@ PHASES=("$@")
 failed=()
 
 say() { printf '\n==== %s (%ds)\n' "$*" "$SECONDS" | tee -a "$LOG"; }
-has_phase() { local p; for p in "${PHASES[@]}"; do [[ $p == "$1" ]] && return 0; done; return 1; }
+has_phase() {
+  local p
+  for p in "${PHASES[@]}"; do
+    [[ $p == "$1" || ($p == bench && $1 =~ ^(allocator|colocate|snapshots)$) ]] && return 0
+  done
+  return 1
+}
 
 say "environment"
 {
@@ -105,16 +111,22 @@ if has_phase tests; then
   fi
 fi
 
-if has_phase bench; then
+if has_phase allocator; then
   say "bench: benchmarks/bench_allocator.py"
   # shellcheck disable=SC2086
   timeout "${GPU_CHECK_ALLOCATOR_TIMEOUT:-300}" "$PYTHON" benchmarks/bench_allocator.py ${GPU_CHECK_ALLOCATOR_ARGS:---quick} \
       --out "$ROOT/benchmarks/results" 2>&1 | tee -a "$LOG"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=(bench_allocator)
+fi
+
+if has_phase colocate; then
   say "bench: benchmarks/colocate.py"
-  timeout "${GPU_CHECK_COLOCATE_TIMEOUT:-280}" "$PYTHON" benchmarks/colocate.py --seconds "${GPU_CHECK_BENCH_SECONDS:-6}" \
+  timeout "${GPU_CHECK_COLOCATE_TIMEOUT:-500}" "$PYTHON" benchmarks/colocate.py --seconds "${GPU_CHECK_BENCH_SECONDS:-6}" \
       --warmup-steps 3 --out "$ROOT/benchmarks/results" 2>&1 | grep -v "enable_nested_tensor\|model = torch.nn" | tee -a "$LOG"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || failed+=(colocate)
+fi
+
+if has_phase snapshots; then
   say "bench: PyTorch memory snapshots (PyTorch's own allocator) replayed through cotenant"
   # Two real training loops recorded with PyTorch's caching allocator, cotenant
   # off; the replay of each puts PyTorch's figures beside cotenant's.
@@ -131,12 +143,14 @@ if has_phase bench; then
     (cd / && "$PYTHON" -m cotenant.replay --json "$snapshot") >"${snapshot%.pickle}.replay.json" 2>>"$LOG" \
       || failed+=("replay-json:$(basename "$snapshot")")
   done
-  # The newest result of each benchmark travels with the log.
-  for name in allocator colocate; do
-    newest=$(ls -t "$ROOT"/benchmarks/results/"$name"-*.json 2>/dev/null | head -1)
-    [[ -n "$newest" ]] && cp "$newest" "$OUT/"
-  done
 fi
+
+# The newest result of each benchmark run travels with the log.
+for name in allocator colocate; do
+  has_phase "$name" || continue
+  newest=$(ls -t "$ROOT"/benchmarks/results/"$name"-*.json 2>/dev/null | head -1)
+  [[ -n "$newest" ]] && cp "$newest" "$OUT/"
+done
 
 if [[ ${#failed[@]} -gt 0 ]]; then
   say "FAILED: ${failed[*]}"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh Debian 12 machine and runs cotenant's main job:
 # the replay tool on the bundled allocation traces of real models (a ResNet
-# and a GPT training step, GPT token generation), first uncapped, then with
-# the device capped at half of each trace's peak, so pages spill to the host.
+# and a GPT training step, GPT token generation, ...) and on two training runs
+# recorded on an H100 (PyTorch memory snapshots: the replay prints PyTorch's
+# own figures beside cotenant's), first uncapped, then with the device capped
+# at half of each trace's peak, so pages spill to the host.
 # Extra arguments go to cotenant-replay (e.g. --json, --device-capacity 24GiB).
 # Environment: as scripts/test.sh (COTENANT_SKIP_APT, COTENANT_VENV, JOBS).
 set -euo pipefail
@@ -16,7 +18,7 @@ source scripts/setup_env.sh
 step "pip install --no-build-isolation ."
 "$PYTHON" -m pip install --no-build-isolation .
 
-TRACES=(benchmarks/traces/*.jsonl.gz)
+TRACES=(benchmarks/traces/*.jsonl.gz benchmarks/traces/recorded/*.pickle.gz)
 step "cotenant-replay, no cap"
 "$PYTHON" -m cotenant.replay "${TRACES[@]}" "$@"
 

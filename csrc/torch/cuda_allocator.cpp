@@ -6,13 +6,13 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
-#include <sstream>
 #include <utility>
 
 #include "../cuda/cuda_backend.h"
@@ -141,15 +141,13 @@ void CotenantCudaAllocator::install() {
       const auto& allocations = stats.allocation[0];
       const auto& allocated = stats.allocated_bytes[0];
       if (allocations.current > 0) {
-        std::ostringstream message;
-        message << "cotenant.enable() must run before the first CUDA allocation; "
-                << allocations.current << " allocation(s) ("
-                << format_size(static_cast<std::uint64_t>(allocated.current))
-                << ") from PyTorch's own allocator already exist on cuda:" << static_cast<int>(d)
-                << ". Call cotenant.enable() at the top of the script, before any tensor or "
-                   "model is moved to the GPU, or start the script with "
-                   "`cotenant run -- python script.py`.";
-        throw Error(message.str());
+        throw Error(fmt::format(
+            "cotenant.enable() must run before the first CUDA allocation; {} allocation(s) ({}) from "
+            "PyTorch's own allocator already exist on cuda:{}. Call cotenant.enable() at the top of "
+            "the script, before any tensor or model is moved to the GPU, or start the script with "
+            "`cotenant run -- python script.py`.",
+            allocations.current, format_size(static_cast<std::uint64_t>(allocated.current)),
+            static_cast<int>(d)));
       }
     }
     current->emptyCache();  // cached but unused memory: give it back before switching

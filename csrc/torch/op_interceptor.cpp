@@ -1,3 +1,5 @@
+#include <Python.h>  // first, as Python asks
+
 #include "op_interceptor.h"
 
 #include <ATen/record_function.h>
@@ -57,8 +59,15 @@ void run_hooks(const char* name) {
 void wait_while_paused() {
   if (pause_depth.load(std::memory_order_acquire) == 0) return;
   if (pause_owner.load(std::memory_order_acquire) == std::this_thread::get_id()) return;
-  std::unique_lock<std::mutex> lock(pause_mutex);
-  pause_released.wait(lock, [] { return pause_depth.load(std::memory_order_acquire) == 0; });
+  // Some ops begin with the GIL held (tensor indexing, C++ launchers such as
+  // torch.compile's): waiting with it would stop every Python thread of the
+  // job, the one that ends the pause among them.
+  PyThreadState* released = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  {
+    std::unique_lock<std::mutex> lock(pause_mutex);
+    pause_released.wait(lock, [] { return pause_depth.load(std::memory_order_acquire) == 0; });
+  }
+  if (released != nullptr) PyEval_RestoreThread(released);  // after pause_mutex: never wait for the GIL holding it
 }
 
 // Wakes a pausing thread to re-check the op count. Only while a pause is in

@@ -10,9 +10,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
+from hang_dump import hang_dump
 
 pytestmark = pytest.mark.gpu
 
@@ -80,10 +82,10 @@ def train(kind, steps, on_step=None):
 '''
 
 
-def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=600, as_job=False):
+def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=300, as_job=False):
     """Runs `body` in a fresh process and returns the JSON object it prints last."""
     prelude = "import cotenant\ncotenant.enable()\n" if use_cotenant else ""
-    code = prelude + MODELS + textwrap.dedent(body)
+    code = hang_dump(timeout) + prelude + MODELS + textwrap.dedent(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     if pythonpath_prefix:
@@ -92,8 +94,13 @@ def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, 
     from coordinator_harness import AS_JOB
 
     launcher = AS_JOB if as_job else [sys.executable]  # as_job: the process `cotenant run` marks as the job
-    result = subprocess.run([*launcher, "-c", code], env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    # A file, not `python -c`: @triton.jit reads its kernel's source from the file.
+    with tempfile.TemporaryDirectory() as scratch:
+        script = os.path.join(scratch, "job.py")
+        with open(script, "w") as f:
+            f.write(code)
+        result = subprocess.run([*launcher, script], env=env, capture_output=True, text=True,
+                                timeout=timeout)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -309,11 +316,18 @@ def test_a_host_headroom_holds_a_squeeze_on_the_device_and_a_kernel_still_reads_
         cotenant.set_host_headroom("1024TiB")
         x = torch.arange(16 << 20, dtype=torch.float32, device="cuda")  # 64 MiB
         total = x.sum().item()
+        # Under the cap with nothing movable, no new page may be made (an
+        # allocation would be refused): the kernel that reads x writes into
+        # memory taken before the cut.
+        index = torch.arange(0, 16 << 20, 1 << 20, device="cuda")
+        probe = torch.empty(16, dtype=torch.float32, device="cuda")
+        torch.cuda.synchronize()
         _C._reset_driver_call_times(device)
         cotenant.set_memory_cap("32MiB")
         created = _C._driver_call_times(device)["create_host_page"]["calls"]
         held = cotenant.memory_stats()
-        sum_held = x.sum().item()
+        torch.index_select(x, 0, index, out=probe)
+        read_held = probe.cpu().tolist()
         try:
             torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
             oom = None
@@ -325,16 +339,17 @@ def test_a_host_headroom_holds_a_squeeze_on_the_device_and_a_kernel_still_reads_
         with open("/proc/meminfo") as meminfo:
             mem_available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
         print(json.dumps({"mode": held["mode"], "created": created, "held_host": held["host_bytes"],
-                          "held_pending": held["pending_spill_bytes"], "total": total, "sum_held": sum_held,
+                          "held_pending": held["pending_spill_bytes"], "total": total, "read_held": read_held,
                           "oom": oom, "after_host": after["host_bytes"], "sum_after": x.sum().item(),
                           "available": after["host_available_bytes"], "mem_available": mem_available}))
     """)
     if out["mode"] != "remap":
         pytest.skip("this GPU has no host virtual memory management: pages cannot move")
-    assert out["created"] == 0 and out["held_host"] == 0 and out["held_pending"] == 32 * MIB, out
+    assert out["created"] == 0 and out["held_host"] == 0 and out["held_pending"] >= 32 * MIB, out
+    assert out["read_held"] == [float(i << 20) for i in range(16)], out
     assert out["oom"] is not None and "at its headroom" in out["oom"], out
-    assert out["after_host"] == 32 * MIB, out
-    assert out["sum_held"] == out["sum_after"] == out["total"], out
+    assert out["after_host"] >= 32 * MIB, out
+    assert out["sum_after"] == out["total"], out
     # What the job may take: MemAvailable, or less where its memory cgroup's limit is nearer.
     assert 0 < out["available"] <= out["mem_available"] + (512 << 20), out
 

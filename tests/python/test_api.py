@@ -4,6 +4,7 @@ Run with the build tree on the path:
     PYTHONPATH=python:<build>/python python -m pytest tests/python/test_api.py
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -374,6 +375,37 @@ def test_paused_launches_hold_other_threads_at_op_entry_until_resumed():
     thread.join(timeout=10)
     assert done.is_set()
     assert _C.ops_in_flight() == 0
+
+
+def test_a_thread_held_at_op_entry_lets_the_other_python_threads_run():
+    # Some ops begin with the GIL held (tensor indexing; C++ code such as
+    # torch.compile's launchers): a thread waiting for a pause to end must
+    # not hold it, or the thread that would end the pause, and every other
+    # Python thread of the job, stops with it. In a process of its own: the
+    # failure is a deadlock.
+    _extension_or_skip()
+    script = textwrap.dedent("""
+        import json, threading, time, torch
+        from cotenant import _C
+        _C._count_op_entries(True)  # installs the interception point
+        _C._count_op_entries(False)
+        x = torch.arange(4.0)
+        done = threading.Event()
+        def worker():
+            x[1]  # indexing enters its ops holding the GIL
+            done.set()
+        assert _C._pause_launches(1.0)
+        thread = threading.Thread(target=worker)
+        thread.start()
+        time.sleep(0.3)  # needs the GIL back
+        held = not done.is_set()
+        _C._resume_launches()
+        thread.join(10)
+        print(json.dumps({"held": held, "done": done.is_set()}))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == {"held": True, "done": True}
 
 
 def test_a_pause_waits_for_ops_already_running_on_other_threads():

@@ -139,3 +139,26 @@ def test_only_fixed_share_modes_pin_the_opportunistic_share(colocate):
     # solo run once crashed parsing "solo" as a share).
     for mode in ("cotenant-auto", "gated-solo", "solo", "naive", "mps", "priority"):
         assert colocate.fixed_share(mode) is None
+
+
+def test_a_worker_that_hangs_is_given_up_with_its_stacks_and_killed(colocate, monkeypatch, capfd):
+    # A run whose worker never finishes must not hang the whole benchmark:
+    # the driver asks the worker for its threads' stacks, kills it and says so.
+    hang = ("import faulthandler, os, signal, sys, time\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+            "sync_dir, role = sys.argv[1], sys.argv[2]\n"
+            "open(os.path.join(sync_dir, role + '.ready'), 'w').close()\n"
+            "time.sleep(600)\n")
+    started = []
+
+    def command(workload, role, mode, args, gap_s, sync_dir):
+        started.append(role)
+        return [colocate.sys.executable, "-c", hang, sync_dir, role]
+
+    monkeypatch.setattr(colocate, "worker_command", command)
+    monkeypatch.setattr(colocate, "WORKER_FINISH_S", 0.5)
+    args = colocate.parse_args(["--seconds", "0.1"])
+    with pytest.raises(RuntimeError, match="the guaranteed worker of mode naive did not finish"):
+        colocate._run(args, "naive", {"guaranteed": "resnet50"}, 0.0)
+    assert started == ["guaranteed"]
+    assert 'File "<string>", line 5 in <module>' in capfd.readouterr().err  # where it hung: the sleep
