@@ -20,6 +20,8 @@
 #                             with no index) and stop before the tests; CI runs this
 #   GPU_CHECK_PYTEST_ARGS     extra pytest arguments (e.g. -k graph; -n 4 with pytest-xdist)
 #   GPU_CHECK_TEST_TIMEOUT    seconds for the whole test phase (default 500)
+#   GPU_TEST_HANG_SECONDS     a gpu test's script that runs this long prints every thread's
+#                             stack and ends (default: its timeout less 30 s)
 #   GPU_CHECK_ALLOCATOR_ARGS  bench_allocator.py's arguments (default --quick; "" for the full run,
 #                             which takes longer than one 10-minute device call)
 #   GPU_CHECK_BENCH_SECONDS   measured seconds per co-location run (default 6)

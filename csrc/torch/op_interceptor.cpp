@@ -56,18 +56,31 @@ void run_hooks(const char* name) {
   running_hooks = false;
 }
 
+// Lets the GIL go for a wait, where this thread holds it. Some ops begin
+// with the GIL held (tensor indexing, C++ launchers such as torch.compile's):
+// waiting with the GIL would stop every Python thread of the job, the one
+// that ends the pause among them. Declared before the lock of pause_mutex,
+// so the GIL is taken back after the mutex is released, never while holding
+// it (a thread holding the GIL may take pause_mutex).
+class GilReleasedForWait {
+ public:
+  GilReleasedForWait() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilReleasedForWait() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  GilReleasedForWait(const GilReleasedForWait&) = delete;
+  GilReleasedForWait& operator=(const GilReleasedForWait&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
 void wait_while_paused() {
   if (pause_depth.load(std::memory_order_acquire) == 0) return;
   if (pause_owner.load(std::memory_order_acquire) == std::this_thread::get_id()) return;
-  // Some ops begin with the GIL held (tensor indexing, C++ launchers such as
-  // torch.compile's): waiting with it would stop every Python thread of the
-  // job, the one that ends the pause among them.
-  PyThreadState* released = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
-  {
-    std::unique_lock<std::mutex> lock(pause_mutex);
-    pause_released.wait(lock, [] { return pause_depth.load(std::memory_order_acquire) == 0; });
-  }
-  if (released != nullptr) PyEval_RestoreThread(released);  // after pause_mutex: never wait for the GIL holding it
+  GilReleasedForWait without_gil;
+  std::unique_lock<std::mutex> lock(pause_mutex);
+  pause_released.wait(lock, [] { return pause_depth.load(std::memory_order_acquire) == 0; });
 }
 
 // Wakes a pausing thread to re-check the op count. Only while a pause is in
