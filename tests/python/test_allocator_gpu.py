@@ -336,8 +336,8 @@ def test_a_host_headroom_holds_a_squeeze_on_the_device_and_a_kernel_still_reads_
         cotenant.set_host_headroom(0)
         cotenant.safe_point()
         after = cotenant.memory_stats()
-        with open("/proc/meminfo") as meminfo:
-            mem_available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+        from cotenant.coordinator.host_memory import read_meminfo
+        mem_available = read_meminfo()["available_bytes"]
         print(json.dumps({"mode": held["mode"], "created": created, "held_host": held["host_bytes"],
                           "held_pending": held["pending_spill_bytes"], "total": total, "read_held": read_held,
                           "oom": oom, "after_host": after["host_bytes"], "sum_after": x.sum().item(),

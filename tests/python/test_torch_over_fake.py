@@ -250,9 +250,8 @@ def test_a_host_headroom_stops_a_squeeze_and_an_allocation_past_it_names_it(libr
         out["held"] = {k: stats[k] for k in ("device_bytes", "host_bytes", "pending_spill_bytes",
                                              "host_headroom_bytes", "host_headroom_refusals")}
         out["available"] = stats["host_available_bytes"]
-        with open("/proc/meminfo") as meminfo:
-            out["mem_available"] = next(int(line.split()[1]) * 1024 for line in meminfo
-                                        if line.startswith("MemAvailable:"))
+        from cotenant.coordinator.host_memory import read_meminfo
+        out["mem_available"] = read_meminfo()["available_bytes"]
         out["pinned_while_held"] = fake.calls("cuMemCreate") - creates
         try:
             xs.append(pattern(2 << 20, seed=70).to("cuda"))
