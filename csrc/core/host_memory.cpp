@@ -50,6 +50,18 @@ std::optional<std::uint64_t> parse_number(std::string_view text) {
   return value;
 }
 
+// Calls `visit` on each `separator`-delimited piece of `text` until it
+// returns true; returns whether one did.
+template <class Visit>
+bool any_piece(std::string_view text, char separator, Visit visit) {
+  for (std::size_t at = 0; at <= text.size();) {
+    const std::size_t end = std::min(text.find(separator, at), text.size());
+    if (visit(text.substr(at, end - at))) return true;
+    at = end + 1;
+  }
+  return false;
+}
+
 // The number a cgroup file holds; nullopt where it is missing, unreadable,
 // or says "max" (v2's no limit).
 std::optional<std::uint64_t> read_number(const fs::path& file) {
@@ -60,16 +72,16 @@ std::optional<std::uint64_t> read_number(const fs::path& file) {
 // The value of the line "<key> <value>" (memory.stat) or "<key>: <value>"
 // (meminfo) in `text`; nullopt where there is none.
 std::optional<std::uint64_t> keyed_value(std::string_view text, std::string_view key) {
-  for (std::size_t at = 0; at < text.size();) {
-    const std::size_t end = std::min(text.find('\n', at), text.size());
-    const std::string_view line = text.substr(at, end - at);
-    if (line.size() > key.size() && line.compare(0, key.size(), key) == 0 &&
-        (line[key.size()] == ' ' || line[key.size()] == ':')) {
-      return parse_number(line.substr(key.size() + 1));
+  std::optional<std::uint64_t> value;
+  any_piece(text, '\n', [&](std::string_view line) {
+    if (line.size() <= key.size() || line.compare(0, key.size(), key) != 0 ||
+        (line[key.size()] != ' ' && line[key.size()] != ':')) {
+      return false;
     }
-    at = end + 1;
-  }
-  return std::nullopt;
+    value = parse_number(line.substr(key.size() + 1));
+    return true;
+  });
+  return value;
 }
 
 struct CgroupFiles {
@@ -140,26 +152,19 @@ std::optional<std::size_t> read_cgroup_memory_room(const std::string& proc_cgrou
   const std::optional<std::string> text = read_text(proc_cgroup.c_str());
   if (!text) return std::nullopt;
   std::optional<std::string_view> v1_path, v2_path;
-  const std::string_view all(*text);
-  for (std::size_t at = 0; at < all.size();) {
-    const std::size_t end = std::min(all.find('\n', at), all.size());
-    const std::string_view line = all.substr(at, end - at);
-    at = end + 1;
+  any_piece(*text, '\n', [&](std::string_view line) {
     const std::size_t first = line.find(':');
     const std::size_t second = first == std::string_view::npos ? first : line.find(':', first + 1);
-    if (second == std::string_view::npos) continue;
+    if (second == std::string_view::npos) return false;
     const std::string_view controllers = line.substr(first + 1, second - first - 1);
     const std::string_view path = line.substr(second + 1);
     if (controllers.empty() && line.substr(0, first) == "0") {
       v2_path = path;
-      continue;
+    } else if (any_piece(controllers, ',', [](std::string_view name) { return name == "memory"; })) {
+      v1_path = path;
     }
-    for (std::size_t from = 0; from <= controllers.size();) {
-      const std::size_t comma = std::min(controllers.find(',', from), controllers.size());
-      if (controllers.substr(from, comma - from) == "memory") v1_path = path;
-      from = comma + 1;
-    }
-  }
+    return false;
+  });
   if (v1_path) return least_room(fs::path(cgroup_root) / "memory", std::string(*v1_path), kV1);
   if (v2_path) return least_room(fs::path(cgroup_root), std::string(*v2_path), kV2);
   return std::nullopt;

@@ -229,8 +229,7 @@ COTENANT_TORCH_BINDINGS(allocator) {
     }
   }, py::arg("on"));
   m.def("_counted_op_entries", [] { return counted_op_entries.load(); });
-  m.def("_pause_launches", [](double timeout_s) {
-    py::gil_scoped_release release;
+  m.def("_pause_launches", [](double timeout_s) {  // lets the GIL go itself while it waits
     return pause_launches(std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6)));
   }, py::arg("timeout_s"));
   m.def("_resume_launches", [] { resume_launches(); });

@@ -196,7 +196,10 @@ void opportunistic_entry(const OpEntry& op, void* context) {
   if (in_forked_child.load(std::memory_order_relaxed)) return;
   try {
     if (capturing(state->activation.device)) return;
-    state->gate->admit();
+    if (!state->gate->try_admit()) {
+      GilReleasedForWait without_gil;  // only when it waits: letting it go costs a switch
+      state->gate->admit();
+    }
     admitted_op = true;
   } catch (const std::exception&) {
   }

@@ -56,29 +56,10 @@ void run_hooks(const char* name) {
   running_hooks = false;
 }
 
-// Lets the GIL go for a wait, where this thread holds it. Some ops begin
-// with the GIL held (tensor indexing, C++ launchers such as torch.compile's):
-// waiting with the GIL would stop every Python thread of the job, the one
-// that ends the pause among them. Declared before the lock of pause_mutex,
-// so the GIL is taken back after the mutex is released, never while holding
-// it (a thread holding the GIL may take pause_mutex).
-class GilReleasedForWait {
- public:
-  GilReleasedForWait() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
-  ~GilReleasedForWait() {
-    if (state_ != nullptr) PyEval_RestoreThread(state_);
-  }
-  GilReleasedForWait(const GilReleasedForWait&) = delete;
-  GilReleasedForWait& operator=(const GilReleasedForWait&) = delete;
-
- private:
-  PyThreadState* state_;
-};
-
 void wait_while_paused() {
   if (pause_depth.load(std::memory_order_acquire) == 0) return;
   if (pause_owner.load(std::memory_order_acquire) == std::this_thread::get_id()) return;
-  GilReleasedForWait without_gil;
+  GilReleasedForWait without_gil;  // before the lock: see its comment
   std::unique_lock<std::mutex> lock(pause_mutex);
   pause_released.wait(lock, [] { return pause_depth.load(std::memory_order_acquire) == 0; });
 }
@@ -138,6 +119,13 @@ void install_callback() {
 
 }  // namespace
 
+GilReleasedForWait::GilReleasedForWait()
+    : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+
+GilReleasedForWait::~GilReleasedForWait() {
+  if (state_ != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state_));
+}
+
 int add_op_entry_hook(OpEntryHook hook, void* context) {
   if (hook == nullptr) throw std::invalid_argument("add_op_entry_hook: hook must not be null");
   std::call_once(callback_installed, install_callback);
@@ -183,6 +171,11 @@ bool inside_op_on_this_thread() { return op_depth > 0; }
 
 bool pause_launches(std::chrono::microseconds drain_timeout) {
   const auto me = std::this_thread::get_id();
+  // A safe point pauses from op entry, where the GIL may be held: an op
+  // running on another thread may need it to finish (one implemented in
+  // Python, one that takes the GIL for a callback) and would otherwise run
+  // the drain out to its timeout.
+  GilReleasedForWait without_gil;  // before the lock: see its comment
   std::unique_lock<std::mutex> lock(pause_mutex);
   if (pause_depth.load(std::memory_order_acquire) > 0 && pause_owner.load() == me) {
     pause_depth.fetch_add(1);  // nested pause by the holder

@@ -34,6 +34,24 @@ struct OpEntry {
   const char* name;  // e.g. "aten::mm"; valid only during the hook call
 };
 
+// Lets the GIL go for a blocking wait at op entry, where this thread holds
+// it. Some ops begin with the GIL held (tensor indexing and assignment, C++
+// launchers such as torch.compile's): waiting with the GIL would stop every
+// Python thread of the job, the one that ends the wait among them. Construct
+// it before taking the lock the wait is on, so the GIL is taken back after
+// that lock is released, never while holding it (a thread holding the GIL
+// may take that lock). Does nothing on a thread without the GIL.
+class GilReleasedForWait {
+ public:
+  GilReleasedForWait();
+  ~GilReleasedForWait();
+  GilReleasedForWait(const GilReleasedForWait&) = delete;
+  GilReleasedForWait& operator=(const GilReleasedForWait&) = delete;
+
+ private:
+  void* state_;  // the PyThreadState the GIL is taken back with, or null
+};
+
 // Called at every outermost op entry, on the thread running the op, before
 // the op runs. `context` is the pointer given at registration. A hook must be
 // cheap on its fast path (a few atomic loads) and must not throw. It may

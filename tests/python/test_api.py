@@ -408,6 +408,42 @@ def test_a_thread_held_at_op_entry_lets_the_other_python_threads_run():
     assert json.loads(result.stdout.splitlines()[-1]) == {"held": True, "done": True}
 
 
+def test_a_pause_lets_the_gil_go_while_an_op_that_needs_it_finishes():
+    # A safe point pauses from op entry, where the GIL may be held; an op
+    # running on another thread may need the GIL to finish (its kernel is
+    # Python). Holding it, the pause would wait out its drain timeout and
+    # give up. _pause_launches leaves the GIL to pause_launches itself.
+    _extension_or_skip()
+    script = textwrap.dedent("""
+        import json, threading, time, torch
+        from cotenant import _C
+        _C._count_op_entries(True)  # installs the interception point
+        _C._count_op_entries(False)
+        lib = torch.library.Library("cotenant_gil_test", "DEF")
+        lib.define("slow(Tensor x) -> Tensor")
+        started = threading.Event()
+        def slow(x):
+            started.set()
+            time.sleep(0.3)  # lets the GIL go; needs it back to return
+            return x.clone()
+        lib.impl("slow", slow, "CPU")
+        thread = threading.Thread(target=lambda: torch.ops.cotenant_gil_test.slow(torch.ones(2)))
+        thread.start()
+        started.wait()
+        begun = time.monotonic()
+        paused = _C._pause_launches(20.0)
+        waited = time.monotonic() - begun
+        in_flight = _C.ops_in_flight()
+        if paused:
+            _C._resume_launches()
+        thread.join(10)
+        print(json.dumps({"paused": paused, "in_flight": in_flight, "quick": waited < 10}))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == {"paused": True, "in_flight": 0, "quick": True}
+
+
 def test_a_pause_waits_for_ops_already_running_on_other_threads():
     _C = _extension_or_skip()
     import torch

@@ -3,6 +3,7 @@ clock and manual completion markers, the per-GPU segment across real
 processes (a crashed peer, a stale segment), and the Python API's parts that
 need no GPU."""
 
+import json
 import os
 import signal
 import subprocess
@@ -411,6 +412,39 @@ def test_op_hooks_gate_real_torch_ops_on_the_cpu(role, segment_name):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == ("ok" if role == "opportunistic" else "2")
+
+
+WAIT_AT_THE_GATE_WITHOUT_THE_GIL = textwrap.dedent("""
+    import json, sys, threading, time, torch
+    from cotenant import _C
+    _C.gate_activate("opportunistic", 0, sys.argv[1])
+    x = torch.arange(4.0)
+    done = threading.Event()
+    def worker():
+        x[1] = 5.0  # assignment through an index enters its ops holding the GIL
+        done.set()
+    _C.gate_set_share(0.0)
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.3)  # needs the GIL back
+    held = not done.is_set()
+    waiting = _C.gate_stats()["waiting"]
+    _C.gate_set_share(1.0)
+    thread.join(10)
+    _C.gate_deactivate()
+    print(json.dumps({"held": held, "waiting": waiting, "done": done.is_set(), "x1": x[1].item()}))
+""")
+
+
+def test_an_op_waiting_at_the_gate_lets_the_other_python_threads_run(segment_name):
+    # An op held at the gate may have begun with the GIL held; waiting with
+    # it would stop every Python thread of the job, the one that raises the
+    # share among them (a deadlock: in a process of its own).
+    pytest.importorskip("cotenant._C", reason="the torch extension cotenant._C is not built")
+    out = subprocess.run([sys.executable, "-c", WAIT_AT_THE_GATE_WITHOUT_THE_GIL, segment_name],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"held": True, "waiting": 1, "done": True, "x1": 5.0}
 
 
 GUARANTEED_BUSY_FROM_OP_EXIT = textwrap.dedent("""
