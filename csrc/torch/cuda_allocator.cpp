@@ -237,6 +237,10 @@ std::size_t CotenantCudaAllocator::run_safe_point(std::chrono::microseconds drai
     DeviceAllocators* state = existing(static_cast<c10::DeviceIndex>(d));
     if (state != nullptr && state->pools->routing()) return 0;
   }
+  // A safe point runs at op entry, where the GIL may be held: the device
+  // synchronize and the page moves need no Python, and the job's other
+  // Python threads (a DataLoader's pin-memory thread) run on meanwhile.
+  GilReleasedForWait without_gil;  // before the pause: taken back after it ends
   LaunchPause pause(drain_timeout);
   if (!pause) return 0;
   std::size_t moved = 0;

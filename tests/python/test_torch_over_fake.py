@@ -527,6 +527,45 @@ def test_spilling_waits_for_work_in_flight_on_the_pages(library):
     assert out["y_same"] and out["x_same"]
 
 
+def test_a_safe_point_at_op_entry_lets_the_other_python_threads_run_while_pages_move(library):
+    """An op that begins with the GIL held (assignment through an index)
+    runs the safe point a lowered cap left pending: its device synchronize
+    and page copies (50 ms each here) must not stop the job's other Python
+    threads (a DataLoader's pin-memory thread, a logger) for that long."""
+    out = run(library, """
+        import threading, time
+        from cotenant import _C
+        cotenant.enable()
+        data = pattern(4 << 20, seed=21)  # 16 MiB: 8 pages
+        x = data.to("cuda")
+        stamps, stop = [], threading.Event()
+        def ticker():
+            while not stop.is_set():
+                stamps.append(time.monotonic())
+                time.sleep(0.001)
+        thread = threading.Thread(target=ticker)
+        thread.start()
+        time.sleep(0.05)
+        _C.set_memory_cap(0, 8 * MIB)  # pending: the next op's entry moves the pages
+        fake.set_delay(50_000)  # 50 ms per queued copy
+        began = time.monotonic()
+        x[:4] = data[:4]  # enters its op holding the GIL
+        ended = time.monotonic()
+        fake.set_delay(0)
+        stop.set()
+        thread.join()
+        out["op_s"] = ended - began
+        inside = [began] + [t for t in stamps if began < t < ended] + [ended]
+        out["longest_stop_s"] = max(b - a for a, b in zip(inside, inside[1:]))
+        out["host_bytes"] = cotenant.memory_stats()["host_bytes"]
+        out["same"] = same(x, data)
+    """)
+    assert out["host_bytes"] >= 8 * MIB  # the op's entry moved the pages
+    assert out["op_s"] >= 0.15  # four or more copies of 50 ms: the wait the test is about
+    assert out["longest_stop_s"] < 0.1, out  # held, the other thread stopped for all the copies
+    assert out["same"]
+
+
 def test_cap_changes_from_another_thread_keep_every_value(library):
     """A job allocates, copies and frees tensors of many sizes while another
     thread cuts the cap to a third of what it holds, lifts it and restores
