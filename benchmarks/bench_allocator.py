@@ -3,6 +3,9 @@
 
 Figures (written to benchmarks/results/allocator-<device>-<time>.json):
   alloc_free_ratio_vs_native             malloc+free time, cotenant / native, realistic size mix (target <= 1.0)
+  alloc_free_raw_ratio_vs_native         the same pairs made with torch.cuda.caching_allocator_alloc / _delete:
+                                         the allocator's calls alone, no tensor and no ATen op (so no op-entry
+                                         interception); with the figure above it says which side a gap is on
   step_time_ratio_vs_native              training step time, no cap pressure, worst model (target <= 1.01)
   step_time_ratio_vs_native.<model>      the same per model (resnet50, gpt)
   spill_bandwidth_ratio_vs_memcpy        device->host page moves GB/s over pinned cudaMemcpy GB/s (target >= 0.9),
@@ -125,6 +128,8 @@ def compute_figures(measured: Dict[str, Dict]) -> Dict[str, Optional[float]]:
     alloc = measured.get("alloc_free", {})
     figures["alloc_free_ratio_vs_native"] = ratio(alloc.get("cotenant_s_per_pair"),
                                                   alloc.get("native_s_per_pair"))
+    figures["alloc_free_raw_ratio_vs_native"] = ratio(alloc.get("cotenant_raw_s_per_pair"),
+                                                      alloc.get("native_raw_s_per_pair"))
     steps = measured.get("step_time", {})
     per_model = {}
     for model, times in steps.items():
@@ -260,18 +265,38 @@ def worker_alloc_free(allocator: str, args) -> Dict:
                 live.pop(0)
         live.clear()
 
+    # The same pairs through the allocator's own calls: no tensor, no op.
+    stream = torch.cuda.current_stream()
+    alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+
+    def run_raw():
+        live = []
+        for n in sizes:
+            live.append(alloc(n, stream=stream))
+            if len(live) > live_window:
+                delete(live.pop(0))
+        for pointer in live:
+            delete(pointer)
+
+    def timed(loop) -> float:
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            loop()
+            times.append(time.perf_counter() - start)
+        # The median pass: a pass the machine interrupted does not move it.
+        return statistics.median(times) / len(sizes)
+
     run()  # fills the cache: both allocators measured warm
     torch.cuda.synchronize()
     calls_before = fake.all_calls() if fake is not None else {}
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    # The median pass: a pass the machine interrupted does not move it.
-    result = {"s_per_pair": statistics.median(times) / len(sizes)}
+    result = {"s_per_pair": timed(run)}
     if fake is not None:
         result["calls_per_pair"] = _calls_since(fake, calls_before, args.repeats * len(sizes))
+    run_raw()
+    torch.cuda.synchronize()
+    result["raw_s_per_pair"] = timed(run_raw)
+    if fake is not None:
         result["violations"] = fake.violations()
     return result
 
@@ -455,14 +480,14 @@ def _run_worker(name: str, allocator: str, extra: List[str], env: Optional[Dict[
 def over_fake_table(measured: Dict[str, Dict]) -> List[str]:
     """Lines of the --over-fake table: microseconds and driver or runtime
     calls per alloc+free pair, per allocator."""
-    lines = [f"{'allocator':<10} {'us/pair':>8}  calls per pair (timed loop, warm)"]
+    lines = [f"{'allocator':<10} {'us/pair':>8} {'raw':>8}  calls per pair (timed tensor loop, warm)"]
     for allocator in ("native", "cotenant"):
         row = measured[allocator]
         if "s_per_pair" not in row:
             lines.append(f"{allocator:<10} {'-':>8}  failed: {row.get('error')}")
             continue
         calls = ", ".join(f"{name} {count:g}" for name, count in row["calls_per_pair"].items()) or "none"
-        lines.append(f"{allocator:<10} {row['s_per_pair'] * 1e6:8.3f}  {calls}")
+        lines.append(f"{allocator:<10} {row['s_per_pair'] * 1e6:8.3f} {row['raw_s_per_pair'] * 1e6:8.3f}  {calls}")
     return lines
 
 
@@ -494,7 +519,9 @@ def main_over_fake(args, extra: List[str]) -> int:
     measured = {allocator: _run_worker("alloc_free", allocator, extra, env) for allocator in ("native", "cotenant")}
     moves = _run_worker("move_calls", "cotenant", extra, env)
     figures = {"alloc_free_ratio_vs_native": ratio(measured["cotenant"].get("s_per_pair"),
-                                                   measured["native"].get("s_per_pair"))}
+                                                   measured["native"].get("s_per_pair")),
+               "alloc_free_raw_ratio_vs_native": ratio(measured["cotenant"].get("raw_s_per_pair"),
+                                                       measured["native"].get("raw_s_per_pair"))}
     for name, _ in MOVE_ROUNDS:
         calls = moves.get(f"{name}_calls_per_page", {})
         figure = f"{name.split('_')[0]}_vmm_calls_per_page" + ("_kept" if name.endswith("_kept") else "")
@@ -544,7 +571,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     native = _run_worker("alloc_free", "native", quick)
     ours = _run_worker("alloc_free", "cotenant", quick)
     measured["alloc_free"] = {"native_s_per_pair": native.get("s_per_pair"),
-                              "cotenant_s_per_pair": ours.get("s_per_pair")}
+                              "cotenant_s_per_pair": ours.get("s_per_pair"),
+                              "native_raw_s_per_pair": native.get("raw_s_per_pair"),
+                              "cotenant_raw_s_per_pair": ours.get("raw_s_per_pair")}
     measured["step_time"] = {}
     for model in ("resnet50", "gpt"):
         native = _run_worker("step_time", "native", quick + ["--model", model])

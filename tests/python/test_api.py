@@ -488,7 +488,8 @@ def _load_benchmark_module():
 def test_allocator_benchmark_turns_measurements_into_every_figure():
     bench = _load_benchmark_module()
     measured = {
-        "alloc_free": {"native_s_per_pair": 2e-6, "cotenant_s_per_pair": 1e-6},
+        "alloc_free": {"native_s_per_pair": 2e-6, "cotenant_s_per_pair": 1e-6,
+                       "native_raw_s_per_pair": 1e-6, "cotenant_raw_s_per_pair": 1.5e-6},
         "step_time": {"resnet50": {"native_s": 0.100, "cotenant_s": 0.101},
                       "gpt": {"native_s": 0.200, "cotenant_s": 0.200}},
         "moves": {"memcpy_d2h_gbps": 25.0, "memcpy_h2d_gbps": 20.0, "spill_gbps": 2.5, "restore_gbps": 5.0,
@@ -499,6 +500,7 @@ def test_allocator_benchmark_turns_measurements_into_every_figure():
     figures = bench.compute_figures(measured)
     assert set(bench.FIGURES) <= set(figures)
     assert figures["alloc_free_ratio_vs_native"] == pytest.approx(0.5)
+    assert figures["alloc_free_raw_ratio_vs_native"] == pytest.approx(1.5)
     assert figures["step_time_ratio_vs_native"] == pytest.approx(1.01)  # the worst model
     assert figures["spill_bandwidth_ratio_vs_memcpy"] == pytest.approx(0.1)
     assert figures["restore_bandwidth_ratio_vs_memcpy"] == pytest.approx(0.25)
