@@ -111,8 +111,14 @@ COTENANT_TORCH_BINDINGS(allocator) {
     return std::string(d.backend->host_page_kind());
   }, py::arg("device"), "Creates the device's allocator now; returns the host page kind.");
 
+  // Calls that may synchronize the device (cache given back) or pin host
+  // memory let the GIL go for it, as torch.cuda.synchronize() does: the
+  // job's other Python threads run on. The allocator is found first, with
+  // the GIL (creating a device's allocators may call into Python).
   m.def("set_memory_cap", [](int device, std::optional<std::uint64_t> bytes) {
-    main_allocator(device).set_memory_cap(cap_word(bytes));
+    CachingAllocator& allocator = main_allocator(device);
+    py::gil_scoped_release release;
+    allocator.set_memory_cap(cap_word(bytes));
   }, py::arg("device"), py::arg("bytes"), "Bytes, or None to remove the cap.");
   m.def("memory_cap", [](int device) -> py::object {
     const std::uint64_t cap = main_allocator(device).memory_cap();
@@ -172,14 +178,22 @@ COTENANT_TORCH_BINDINGS(allocator) {
 
   m.def("reserve_host_memory", [](int device, std::uint64_t bytes) {
     CachingAllocator& allocator = main_allocator(device);
-    py::gil_scoped_release release;  // pinning takes a while; other threads may run Python meanwhile
+    py::gil_scoped_release release;  // pinning takes a while (see set_memory_cap)
     return allocator.reserve_host_memory(bytes);
   }, py::arg("device"), py::arg("bytes"), "Pins host pages now and keeps them (see CachingAllocator). Returns bytes.");
   m.def("set_host_headroom", [](std::uint64_t bytes) { CotenantCudaAllocator::instance().set_host_headroom(bytes); },
         py::arg("bytes"), "Host memory no device's host pool pins into, on every device (HostPagePool).");
   m.def("host_headroom", [] { return CotenantCudaAllocator::instance().host_headroom(); });
-  m.def("spill_all", [](int device) { main_allocator(device).spill_all(); }, py::arg("device"));
-  m.def("restore_all", [](int device) { main_allocator(device).restore_all(); }, py::arg("device"));
+  m.def("spill_all", [](int device) {
+    CachingAllocator& allocator = main_allocator(device);
+    py::gil_scoped_release release;  // gives the device's cache back (see set_memory_cap)
+    allocator.spill_all();
+  }, py::arg("device"));
+  m.def("restore_all", [](int device) {
+    CachingAllocator& allocator = main_allocator(device);
+    py::gil_scoped_release release;  // see set_memory_cap
+    allocator.restore_all();
+  }, py::arg("device"));
   m.def("has_pending_migrations", [] { return CotenantCudaAllocator::instance().has_pending_migrations(); });
   m.def("mark_iteration", [] { CotenantCudaAllocator::instance().mark_iteration(); },
         "The end of one step of the job's loop: cache idle since the last mark may be released to grow.");

@@ -566,6 +566,50 @@ def test_a_safe_point_at_op_entry_lets_the_other_python_threads_run_while_pages_
     assert out["same"]
 
 
+def test_a_cap_that_gives_cache_back_waits_for_the_device_without_the_gil(library):
+    """Lowering the cap gives cached pages back after a device synchronize;
+    work queued on the device (four 50 ms copies here) makes that wait long,
+    and the job's other Python threads must run on meanwhile, as they do
+    through torch.cuda.synchronize()."""
+    out = run(library, """
+        import threading, time
+        from cotenant import _C
+        cotenant.enable()
+        data = pattern(4 << 20, seed=22)  # 16 MiB
+        x = data.to("cuda")
+        cached = torch.empty(16 * MIB, dtype=torch.uint8, device="cuda")
+        del cached  # 16 MiB of cached pages
+        side = torch.cuda.Stream()
+        fake.set_delay(50_000)  # 50 ms per queued copy
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                x.copy_(data, non_blocking=True)
+        stamps, stop = [], threading.Event()
+        def ticker():
+            while not stop.is_set():
+                stamps.append(time.monotonic())
+                time.sleep(0.001)
+        thread = threading.Thread(target=ticker)
+        thread.start()
+        time.sleep(0.02)
+        began = time.monotonic()
+        _C.set_memory_cap(0, 20 * MIB)  # under what is reserved: the cache goes, after a synchronize
+        ended = time.monotonic()
+        fake.set_delay(0)
+        stop.set()
+        thread.join()
+        out["call_s"] = ended - began
+        inside = [began] + [t for t in stamps if began < t < ended] + [ended]
+        out["longest_stop_s"] = max(b - a for a, b in zip(inside, inside[1:]))
+        out["reserved"] = torch.cuda.memory_reserved()
+        out["same"] = same(x, data)
+    """)
+    assert out["reserved"] <= 20 * MIB  # the cache went
+    assert out["call_s"] >= 0.1  # it waited for the queued copies: the wait the test is about
+    assert out["longest_stop_s"] < 0.05, out
+    assert out["same"]
+
+
 def test_cap_changes_from_another_thread_keep_every_value(library):
     """A job allocates, copies and frees tensors of many sizes while another
     thread cuts the cap to a third of what it holds, lifts it and restores
