@@ -47,6 +47,27 @@ def pattern(count, seed):
 def same(device_tensor, cpu_tensor):
     return bool(torch.equal(device_tensor.to("cpu"), cpu_tensor))  # a device-to-host copy, no kernel
 
+def longest_stop_of_other_threads(call):
+    """Runs call() while another Python thread notes the time every
+    millisecond it gets the GIL; (seconds the call took, the longest stretch
+    of it in which that thread could not run)."""
+    import threading, time
+    stamps, stop = [], threading.Event()
+    def ticker():
+        while not stop.is_set():
+            stamps.append(time.monotonic())
+            time.sleep(0.001)
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.02)
+    began = time.monotonic()
+    call()
+    ended = time.monotonic()
+    stop.set()
+    thread.join()
+    inside = [began] + [t for t in stamps if began < t < ended] + [ended]
+    return ended - began, max(b - a for a, b in zip(inside, inside[1:]))
+
 out = {{}}
 '''
 
@@ -533,30 +554,16 @@ def test_a_safe_point_at_op_entry_lets_the_other_python_threads_run_while_pages_
     and page copies (50 ms each here) must not stop the job's other Python
     threads (a DataLoader's pin-memory thread, a logger) for that long."""
     out = run(library, """
-        import threading, time
         from cotenant import _C
         cotenant.enable()
         data = pattern(4 << 20, seed=21)  # 16 MiB: 8 pages
         x = data.to("cuda")
-        stamps, stop = [], threading.Event()
-        def ticker():
-            while not stop.is_set():
-                stamps.append(time.monotonic())
-                time.sleep(0.001)
-        thread = threading.Thread(target=ticker)
-        thread.start()
-        time.sleep(0.05)
         _C.set_memory_cap(0, 8 * MIB)  # pending: the next op's entry moves the pages
         fake.set_delay(50_000)  # 50 ms per queued copy
-        began = time.monotonic()
-        x[:4] = data[:4]  # enters its op holding the GIL
-        ended = time.monotonic()
+        def assign():
+            x[:4] = data[:4]  # enters its op holding the GIL
+        out["op_s"], out["longest_stop_s"] = longest_stop_of_other_threads(assign)
         fake.set_delay(0)
-        stop.set()
-        thread.join()
-        out["op_s"] = ended - began
-        inside = [began] + [t for t in stamps if began < t < ended] + [ended]
-        out["longest_stop_s"] = max(b - a for a, b in zip(inside, inside[1:]))
         out["host_bytes"] = cotenant.memory_stats()["host_bytes"]
         out["same"] = same(x, data)
     """)
@@ -572,7 +579,6 @@ def test_a_cap_that_gives_cache_back_waits_for_the_device_without_the_gil(librar
     and the job's other Python threads must run on meanwhile, as they do
     through torch.cuda.synchronize()."""
     out = run(library, """
-        import threading, time
         from cotenant import _C
         cotenant.enable()
         data = pattern(4 << 20, seed=22)  # 16 MiB
@@ -584,23 +590,9 @@ def test_a_cap_that_gives_cache_back_waits_for_the_device_without_the_gil(librar
         with torch.cuda.stream(side):
             for _ in range(4):
                 x.copy_(data, non_blocking=True)
-        stamps, stop = [], threading.Event()
-        def ticker():
-            while not stop.is_set():
-                stamps.append(time.monotonic())
-                time.sleep(0.001)
-        thread = threading.Thread(target=ticker)
-        thread.start()
-        time.sleep(0.02)
-        began = time.monotonic()
-        _C.set_memory_cap(0, 20 * MIB)  # under what is reserved: the cache goes, after a synchronize
-        ended = time.monotonic()
+        # under what is reserved: the cache goes, after a synchronize
+        out["call_s"], out["longest_stop_s"] = longest_stop_of_other_threads(lambda: _C.set_memory_cap(0, 20 * MIB))
         fake.set_delay(0)
-        stop.set()
-        thread.join()
-        out["call_s"] = ended - began
-        inside = [began] + [t for t in stamps if began < t < ended] + [ended]
-        out["longest_stop_s"] = max(b - a for a, b in zip(inside, inside[1:]))
         out["reserved"] = torch.cuda.memory_reserved()
         out["same"] = same(x, data)
     """)
