@@ -199,8 +199,7 @@ COTENANT_TORCH_BINDINGS(allocator) {
         "The end of one step of the job's loop: cache idle since the last mark may be released to grow.");
   m.def("safe_point", [] {
     if (!CotenantCudaAllocator::instance().installed()) return std::size_t{0};
-    py::gil_scoped_release release;  // other threads' ops may need the GIL to finish
-    return CotenantCudaAllocator::instance().run_safe_point();
+    return CotenantCudaAllocator::instance().run_safe_point();  // lets the GIL go itself while it works
   }, "Moves pending pages now (pauses launches, synchronizes, remaps). Returns bytes moved.");
 
   m.def("is_device_resident", [](std::uintptr_t address, int device) {
