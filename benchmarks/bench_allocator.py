@@ -409,6 +409,32 @@ def worker_moves(allocator: str, args) -> Dict:
     return result
 
 
+# The driver probe (_C._probe_vmm_costs): its steps in the order it takes
+# them, and the extent sizes it tries, in pages.
+VMM_PROBE_STEPS = ("create", "map", "set_access", "unmap", "map_again", "set_access_again", "set_access_whole",
+                   "release", "map_piece", "set_access_piece")
+VMM_PROBE_EXTENT_PAGES = (1, 4, 16, 64, 256)
+
+
+def worker_vmm_probe(allocator: str, args) -> Dict:
+    """What each virtual memory call costs as the extent grows, on the device
+    and the host (CudaBackend::probe_vmm_costs): whether a page move's driver
+    time is per call, per mapping or per byte. The probe runs twice; the
+    first pass warms the driver's paths and the second is kept."""
+    fake, torch = _fake_then_setup("cotenant")
+    from cotenant import _C
+
+    device = torch.cuda.current_device()
+    page = _C._page_bytes(device)
+    total = args.probe_mib * MIB
+    extents = [pages * page for pages in VMM_PROBE_EXTENT_PAGES if total % (pages * page) == 0]
+    _C._probe_vmm_costs(device, total, extents)
+    result = {"page_bytes": page, "total_bytes": total, "rows": _C._probe_vmm_costs(device, total, extents)}
+    if fake is not None:
+        result["violations"] = fake.violations()
+    return result
+
+
 def worker_shrink(allocator: str, args) -> Dict:
     torch = _setup("cotenant")
     import cotenant
@@ -460,6 +486,7 @@ WORKERS = {
     "move_calls": worker_move_calls,
     "step_time": worker_step_time,
     "moves": worker_moves,
+    "vmm_probe": worker_vmm_probe,
     "shrink": worker_shrink,
     "spilled": worker_spilled,
 }
@@ -491,6 +518,33 @@ def over_fake_table(measured: Dict[str, Dict]) -> List[str]:
     return lines
 
 
+def vmm_probe_table(probe: Dict) -> List[str]:
+    """Lines of the driver probe's table: per side and extent size, each
+    step's microseconds per call and per page (the page the allocator maps)."""
+    if "error" in probe:
+        return [f"driver probe: failed: {probe['error']}"]
+    steps = [step for step in VMM_PROBE_STEPS if any(row["step"] == step for row in probe["rows"])]
+    lines = [f"driver probe, {probe['total_bytes'] // MIB} MiB a pass; us per call / us per "
+             f"{probe['page_bytes'] // MIB} MiB page",
+             f"{'side':<7}{'extent':>8}  " + "".join(f"{step:>22}" for step in steps)]
+    cells: Dict[tuple, Dict[str, str]] = {}
+    for row in probe["rows"]:
+        pages = row["extent_bytes"] // probe["page_bytes"] if row["step"] not in ("map_piece", "set_access_piece") else 1
+        if row["step"] == "set_access_whole":
+            pages = probe["total_bytes"] // probe["page_bytes"]
+        if row["error"]:
+            text = row["error"]
+        elif row["calls"]:
+            per_call = row["ns"] / 1e3 / row["calls"]
+            text = f"{per_call:.1f} / {per_call / pages:.1f}"
+        else:
+            text = "-"
+        cells.setdefault((row["side"], row["extent_bytes"]), {})[row["step"]] = text
+    for (side, extent), by_step in cells.items():
+        lines.append(f"{side:<7}{extent // MIB:>5} MiB  " + "".join(f"{by_step.get(step, ''):>22}" for step in steps))
+    return lines
+
+
 def move_calls_table(moves: Dict) -> List[str]:
     """Lines of the --over-fake table of driver calls per page moved, each round."""
     if "error" in moves:
@@ -518,6 +572,7 @@ def main_over_fake(args, extra: List[str]) -> int:
     env = {k: v for k, v in env.items() if not k.startswith("COTENANT_") or k == OVER_FAKE_VARIABLE}
     measured = {allocator: _run_worker("alloc_free", allocator, extra, env) for allocator in ("native", "cotenant")}
     moves = _run_worker("move_calls", "cotenant", extra, env)
+    probe = _run_worker("vmm_probe", "cotenant", extra, env)
     figures = {"alloc_free_ratio_vs_native": ratio(measured["cotenant"].get("s_per_pair"),
                                                    measured["native"].get("s_per_pair")),
                "alloc_free_raw_ratio_vs_native": ratio(measured["cotenant"].get("raw_s_per_pair"),
@@ -527,6 +582,7 @@ def main_over_fake(args, extra: List[str]) -> int:
         figure = f"{name.split('_')[0]}_vmm_calls_per_page" + ("_kept" if name.endswith("_kept") else "")
         figures[figure] = sum(calls.get(call, 0) for call in VMM_CALLS) if calls else None
     measured["moves"] = moves
+    measured["vmm_probe"] = probe
     result = {"device": f"simulated (CPU: {cpu_model()}), torch over the fake CUDA runtime", "torch": torch_version(),
               "benchmark": "allocator_over_fake", "figures": figures, "measured": measured, "quick": args.quick}
     os.makedirs(args.out, exist_ok=True)
@@ -534,6 +590,7 @@ def main_over_fake(args, extra: List[str]) -> int:
     write_json(result, path)
     print("\n".join(over_fake_table(measured)))
     print("\n".join(move_calls_table(moves)))
+    print("\n".join(vmm_probe_table(probe)))
     print(json.dumps(figures, indent=2))
     print(f"wrote {path}")
     failed = [name for name, row in measured.items() if "error" in row or row.get("violations")]
@@ -556,6 +613,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=30, help=argparse.SUPPRESS)
     parser.add_argument("--move-gib", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-mib", type=int, default=512, help=argparse.SUPPRESS)
     parser.add_argument("--shrink-gib", type=int, nargs="+", default=[1, 4, 16], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -564,7 +622,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     quick = ["--steps", "5", "--warmup", "2", "--alloc-pairs", "2000", "--repeats", "2", "--move-gib", "1",
-             "--shrink-gib", "1"] if args.quick else []
+             "--shrink-gib", "1", "--probe-mib", "128"] if args.quick else []
     if args.over_fake:
         return main_over_fake(args, quick)
     measured: Dict[str, Dict] = {}
@@ -580,6 +638,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ours = _run_worker("step_time", "cotenant", quick + ["--model", model])
         measured["step_time"][model] = {"native_s": native.get("s"), "cotenant_s": ours.get("s")}
     measured["moves"] = _run_worker("moves", "cotenant", quick)
+    measured["vmm_probe"] = _run_worker("vmm_probe", "cotenant", quick)
     measured["shrink"] = _run_worker("shrink", "cotenant", quick)
     measured["spilled"] = _run_worker("spilled", "cotenant", quick)
 
@@ -601,6 +660,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{moves[name + '_moved'] / GIB:.2f} GiB of page moves went")
             pages = moves[name + "_moved"] // moves["page_bytes"]
             print("\n".join(driver_time_table(moves[f"{name}_driver_calls"], pages)))
+    print()
+    print("\n".join(vmm_probe_table(measured["vmm_probe"])))
     if "reserve_driver_calls" in moves:
         pages = moves["spill_moved"] // moves["page_bytes"]  # the reserve pins as many pages as the first spill
         print(f"\nhost reserve: pinned at {moves['reserve_pin_gbps']:.2f} GB/s; where its time went")

@@ -646,3 +646,157 @@ void CudaBackend::synchronize_device() {
 }
 
 }  // namespace cotenant::cuda
+
+// ---- the virtual memory probe -----------------------------------------------------------
+
+namespace cotenant::cuda {
+namespace {
+
+// What one probe pass made, given back when it ends however it ends.
+struct ProbePass {
+  explicit ProbePass(const DriverApi& api) : api(api) {}
+  ~ProbePass() {
+    bool unmapped = true;  // an address range that keeps a mapping is not freed
+    for (const auto& [address, bytes] : mapped) unmapped = api.cuMemUnmap(address, bytes) == CUDA_SUCCESS && unmapped;
+    for (CUmemGenericAllocationHandle handle : handles) api.cuMemRelease(handle);
+    if (!unmapped) return;
+    for (const auto& [address, bytes] : reserved) api.cuMemAddressFree(address, bytes);
+  }
+  ProbePass(const ProbePass&) = delete;
+  ProbePass& operator=(const ProbePass&) = delete;
+
+  const DriverApi& api;
+  std::vector<CUmemGenericAllocationHandle> handles;
+  std::vector<std::pair<CUdeviceptr, std::size_t>> mapped;
+  std::vector<std::pair<CUdeviceptr, std::size_t>> reserved;
+};
+
+// Runs `call(i)` for i in [0, count) timed into a row of `step`; false (the
+// driver's refusal in the row) at the first call that fails.
+template <class Call>
+bool probe_step(std::vector<CudaBackend::VmmProbeRow>& rows, const CudaBackend::VmmProbeRow& pass,
+                const char* step, std::size_t count, Call call) {
+  CudaBackend::VmmProbeRow row = pass;
+  row.step = step;
+  for (std::size_t i = 0; i < count; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    const CUresult r = call(i);
+    row.ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+    if (r != CUDA_SUCCESS) {
+      const char* name = nullptr;
+      driver().cuGetErrorName(r, &name);
+      row.error = name != nullptr ? name : "CUDA error " + std::to_string(static_cast<int>(r));
+      rows.push_back(row);
+      return false;
+    }
+    ++row.calls;
+  }
+  rows.push_back(row);
+  return true;
+}
+
+}  // namespace
+
+std::vector<CudaBackend::VmmProbeRow> CudaBackend::probe_vmm_costs(std::size_t total_bytes,
+                                                                  const std::vector<std::size_t>& extents) {
+  for (std::size_t extent : extents) {
+    if (extent == 0 || extent % granularity_ != 0 || total_bytes % extent != 0) {
+      throw Error("probe_vmm_costs: an extent of " + std::to_string(extent) + " bytes does not fit: each extent " +
+                  "must be a multiple of the page (" + std::to_string(granularity_) + " bytes) and divide " +
+                  "total_bytes (" + std::to_string(total_bytes) + ").");
+    }
+  }
+  const DriverApi& api = driver();
+  CurrentDevice current(device_);
+  std::vector<std::pair<std::string, CUmemAllocationProp>> sides{
+      {"device", page_properties(CU_MEM_LOCATION_TYPE_DEVICE, device_)}};
+  if (host_location_ == HostLocation::kHostNuma) {
+    sides.emplace_back("host", page_properties(CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa_id_));
+  } else if (host_location_ == HostLocation::kHost) {
+    sides.emplace_back("host", page_properties(CU_MEM_LOCATION_TYPE_HOST, 0));
+  }
+  const CUmemAccessDesc access = read_write_for(device_);
+  std::vector<VmmProbeRow> rows;
+  for (const auto& [side, prop] : sides) {
+    for (std::size_t extent : extents) {
+      ProbePass pass(api);
+      VmmProbeRow key;
+      key.side = side;
+      key.extent_bytes = extent;
+      const std::size_t count = total_bytes / extent;
+      CUdeviceptr base = 0;
+      if (!probe_step(rows, key, "reserve", 1, [&](std::size_t) {
+            return api.cuMemAddressReserve(&base, total_bytes, 0, 0, 0);
+          })) {
+        continue;
+      }
+      rows.pop_back();  // reserving address space is not one of the steps
+      pass.reserved.emplace_back(base, total_bytes);
+      auto at = [&](std::size_t i) { return base + i * extent; };
+      auto map_each = [&](std::size_t i) {
+        const CUresult r = api.cuMemMap(at(i), extent, 0, pass.handles[i], 0);
+        if (r == CUDA_SUCCESS) pass.mapped.emplace_back(at(i), extent);
+        return r;
+      };
+      auto unmap_each = [&](std::size_t i) {
+        const CUresult r = api.cuMemUnmap(at(i), extent);
+        if (r == CUDA_SUCCESS) {
+          pass.mapped.erase(std::find(pass.mapped.begin(), pass.mapped.end(), std::make_pair(at(i), extent)));
+        }
+        return r;
+      };
+      auto set_access_each = [&](std::size_t i) { return api.cuMemSetAccess(at(i), extent, &access, 1); };
+      std::vector<VmmProbeRow> untimed;  // steps that only set the next one up
+      const bool ran =
+          probe_step(rows, key, "create", count, [&](std::size_t) {
+            CUmemGenericAllocationHandle handle = 0;
+            const CUresult r = api.cuMemCreate(&handle, extent, &prop, 0);
+            if (r == CUDA_SUCCESS) pass.handles.push_back(handle);
+            return r;
+          }) &&
+          probe_step(rows, key, "map", count, map_each) &&
+          probe_step(rows, key, "set_access", count, set_access_each) &&
+          probe_step(rows, key, "unmap", count, unmap_each) &&
+          probe_step(rows, key, "map_again", count, map_each) &&
+          probe_step(rows, key, "set_access_again", count, set_access_each) &&
+          probe_step(untimed, key, "unmap", count, unmap_each) &&
+          probe_step(untimed, key, "map_again", count, map_each) &&
+          probe_step(rows, key, "set_access_whole", 1, [&](std::size_t) {
+            return api.cuMemSetAccess(base, total_bytes, &access, 1);
+          }) &&
+          probe_step(untimed, key, "unmap", count, unmap_each) &&
+          probe_step(rows, key, "release", count, [&](std::size_t i) {
+            const CUresult r = api.cuMemRelease(pass.handles[i]);
+            if (r == CUDA_SUCCESS) pass.handles[i] = 0;
+            return r;
+          });
+      for (const VmmProbeRow& row : untimed) {
+        if (!row.error.empty()) rows.push_back(row);  // a refusal there ended the pass: say so
+      }
+      pass.handles.erase(std::remove(pass.handles.begin(), pass.handles.end(), CUmemGenericAllocationHandle{0}),
+                         pass.handles.end());
+      if (!ran || extent == granularity_) continue;
+      // Pieces: one allocation of `extent`, each page of it mapped at its own
+      // address with a free page between (so no two pieces form one range).
+      const std::size_t pieces = extent / granularity_;
+      CUdeviceptr piece_base = 0;
+      CUmemGenericAllocationHandle whole = 0;
+      if (api.cuMemAddressReserve(&piece_base, 2 * extent, 0, 0, 0) != CUDA_SUCCESS) continue;
+      pass.reserved.emplace_back(piece_base, 2 * extent);
+      if (api.cuMemCreate(&whole, extent, &prop, 0) != CUDA_SUCCESS) continue;
+      pass.handles.push_back(whole);
+      auto piece_at = [&](std::size_t j) { return piece_base + 2 * j * granularity_; };
+      probe_step(rows, key, "map_piece", pieces, [&](std::size_t j) {
+        const CUresult r = api.cuMemMap(piece_at(j), granularity_, j * granularity_, whole, 0);
+        if (r == CUDA_SUCCESS) pass.mapped.emplace_back(piece_at(j), granularity_);
+        return r;
+      }) && probe_step(rows, key, "set_access_piece", pieces, [&](std::size_t j) {
+        return api.cuMemSetAccess(piece_at(j), granularity_, &access, 1);
+      });
+    }
+  }
+  return rows;
+}
+
+}  // namespace cotenant::cuda

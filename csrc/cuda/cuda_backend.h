@@ -102,6 +102,42 @@ class CudaBackend final : public Backend {
   DriverCallTime driver_call_time(DriverCall call) const;
   void reset_driver_call_times();
 
+  // What the driver's virtual memory calls cost as the unit grows: whether a
+  // page move's driver time (Known limits in docs/allocator.md) is per call,
+  // per mapping or per byte, which decides whether moving extents of many
+  // pages would reach the bus. A measurement the allocator never runs
+  // (bench_allocator.py records it). For each side (the device; the host
+  // where host VMM exists) and each extent size (a multiple of the page),
+  // `total_bytes` of memory as allocations of that size go through these
+  // steps, each timed over all its calls:
+  //   create            cuMemCreate of each allocation
+  //   map               cuMemMap of each at a fresh address
+  //   set_access        cuMemSetAccess of each mapping (a fresh address)
+  //   unmap             cuMemUnmap of each
+  //   map_again         cuMemMap of each at the address it had (as a page
+  //                     that moves keeps its address)
+  //   set_access_again  cuMemSetAccess of each mapping there
+  //   set_access_whole  one cuMemSetAccess over all of them (unmapped and
+  //                     mapped again before)
+  //   release           cuMemRelease of each (unmapped before)
+  //   map_piece         cuMemMap of each page-sized piece of one allocation
+  //                     (offsets into it) at its own address, a page apart:
+  //                     a page backed by part of a larger allocation
+  //   set_access_piece  cuMemSetAccess of each piece
+  // A step the driver refuses ends its pass with the refusal in `error`
+  // (its calls so far counted); every allocation, mapping and address range
+  // the pass made goes back. Throws cotenant::Error for an extent that is
+  // not a multiple of the page or does not divide `total_bytes`.
+  struct VmmProbeRow {
+    std::string side;  // "device" or "host"
+    std::size_t extent_bytes = 0;
+    std::string step;
+    std::uint64_t calls = 0;
+    std::uint64_t ns = 0;
+    std::string error;  // empty unless the driver refused this step
+  };
+  std::vector<VmmProbeRow> probe_vmm_costs(std::size_t total_bytes, const std::vector<std::size_t>& extents);
+
   // Kernels running on device `peer` may read and write this device's pages:
   // every page mapped now and every page mapped later (cuMemSetAccess for
   // the peer; PyTorch's enablePeerAccess(peer, this device)).

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "../cuda/cuda_backend.h"
 #include "../cuda/cuda_driver.h"
@@ -151,6 +152,26 @@ COTENANT_TORCH_BINDINGS(allocator) {
     }
     return times;
   }, py::arg("device"), "Calls and nanoseconds per kind of driver call since the last reset (benchmarks).");
+  m.def("_probe_vmm_costs", [](int device, std::size_t total_bytes, const std::vector<std::size_t>& extents) {
+    std::vector<cuda::CudaBackend::VmmProbeRow> rows;
+    {
+      py::gil_scoped_release release;  // hundreds of driver calls
+      rows = device_backend(device).probe_vmm_costs(total_bytes, extents);
+    }
+    py::list out;
+    for (const auto& row : rows) {
+      py::dict entry;
+      entry["side"] = row.side;
+      entry["extent_bytes"] = row.extent_bytes;
+      entry["step"] = row.step;
+      entry["calls"] = row.calls;
+      entry["ns"] = row.ns;
+      entry["error"] = row.error.empty() ? py::object(py::none()) : py::object(py::str(row.error));
+      out.append(entry);
+    }
+    return out;
+  }, py::arg("device"), py::arg("total_bytes"), py::arg("extents"),
+     "What the driver's virtual memory calls cost per extent size (CudaBackend::probe_vmm_costs; benchmarks).");
   m.def("_page_bytes", [](int device) {
     return device_backend(device).granularity();
   }, py::arg("device"), "Bytes per page (the driver's granularity).");

@@ -948,6 +948,18 @@ def test_the_warm_allocation_path_calls_the_driver_no_more_than_pytorchs_own(lib
         assert 0 < figures[figure] <= 3.125, (figure, moves)
     assert "cuMemCreate" not in moves["spill_kept_calls_per_page"]  # nothing pinned the second time
     assert moves["host_pool_bytes_after"] == 64 * MIB  # memory_stats() shows the host pages kept
+    # The driver probe ran through the extension on both sides, every step
+    # of every extent size, each call counted once, within the fake's rules.
+    probe = result["measured"]["vmm_probe"]
+    assert probe["violations"] == []
+    rows = {(row["side"], row["extent_bytes"], row["step"]): row for row in probe["rows"]}
+    assert all(row["error"] is None and row["ns"] > 0 for row in rows.values()), probe["rows"]
+    for side in ("device", "host"):
+        for extent in (2 * MIB, 8 * MIB, 32 * MIB, 128 * MIB):
+            assert rows[(side, extent, "map")]["calls"] == probe["total_bytes"] // extent
+            assert rows[(side, extent, "set_access_whole")]["calls"] == 1
+            assert ((side, extent, "map_piece") in rows) == (extent > 2 * MIB)
+    assert "driver probe" in done.stdout
 
 
 NO_KERNEL_CALLS = r'''

@@ -782,3 +782,95 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_in_pinned_fallback_mode_loses
   }
   device.check_clean_after_failing(entry);
 }
+
+namespace {
+
+using ProbeRows = std::vector<cuda::CudaBackend::VmmProbeRow>;
+
+const cuda::CudaBackend::VmmProbeRow* probe_row(const ProbeRows& rows, const std::string& side, std::size_t extent,
+                                                const std::string& step) {
+  for (const auto& row : rows) {
+    if (row.side == side && row.extent_bytes == extent && row.step == step) return &row;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+// The driver probe (bench_allocator.py's measured.vmm_probe) makes each
+// step's calls on both sides, a pass per extent, and gives back everything
+// it made: allocations, mappings and address ranges.
+TEST_CASE("cuda_backend_over_fake_the_vmm_probe_times_every_step_and_gives_everything_back",
+          "[fake_cuda][backend]") {
+  FakeCudaDevice device;
+  cuda::CudaBackend& backend = device.cuda_backend();
+  const std::uint64_t creates_before = fake_cuda::calls("cuMemCreate");
+  const ProbeRows rows = backend.probe_vmm_costs(16 * kMiB, {2 * kMiB, 8 * kMiB});
+  for (const char* side : {"device", "host"}) {
+    for (std::size_t extent : {2 * kMiB, 8 * kMiB}) {
+      const std::uint64_t count = 16 * kMiB / extent;
+      INFO(side << " extent " << extent);
+      for (const char* step : {"create", "map", "set_access", "unmap", "map_again", "set_access_again", "release"}) {
+        const auto* row = probe_row(rows, side, extent, step);
+        REQUIRE(row != nullptr);
+        CHECK(row->calls == count);
+        CHECK(row->error.empty());
+      }
+      const auto* whole = probe_row(rows, side, extent, "set_access_whole");
+      REQUIRE(whole != nullptr);
+      CHECK(whole->calls == 1);
+      const auto* piece = probe_row(rows, side, extent, "map_piece");
+      const auto* piece_access = probe_row(rows, side, extent, "set_access_piece");
+      if (extent == 2 * kMiB) {
+        CHECK(piece == nullptr);  // a page is its own allocation: no pieces
+      } else {
+        REQUIRE(piece != nullptr);
+        REQUIRE(piece_access != nullptr);
+        CHECK(piece->calls == 4);
+        CHECK(piece_access->calls == 4);
+      }
+    }
+  }
+  CHECK(rows.size() == 2 * (8 + 8 + 2));
+  // 8 + 2 allocations per side, and one more for the pieces of 8 MiB.
+  CHECK(fake_cuda::calls("cuMemCreate") - creates_before == 2 * (8 + 2 + 1));
+  CHECK_THROWS_WITH(backend.probe_vmm_costs(16 * kMiB, {3 * kMiB}),
+                    Catch::Contains("multiple of the page") && Catch::Contains("3145728"));
+  CHECK_THROWS_WITH(backend.probe_vmm_costs(16 * kMiB, {6 * kMiB}), Catch::Contains("divide total_bytes"));
+  device.check_clean();
+}
+
+// A driver call the probe makes failing ends that pass with the refusal in
+// its row; the passes after it run, and nothing the failed pass made stays.
+TEST_CASE("cuda_backend_over_fake_a_refusal_during_the_vmm_probe_ends_its_pass_and_leaks_nothing",
+          "[fake_cuda][backend]") {
+  const std::pair<const char*, const char*> entries[] = {
+      {"cuMemCreate", "create"}, {"cuMemMap", "map"}, {"cuMemSetAccess", "set_access"},
+      {"cuMemUnmap", "unmap"}, {"cuMemRelease", "release"}};
+  for (const auto& [entry, step] : entries) {
+    INFO("failing the second " << entry);
+    {
+      FakeCudaDevice device;
+      fail_once(entry, 2);
+      const ProbeRows rows = device.cuda_backend().probe_vmm_costs(8 * kMiB, {2 * kMiB, 4 * kMiB});
+      std::vector<std::string> errors;
+      for (const auto& row : rows) {
+        if (!row.error.empty()) errors.push_back(row.side + " " + std::to_string(row.extent_bytes) + " " + row.step);
+      }
+      REQUIRE(errors.size() == 1);
+      CHECK(errors[0] == std::string("device 2097152 ") + step);
+      const auto* failed = probe_row(rows, "device", 2 * kMiB, step);
+      CHECK(failed->calls == 1);
+      CHECK(failed->error == "CUDA_ERROR_INVALID_VALUE");
+      if (std::string(step) != "release") {  // the pass ended there (release is its last step)
+        CHECK(probe_row(rows, "device", 2 * kMiB, "set_access_whole") == nullptr);
+      }
+      for (const char* side : {"device", "host"}) {
+        const auto* release = probe_row(rows, side, 4 * kMiB, "release");
+        REQUIRE(release != nullptr);  // later passes ran whole
+        CHECK(release->error.empty());
+      }
+      device.check_clean();
+    }
+  }
+}
