@@ -229,10 +229,11 @@ COTENANT_TORCH_BINDINGS(allocator) {
 
   // ---- the interception point, for tests and diagnostics ----
   m.def("ops_in_flight", &ops_in_flight, "Outermost ATen ops running now, all threads.");
-  m.def("begin_explicit_op", [] {
-    py::gil_scoped_release release;  // it may wait for a safe point another thread runs
-    begin_explicit_op("cotenant::explicit_op");
-  }, "Work launched outside ATen (a CUDA graph replay) begins: it counts as one op until end_explicit_op().");
+  // The GIL stays held here, as it does through an ATen op's entry: a wait
+  // there (a pause, the gate, a safe point's moves) lets it go itself, and a
+  // launch that need not wait does not hand it to another thread.
+  m.def("begin_explicit_op", [] { begin_explicit_op("cotenant::explicit_op"); },
+        "Work launched outside ATen (a CUDA graph replay) begins: it counts as one op until end_explicit_op().");
   m.def("end_explicit_op", [] { end_explicit_op(); });
   // Triton's launch hooks (triton.knobs.runtime.launch_enter_hook and
   // launch_exit_hook): each launch through Triton's launcher is one explicit
@@ -242,10 +243,7 @@ COTENANT_TORCH_BINDINGS(allocator) {
   m.def("triton_launch_enter", [](const py::handle& /*metadata*/) {
     if (triton_launch_open) end_explicit_op();
     triton_launch_open = false;
-    {
-      py::gil_scoped_release release;  // it may wait for a safe point another thread runs
-      begin_explicit_op("triton::launch");
-    }
+    begin_explicit_op("triton::launch");  // with the GIL, as begin_explicit_op above
     triton_launch_open = true;
   }, py::arg("metadata") = py::none(), "Triton's launch enter hook: the launch begins as one op.");
   m.def("triton_launch_exit", [](const py::handle& /*metadata*/) {

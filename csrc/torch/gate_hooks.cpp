@@ -416,7 +416,10 @@ void gate_enter() {
   if (in_forked_child.load(std::memory_order_relaxed)) return;
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   if (state == nullptr || !state->gate || state->stopping.load(std::memory_order_acquire)) return;
-  state->gate->admit();
+  if (!state->gate->try_admit()) {
+    GilReleasedForWait without_gil;  // as at an op's entry: only when it waits
+    state->gate->admit();
+  }
 }
 
 void gate_exit() {
@@ -503,8 +506,8 @@ COTENANT_TORCH_BINDINGS(launch_gate) {
   m.def("gate_set_max_in_flight", [](std::size_t k) {
     if (LaunchGate* gate = process_launch_gate()) gate->set_max_in_flight(k);
   }, py::arg("k"));
-  m.def("gate_enter", [] { gate_enter(); }, py::call_guard<py::gil_scoped_release>(),
-        "Admits hand-launched work as one op (blocks without the GIL).");
+  m.def("gate_enter", [] { gate_enter(); },
+        "Admits hand-launched work as one op (a wait lets the GIL go; no wait keeps it).");
   m.def("gate_exit", [] { gate_exit(); }, "The admitted work is enqueued: records its completion marker.");
   m.def("gate_close", [] {
     if (LaunchGate* gate = process_launch_gate()) gate->close();

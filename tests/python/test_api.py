@@ -647,6 +647,43 @@ def test_an_explicit_op_holds_a_pause_until_it_ends():
         _C._count_op_entries(False)
 
 
+EXPLICIT_OP_DURING_A_PAUSE = textwrap.dedent("""
+    import json, threading, time
+    from cotenant import _C
+    assert _C._pause_launches(1.0)
+    entered = threading.Event()
+    def launch(begin, end):
+        begin()  # with the GIL, as Python calls it
+        entered.set()
+        end()
+    out = {}
+    for name, begin, end in (("explicit_op", _C.begin_explicit_op, _C.end_explicit_op),
+                             ("triton", lambda: _C.triton_launch_enter(None), lambda: _C.triton_launch_exit(None))):
+        entered.clear()
+        thread = threading.Thread(target=launch, args=(begin, end))
+        thread.start()
+        time.sleep(0.2)  # needs the GIL back: a launch waiting with it would hang here
+        waited = not entered.is_set()
+        _C._resume_launches()
+        thread.join(10)
+        out[name] = [waited, entered.is_set()]
+        assert _C._pause_launches(1.0)
+    _C._resume_launches()
+    print(json.dumps(out))
+""")
+
+
+def test_work_launched_outside_aten_waits_out_a_pause_without_the_gil():
+    # A CUDA graph replay or a Triton launch reached while launches are
+    # paused waits for the pause to end; it begins with the GIL held, and
+    # must let it go while it waits (the thread that ends the pause needs it).
+    _extension_or_skip()
+    done = subprocess.run([sys.executable, "-c", EXPLICIT_OP_DURING_A_PAUSE], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"explicit_op": [True, True], "triton": [True, True]}
+
+
 def test_cuda_graph_replays_run_as_one_op(monkeypatch):
     _C = _extension_or_skip()
     import torch

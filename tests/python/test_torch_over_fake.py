@@ -573,6 +573,45 @@ def test_a_safe_point_at_op_entry_lets_the_other_python_threads_run_while_pages_
     assert out["same"]
 
 
+def test_work_launched_outside_aten_lets_the_gil_go_while_it_waits_at_the_gate(library):
+    """Hand-launched kernels in cotenant.gate(), CUDA graph replays and
+    Triton launches enter as one op each, with the GIL held (as an ATen op's
+    entry is; a launch admitted at once costs no GIL switch). Held at an
+    opportunistic job's gate they must let it go: the thread that lets them
+    through needs it."""
+    out = run(library, """
+        import os, threading, time
+        from cotenant import _C, _core
+        segment = f"/cotenant-test-explicit-{os.getpid()}"
+        _core.GpuPeerSegment.remove(segment)
+        _C.gate_activate("opportunistic", 0, segment)
+        torch.empty(1, device="cuda")  # the gate's markers go on the current stream
+        launches = {
+            "gate": (_C.gate_enter, _C.gate_exit),
+            "explicit_op": (_C.begin_explicit_op, _C.end_explicit_op),
+            "triton": (lambda: _C.triton_launch_enter(None), lambda: _C.triton_launch_exit(None)),
+        }
+        for name, (enter, leave) in launches.items():
+            done = threading.Event()
+            def worker():
+                enter()
+                leave()
+                done.set()
+            _C.gate_set_share(0.0)
+            thread = threading.Thread(target=worker)
+            thread.start()
+            time.sleep(0.3)
+            held = not done.is_set()
+            _C.gate_set_share(1.0)  # needs the GIL the held launch began with
+            thread.join(10)
+            out[name] = {"held": held, "done": done.is_set()}
+        _C.gate_deactivate()
+        _core.GpuPeerSegment.remove(segment)
+    """)
+    for name in ("gate", "explicit_op", "triton"):
+        assert out[name] == {"held": True, "done": True}, (name, out)
+
+
 def test_a_cap_that_gives_cache_back_waits_for_the_device_without_the_gil(library):
     """Lowering the cap gives cached pages back after a device synchronize;
     work queued on the device (four 50 ms copies here) makes that wait long,
