@@ -409,10 +409,7 @@ def worker_moves(allocator: str, args) -> Dict:
     return result
 
 
-# The driver probe (_C._probe_vmm_costs): its steps in the order it takes
-# them, and the extent sizes it tries, in pages.
-VMM_PROBE_STEPS = ("create", "map", "set_access", "unmap", "map_again", "set_access_again", "set_access_whole",
-                   "release", "map_piece", "set_access_piece")
+# The extent sizes the driver probe (_C._probe_vmm_costs) tries, in pages.
 VMM_PROBE_EXTENT_PAGES = (1, 4, 16, 64, 256)
 
 
@@ -523,15 +520,15 @@ def vmm_probe_table(probe: Dict) -> List[str]:
     step's microseconds per call and per page (the page the allocator maps)."""
     if "error" in probe:
         return [f"driver probe: failed: {probe['error']}"]
-    steps = [step for step in VMM_PROBE_STEPS if any(row["step"] == step for row in probe["rows"])]
-    lines = [f"driver probe, {probe['total_bytes'] // MIB} MiB a pass; us per call / us per "
-             f"{probe['page_bytes'] // MIB} MiB page",
+    steps = list(dict.fromkeys(row["step"] for row in probe["rows"]))  # in the order the probe takes them
+    page, total = probe["page_bytes"], probe["total_bytes"]
+    lines = [f"driver probe, {total // MIB} MiB a pass; us per call / us per {page // MIB} MiB page",
              f"{'side':<7}{'extent':>8}  " + "".join(f"{step:>22}" for step in steps)]
     cells: Dict[tuple, Dict[str, str]] = {}
     for row in probe["rows"]:
-        pages = row["extent_bytes"] // probe["page_bytes"] if row["step"] not in ("map_piece", "set_access_piece") else 1
-        if row["step"] == "set_access_whole":
-            pages = probe["total_bytes"] // probe["page_bytes"]
+        # pages per call: one piece, the whole pass, or one allocation
+        pages = {"map_piece": 1, "set_access_piece": 1, "set_access_whole": total // page}.get(
+            row["step"], row["extent_bytes"] // page)
         if row["error"]:
             text = row["error"]
         elif row["calls"]:

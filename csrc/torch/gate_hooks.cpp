@@ -188,6 +188,15 @@ thread_local bool admitted_op = false;
 thread_local int exit_depth = 0;
 thread_local int explicit_depth = 0;
 
+// Admits one op or block of hand-launched work, which may have begun with
+// the GIL held: it lets the GIL go only when it must wait (letting it go
+// costs a switch).
+void admit_letting_the_gil_go_to_wait(LaunchGate& gate) {
+  if (gate.try_admit()) return;
+  GilReleasedForWait without_gil;
+  gate.admit();
+}
+
 // Hooks must not throw into ATen: a failure to gate lets the op through.
 void opportunistic_entry(const OpEntry& op, void* context) {
   auto* state = static_cast<ProcessGate*>(context);
@@ -196,10 +205,7 @@ void opportunistic_entry(const OpEntry& op, void* context) {
   if (in_forked_child.load(std::memory_order_relaxed)) return;
   try {
     if (capturing(state->activation.device)) return;
-    if (!state->gate->try_admit()) {
-      GilReleasedForWait without_gil;  // only when it waits: letting it go costs a switch
-      state->gate->admit();
-    }
+    admit_letting_the_gil_go_to_wait(*state->gate);
     admitted_op = true;
   } catch (const std::exception&) {
   }
@@ -416,10 +422,7 @@ void gate_enter() {
   if (in_forked_child.load(std::memory_order_relaxed)) return;
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   if (state == nullptr || !state->gate || state->stopping.load(std::memory_order_acquire)) return;
-  if (!state->gate->try_admit()) {
-    GilReleasedForWait without_gil;  // as at an op's entry: only when it waits
-    state->gate->admit();
-  }
+  admit_letting_the_gil_go_to_wait(*state->gate);
 }
 
 void gate_exit() {
