@@ -25,6 +25,8 @@ Figures (written to benchmarks/results/allocator-<device>-<time>.json):
                                          host memory pinned for the job's life)
   shrink_response_s_1GiB / _4GiB / _16GiB  seconds from a cap command to device bytes under the cap
   step_time_ratio_spilled_25pct / _50pct step time with a quarter / half of the working set on the host, over none
+  spilled_step_driver_share_25pct / _50pct  the share of that step's time spent in driver calls (page moves and
+                                         their device synchronizes; the table under the figures breaks it down)
 
 Each measurement that needs a fresh CUDA context (native vs cotenant) runs in
 its own worker process: `bench_allocator.py --worker NAME --allocator native|cotenant`.
@@ -152,6 +154,9 @@ def compute_figures(measured: Dict[str, Dict]) -> Dict[str, Optional[float]]:
     spilled = measured.get("spilled", {})
     for pct in (25, 50):
         figures[f"step_time_ratio_spilled_{pct}pct"] = ratio(spilled.get(f"{pct}pct_s"), spilled.get("0pct_s"))
+        per_step = spilled.get(f"{pct}pct_per_step")
+        driver_s = sum(t["ns"] for t in per_step["driver_calls"].values()) / 1e9 if per_step else None
+        figures[f"spilled_step_driver_share_{pct}pct"] = ratio(driver_s, spilled.get(f"{pct}pct_s"))
     return figures
 
 
@@ -169,11 +174,14 @@ def _setup(allocator: str):
     return torch
 
 
-def _timed_steps(torch, step, warmup: int, steps: int) -> float:
-    """Median seconds per step, synchronized."""
+def _timed_steps(torch, step, warmup: int, steps: int, after_warmup=None) -> float:
+    """Median seconds per step, synchronized; `after_warmup()` runs between
+    the warm-up steps and the timed ones."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    if after_warmup is not None:
+        after_warmup()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -455,10 +463,17 @@ def worker_shrink(allocator: str, args) -> Dict:
     return out
 
 
+def _move_counters(cotenant) -> Dict[str, int]:
+    raw = cotenant.memory_stats()["raw"]
+    return {name: int(raw.get(name, 0)) for name in ("spilled_bytes", "restored_bytes", "num_migrations")}
+
+
 def worker_spilled(allocator: str, args) -> Dict:
     torch = _setup("cotenant")
     import cotenant
+    from cotenant import _C
 
+    device = torch.cuda.current_device()
     model, x, y = _model(torch, "gpt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = _train_step(torch, model, x, y, opt)
@@ -473,9 +488,48 @@ def worker_spilled(allocator: str, args) -> Dict:
         cotenant.set_memory_cap(None)
         cotenant.restore_all()
         cotenant.set_memory_cap(int(working_set * (100 - pct) / 100))
-        out[f"{pct}pct_s"] = _timed_steps(torch, step, args.warmup, args.steps)
+        counted: Dict[str, Dict[str, int]] = {}
+
+        def start_counting():
+            _C._reset_driver_call_times(device)
+            counted["before"] = _move_counters(cotenant)
+
+        out[f"{pct}pct_s"] = _timed_steps(torch, step, args.warmup, args.steps, after_warmup=start_counting)
         out[f"{pct}pct_host_bytes"] = cotenant.memory_stats()["host_bytes"]
+        # Where a spilled step's time goes: the page moves of the timed steps
+        # and the driver calls they made, per step.
+        after = _move_counters(cotenant)
+        per_step = {name: (after[name] - counted["before"][name]) / args.steps for name in after}
+        per_step["driver_calls"] = {name: {"calls": t["calls"] / args.steps, "ns": t["ns"] / args.steps}
+                                    for name, t in _C._driver_call_times(device).items()}
+        out[f"{pct}pct_per_step"] = per_step
+    out["page_bytes"] = _C._page_bytes(device)
     return out
+
+
+def spilled_step_table(spilled: Dict) -> List[str]:
+    """Lines of a table of where a training step's time goes under a cap that
+    puts 25% / 50% of its working set on the host: the step's time, what its
+    page moves carried, the device synchronizes of its safe points, and the
+    time of all its driver calls (the rest is the step's own work, including
+    kernels that read host pages over the bus)."""
+    if "error" in spilled:
+        return [f"spilled steps: failed: {spilled['error']}"]
+    base = spilled.get("0pct_s")
+    lines = [f"{'on the host':<12} {'step ms':>8} {'x none':>7} {'MiB out':>8} {'MiB back':>8} {'moves':>6} "
+             f"{'syncs':>6} {'driver ms':>9} {'share':>6}"]
+    for pct in (25, 50):
+        seconds, per_step = spilled.get(f"{pct}pct_s"), spilled.get(f"{pct}pct_per_step")
+        if seconds is None or per_step is None:
+            continue
+        calls = per_step["driver_calls"]
+        driver_ns = sum(t["ns"] for t in calls.values())
+        syncs = calls.get("device_synchronize", {}).get("calls", 0)
+        times = f"{seconds / base:7.1f}" if base else f"{'-':>7}"
+        lines.append(f"{f'{pct}%':<12} {seconds * 1e3:8.1f} {times} {per_step['spilled_bytes'] / 2**20:8.1f} "
+                     f"{per_step['restored_bytes'] / 2**20:8.1f} {per_step['num_migrations']:6.0f} {syncs:6.0f} "
+                     f"{driver_ns / 1e6:9.1f} {driver_ns / 1e9 / seconds:6.0%}")
+    return lines
 
 
 WORKERS = {
@@ -659,6 +713,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("\n".join(driver_time_table(moves[f"{name}_driver_calls"], pages)))
     print()
     print("\n".join(vmm_probe_table(measured["vmm_probe"])))
+    print()
+    print("\n".join(spilled_step_table(measured["spilled"])))
+    per_step = measured["spilled"].get("50pct_per_step")
+    if per_step is not None:
+        pages = (per_step["spilled_bytes"] + per_step["restored_bytes"]) / measured["spilled"]["page_bytes"]
+        print("\nwhere a step's driver time went with half its working set on the host (per step)")
+        print("\n".join(driver_time_table(per_step["driver_calls"], pages)))
     if "reserve_driver_calls" in moves:
         pages = moves["spill_moved"] // moves["page_bytes"]  # the reserve pins as many pages as the first spill
         print(f"\nhost reserve: pinned at {moves['reserve_pin_gbps']:.2f} GB/s; where its time went")

@@ -907,6 +907,24 @@ def test_allocator_benchmark_shows_where_page_move_time_went_busiest_first():
     assert bench.driver_time_table(times, pages=0)[1].split()[-1] == "-"
 
 
+def test_allocator_benchmark_says_where_a_spilled_steps_time_went():
+    bench = _load_benchmark_module()
+    calls = {"device_synchronize": {"calls": 40, "ns": 20_000_000}, "set_access": {"calls": 100, "ns": 80_000_000},
+             "unmap": {"calls": 0, "ns": 0}}
+    spilled = {"0pct_s": 0.1, "25pct_s": 0.5, "page_bytes": 2 << 20,
+               "25pct_per_step": {"spilled_bytes": 300 << 20, "restored_bytes": 100 << 20, "num_migrations": 200,
+                                  "driver_calls": calls}}
+    lines = bench.spilled_step_table(spilled)
+    assert lines[0].split() == ["on", "the", "host", "step", "ms", "x", "none", "MiB", "out", "MiB", "back", "moves",
+                                "syncs", "driver", "ms", "share"]
+    assert lines[1].split() == ["25%", "500.0", "5.0", "300.0", "100.0", "200", "40", "100.0", "20%"]
+    assert len(lines) == 2  # no 50% run measured: no row
+    figures = bench.compute_figures({"spilled": spilled})
+    assert figures["spilled_step_driver_share_25pct"] == pytest.approx(0.2)
+    assert figures["spilled_step_driver_share_50pct"] is None
+    assert bench.spilled_step_table({"error": "boom"}) == ["spilled steps: failed: boom"]
+
+
 class _HeadroomRecorder:
     def set_host_headroom(self, bytes_):
         self.bytes = bytes_
