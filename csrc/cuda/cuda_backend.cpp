@@ -782,10 +782,22 @@ std::vector<CudaBackend::VmmProbeRow> CudaBackend::probe_vmm_costs(std::size_t t
       const std::size_t pieces = extent / granularity_;
       CUdeviceptr piece_base = 0;
       CUmemGenericAllocationHandle whole = 0;
-      if (api.cuMemAddressReserve(&piece_base, 2 * extent, 0, 0, 0) != CUDA_SUCCESS) continue;
-      pass.reserved.emplace_back(piece_base, 2 * extent);
-      if (api.cuMemCreate(&whole, extent, &prop, 0) != CUDA_SUCCESS) continue;
-      pass.handles.push_back(whole);
+      std::vector<VmmProbeRow> setup;  // untimed; a refusal there ends the pieces: say so
+      const bool set_up =
+          probe_step(setup, key, "piece_reserve", 1, [&](std::size_t) {
+            const CUresult r = api.cuMemAddressReserve(&piece_base, 2 * extent, 0, 0, 0);
+            if (r == CUDA_SUCCESS) pass.reserved.emplace_back(piece_base, 2 * extent);
+            return r;
+          }) &&
+          probe_step(setup, key, "piece_create", 1, [&](std::size_t) {
+            const CUresult r = api.cuMemCreate(&whole, extent, &prop, 0);
+            if (r == CUDA_SUCCESS) pass.handles.push_back(whole);
+            return r;
+          });
+      if (!set_up) {
+        rows.push_back(setup.back());
+        continue;
+      }
       auto piece_at = [&](std::size_t j) { return piece_base + 2 * j * granularity_; };
       probe_step(rows, key, "map_piece", pieces, [&](std::size_t j) {
         const CUresult r = api.cuMemMap(piece_at(j), granularity_, j * granularity_, whole, 0);

@@ -873,4 +873,23 @@ TEST_CASE("cuda_backend_over_fake_a_refusal_during_the_vmm_probe_ends_its_pass_a
       device.check_clean();
     }
   }
+  // The pieces' own allocation and address range (set-up, untimed): a
+  // refusal there is reported under its own name, and the pieces are left
+  // out of that pass only.
+  const std::pair<const char*, int> setups[] = {{"cuMemAddressReserve", 3}, {"cuMemCreate", 7}};
+  for (const auto& [entry, nth] : setups) {
+    INFO("failing call " << nth << " of " << entry);
+    FakeCudaDevice device;
+    fail_once(entry, nth);
+    const ProbeRows rows = device.cuda_backend().probe_vmm_costs(8 * kMiB, {2 * kMiB, 4 * kMiB});
+    const std::string step = std::string(entry) == "cuMemCreate" ? "piece_create" : "piece_reserve";
+    const auto* failed = probe_row(rows, "device", 4 * kMiB, step);
+    REQUIRE(failed != nullptr);
+    CHECK(failed->error == "CUDA_ERROR_INVALID_VALUE");
+    CHECK(probe_row(rows, "device", 4 * kMiB, "map_piece") == nullptr);
+    CHECK(probe_row(rows, "device", 4 * kMiB, "release") != nullptr);  // the pass itself ran whole
+    REQUIRE(probe_row(rows, "host", 4 * kMiB, "map_piece") != nullptr);  // later passes did too
+    CHECK(probe_row(rows, "host", 4 * kMiB, "map_piece")->error.empty());
+    device.check_clean();
+  }
 }
