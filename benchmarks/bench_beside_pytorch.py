@@ -51,7 +51,6 @@ Writes {"device": "simulated (CPU: ...)", "torch": ..., "benchmark":
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
@@ -60,7 +59,6 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRACES = sorted(glob.glob(os.path.join(HERE, "traces", "*.jsonl.gz")))
 EXPANDABLE = "expandable_segments:True"
 # PyTorch's two configurations: name -> PYTORCH_CUDA_ALLOC_CONF
 PYTORCH_CONFIGS = {"pytorch": "", "pytorch_expandable": EXPANDABLE}
@@ -68,7 +66,10 @@ PAGE = 2 << 20  # cotenant's page, the replay's default granularity
 
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "pytorch_allocator"))
+import bundled_traces  # noqa: E402
 from result_file import cpu_model, torch_version  # noqa: E402
+
+TRACES = bundled_traces.synthetic()
 from over_fake import default_pytorch_replay as default_tool  # noqa: E402
 from over_fake import fake_cudart_beside  # noqa: E402
 from snapshot_over_fake import record as record_snapshot  # noqa: E402

@@ -25,7 +25,6 @@ figures, and the targets met per trace.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
@@ -34,10 +33,6 @@ import sys
 from typing import Any, Dict, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The synthetic traces (scripts/make_traces.py) and PyTorch memory snapshots
-# of real training runs on a GPU (record_snapshots.py).
-TRACES = (sorted(glob.glob(os.path.join(HERE, "traces", "*.jsonl.gz")))
-          + sorted(glob.glob(os.path.join(HERE, "traces", "recorded", "*.pickle.gz"))))
 
 # The project's targets for the allocator, each an upper bound.
 FRAGMENTATION_TARGET = 1.05             # peak reserved / peak allocated
@@ -58,7 +53,12 @@ TRACE_FIGURES = ("num_ops", "peak_allocated_bytes", "peak_reserved_bytes", "frag
                  "at_peak_largest_hole_bytes")
 
 sys.path.insert(0, HERE)
+import bundled_traces  # noqa: E402
 from result_file import cpu_model, torch_version  # noqa: E402
+
+# The synthetic traces (scripts/make_traces.py) and PyTorch memory snapshots
+# of real training runs on a GPU (record_snapshots.py).
+TRACES = bundled_traces.every()
 
 from cotenant import _core  # noqa: E402
 from cotenant.replay import load_trace, replay_trace  # noqa: E402

@@ -18,7 +18,7 @@ source scripts/setup_env.sh
 step "pip install --no-build-isolation ."
 "$PYTHON" -m pip install --no-build-isolation .
 
-TRACES=(benchmarks/traces/*.jsonl.gz benchmarks/traces/recorded/*.pickle.gz)
+mapfile -t TRACES < <("$PYTHON" benchmarks/bundled_traces.py)
 step "cotenant-replay, no cap"
 "$PYTHON" -m cotenant.replay "${TRACES[@]}" "$@"
 

@@ -2,7 +2,6 @@
 caching allocator (the wheel's libc10_cuda.so) replaying traces over the fake
 CUDA runtime, beside cotenant's allocator on the same traces."""
 
-import glob
 import json
 import os
 import pickle
@@ -20,7 +19,9 @@ RECORDER = os.path.join(OVER_FAKE_DIR, "snapshot_over_fake.py")
 sys.path.insert(0, OVER_FAKE_DIR)
 import over_fake  # noqa: E402
 
-TRACES = sorted(glob.glob(os.path.join(HERE, "..", "..", "benchmarks", "traces", "*.jsonl.gz")))
+bench_traces = load_script(os.path.join(HERE, "..", "..", "benchmarks", "bundled_traces.py"))
+
+TRACES = bench_traces.synthetic()
 MiB = 1 << 20
 
 

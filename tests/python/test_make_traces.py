@@ -2,15 +2,16 @@
 from and mark the end of each pass of their workload's loop. The files are
 only read: no model runs here."""
 
-import glob
 import gzip
 import json
 import os
 
 import pytest
 
+from script_loader import load_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUNDLED_TRACES = sorted(glob.glob(os.path.join(REPO, "benchmarks", "traces", "*.jsonl.gz")))
+BUNDLED_TRACES = load_script(os.path.join(REPO, "benchmarks", "bundled_traces.py")).synthetic()
 
 # A loop needs a cold first pass and warm ones after it.
 FEWEST_ITERATIONS = 6

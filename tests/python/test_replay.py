@@ -1,6 +1,5 @@
 """cotenant-replay: trace formats, the report, and errors that name the line."""
 
-import glob
 import gzip
 import json
 import os
@@ -13,12 +12,14 @@ import pytest
 
 from cotenant import _core
 from cotenant import replay
+from script_loader import load_script
 
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYNTHETIC_TRACES = sorted(glob.glob(os.path.join(REPO, "benchmarks", "traces", "*.jsonl.gz")))
+_BUNDLED = load_script(os.path.join(REPO, "benchmarks", "bundled_traces.py"))
+SYNTHETIC_TRACES = _BUNDLED.synthetic()
 # PyTorch memory snapshots of real training runs on a GPU (record_snapshots.py).
-RECORDED_SNAPSHOTS = sorted(glob.glob(os.path.join(REPO, "benchmarks", "traces", "recorded", "*.pickle.gz")))
+RECORDED_SNAPSHOTS = _BUNDLED.recorded()
 BUNDLED_TRACES = SYNTHETIC_TRACES + RECORDED_SNAPSHOTS
 
 

@@ -1,0 +1,32 @@
+"""The allocation traces bundled with cotenant, in one list for the
+benchmarks, the tests and scripts/run_main.sh: the synthetic traces
+scripts/make_traces.py writes (benchmarks/traces/*.jsonl.gz) and the
+memory snapshots recorded on a GPU (benchmarks/traces/recorded/*.pickle.gz).
+
+Run as a script, it prints every trace's path relative to the working
+directory, one per line."""
+
+import glob
+import os
+from typing import List
+
+TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")
+
+
+def synthetic() -> List[str]:
+    """The synthetic traces, by name."""
+    return sorted(glob.glob(os.path.join(TRACES_DIR, "*.jsonl.gz")))
+
+
+def recorded() -> List[str]:
+    """The recorded memory snapshots, by name."""
+    return sorted(glob.glob(os.path.join(TRACES_DIR, "recorded", "*.pickle.gz")))
+
+
+def every() -> List[str]:
+    """The synthetic traces, then the recorded snapshots."""
+    return synthetic() + recorded()
+
+
+if __name__ == "__main__":
+    print("\n".join(os.path.relpath(path) for path in every()))
