@@ -6,15 +6,13 @@ enabled before the process's first CUDA allocation. Marked `gpu`: skipped,
 with the reason shown, on machines without one (tests/python/conftest.py).
 """
 
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
-from hang_dump import hang_dump
+from fresh_process import run_json
 
 pytestmark = pytest.mark.gpu
 
@@ -85,24 +83,14 @@ def train(kind, steps, on_step=None):
 def run_script(body, use_cotenant=True, env_extra=None, pythonpath_prefix=None, timeout=300, as_job=False):
     """Runs `body` in a fresh process and returns the JSON object it prints last."""
     prelude = "import cotenant\ncotenant.enable()\n" if use_cotenant else ""
-    code = hang_dump(timeout) + prelude + MODELS + textwrap.dedent(body)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
-    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     if pythonpath_prefix:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath_prefix, env.get("PYTHONPATH", "")])
-    env.update(env_extra or {})
     from coordinator_harness import AS_JOB
 
-    launcher = AS_JOB if as_job else [sys.executable]  # as_job: the process `cotenant run` marks as the job
-    # A file, not `python -c`: @triton.jit reads its kernel's source from the file.
-    with tempfile.TemporaryDirectory() as scratch:
-        script = os.path.join(scratch, "job.py")
-        with open(script, "w") as f:
-            f.write(code)
-        result = subprocess.run([*launcher, script], env=env, capture_output=True, text=True,
-                                timeout=timeout)
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    launcher = AS_JOB if as_job else None  # as_job: the process `cotenant run` marks as the job
+    return run_json(prelude + MODELS + textwrap.dedent(body), env=env, env_extra=env_extra, launcher=launcher,
+                    timeout=timeout)
 
 
 # ---- statistics ------------------------------------------------------------------------

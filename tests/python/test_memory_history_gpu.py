@@ -6,13 +6,10 @@ file, and out-of-memory snapshots with the history intact.
 Each test runs its job in a fresh process from a script file, so stack
 frames name that file and its lines."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from fresh_process import run_json
 
 pytestmark = pytest.mark.gpu
 
@@ -23,13 +20,9 @@ HOST_STREAM = -1  # the stream host-resident memory reports (docs/allocator.md, 
 def run_job(tmp_path, body, timeout=300):
     """Runs `body` (after enabling cotenant) from tmp_path/history_job.py and
     returns (the JSON object it prints last, the script's path)."""
-    script = tmp_path / "history_job.py"
-    script.write_text("import json, pickle, torch, cotenant\ncotenant.enable()\n" + textwrap.dedent(body))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                            timeout=timeout, cwd=tmp_path)
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1]), str(script)
+    code = "import json, pickle, torch, cotenant\ncotenant.enable()\n" + textwrap.dedent(body)
+    out = run_json(code, directory=str(tmp_path), name="history_job.py", timeout=timeout)
+    return out, str(tmp_path / "history_job.py")
 
 
 def line_of(script, marker):

@@ -5,14 +5,10 @@ Each test runs in a fresh process (cotenant must be enabled before the first
 CUDA allocation). Marked `gpu`: skipped, with the reason shown, without one.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from hang_dump import hang_dump
+from fresh_process import run_json
 
 pytestmark = pytest.mark.gpu
 
@@ -34,12 +30,8 @@ def released():
 
 def run_script(body, timeout=300):
     """Runs `body` after cotenant.enable() in a fresh process; returns the JSON it prints last."""
-    code = hang_dump(timeout) + "import json, torch, cotenant\ncotenant.enable()\n" + PRELUDE + textwrap.dedent(body)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    code = "import json, torch, cotenant\ncotenant.enable()\n" + PRELUDE + textwrap.dedent(body)
+    return run_json(code, timeout=timeout)
 
 
 def test_pause_with_keep_frees_device_memory_and_resume_brings_the_values_back():

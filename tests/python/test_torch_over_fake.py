@@ -20,6 +20,7 @@ import sys
 import textwrap
 
 import pytest
+from fresh_process import run_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OVER_FAKE_DIR = os.path.join(HERE, "..", "..", "benchmarks", "pytorch_allocator")
@@ -90,10 +91,7 @@ def run(library, body, capacity=1 << 30, garbage=False, host_vmm=True, host_capa
     code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity, garbage=garbage,
                           host_vmm=host_vmm, host_capacity=host_capacity)
     code += textwrap.dedent(body) + EPILOGUE
-    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_json(code, env=over_fake.environment(library))
     assert result.pop("violations") == [], "the fake CUDA driver saw calls a real one would refuse"
     return result
 
