@@ -997,7 +997,9 @@ struct CachingAllocator::State {
     }
   }
 
-  std::size_t apply_migrations() {
+  // Moves what the plan says; `*planned` is the plan's number of moves.
+  std::size_t apply_migrations(std::size_t* planned) {
+    *planned = 0;
     if (mode() != SpillMode::kRemap) return 0;
     struct ReleaseTargets {
       State& state;
@@ -1016,6 +1018,7 @@ struct CachingAllocator::State {
     std::vector<LivePage> pages;
     const MigrationPlan moves = plan(&pages);
     if (moves.empty()) return 0;
+    *planned = moves.to_host.size() + moves.to_device.size();
     backend.synchronize_device();
     // Device pages the spills give up back the restores of the batch (a
     // host page hotter than a device page swaps places with it): a page
@@ -1458,7 +1461,18 @@ void CachingAllocator::restore_all() {
 std::size_t CachingAllocator::apply_pending_migrations() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
-  const std::size_t moved = s.apply_migrations();
+  std::size_t planned = 0;
+  const std::size_t moved = s.apply_migrations(&planned);
+  if (moved == planned) {
+    // The whole plan moved: planning again would find nothing to move (the
+    // spills left the device under the cap, the restores filled what room
+    // was left, and what stayed on the host is colder than what stayed on
+    // the device), so nothing is pending. Skips a second pass over every
+    // live page at each safe point.
+    s.stats.pending_spill_bytes = s.stats.pending_restore_bytes = 0;
+    pending_migrations_.store(false, std::memory_order_release);
+    return moved;
+  }
   // Whatever could not move now (no host or device page to be had) stays
   // pending, and the next safe point retries it; a caller polling the flag
   // on a hot path backs off between retries (the torch layer does).

@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <random>
+
 #include "cotenant/spill_policy.h"
 
 using namespace cotenant;
@@ -48,5 +50,39 @@ TEST_CASE("spill_policy_table", "[policy]") {
     const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage);
     CHECK(plan.to_host == c.to_host);
     CHECK(plan.to_device == c.to_device);
+  }
+}
+
+// A safe point that moved its whole plan does not plan again
+// (CachingAllocator::apply_pending_migrations): planning over the pages as
+// the plan left them must find nothing to move. Random pages, heats (ties
+// included), caps and cached device bytes the plan cannot move.
+TEST_CASE("spill_policy_a_plan_carried_out_leaves_nothing_to_plan", "[policy]") {
+  std::mt19937_64 random(20261124);
+  for (int round = 0; round < 2000; ++round) {
+    std::vector<PageCandidate> pages;
+    const std::size_t count = random() % 24;
+    std::uint64_t live_device = 0;
+    for (std::size_t id = 0; id < count; ++id) {
+      const bool device = random() % 2 == 0;
+      pages.push_back({id, device ? Residency::kDevice : Residency::kHost, random() % 12});
+      live_device += device ? kPage : 0;
+    }
+    const std::uint64_t cached = (random() % 4) * kPage;
+    const std::uint64_t cap = random() % 5 == 0 ? kNone : random() % (28 * kPage);
+    std::uint64_t device_bytes = live_device + cached;
+    CAPTURE(round, count, device_bytes, cap);
+    const MigrationPlan plan = plan_migrations(pages, device_bytes, cap, kPage);
+    for (std::size_t id : plan.to_host) {
+      pages[id].where = Residency::kHost;
+      device_bytes -= std::min<std::uint64_t>(device_bytes, kPage);
+    }
+    for (std::size_t id : plan.to_device) {
+      pages[id].where = Residency::kDevice;
+      device_bytes += kPage;
+    }
+    const MigrationPlan again = plan_migrations(pages, device_bytes, cap, kPage);
+    CHECK(again.to_host.empty());
+    CHECK(again.to_device.empty());
   }
 }
