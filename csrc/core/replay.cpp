@@ -94,6 +94,8 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   // Per-iteration counters: maps at the last mark, host bytes touched since it.
   std::int64_t maps_at_mark = allocator.stats().num_device_alloc;
   std::int64_t host_touched = 0;
+  auto moved_so_far = [&allocator] { return allocator.stats().spilled_bytes + allocator.stats().restored_bytes; };
+  std::int64_t moved_at_mark = moved_so_far();
   std::int64_t reserved_peak = allocator.stats().reserved_bytes.all.current;
 
   for (std::size_t index = 0; index < ops.size(); ++index) {
@@ -176,7 +178,9 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         const std::int64_t maps = allocator.stats().num_device_alloc;
         result.maps_per_iteration.push_back(maps - maps_at_mark);
         result.host_touched_bytes_per_iteration.push_back(host_touched);
+        result.moved_bytes_per_iteration.push_back(moved_so_far() - moved_at_mark);
         maps_at_mark = maps;
+        moved_at_mark = moved_so_far();
         host_touched = 0;
         break;
       }
@@ -216,6 +220,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   }
   result.steady_maps_per_iteration = warm_mean(result.maps_per_iteration);
   result.steady_host_touched_bytes_per_iteration = warm_mean(result.host_touched_bytes_per_iteration);
+  result.steady_moved_bytes_per_iteration = warm_mean(result.moved_bytes_per_iteration);
   result.final_stats = stats;
   return result;
 }

@@ -809,11 +809,14 @@ def _iteration_rows(result: Dict[str, Any]) -> List[_Row]:
         why = "(the trace has no iteration marks)" if marks == 0 else "(steady figures need 2 iteration marks)"
         return [_Row("iterations", str(marks), note=why)]
     host_bytes = _core().format_size(int(round(result["steady_host_touched_bytes_per_iteration"])))
+    moved_bytes = _core().format_size(int(round(result["steady_moved_bytes_per_iteration"])))
     return [
         _Row("iterations", str(marks), note=f"(steady figures: the mean over the last {max(1, marks // 2)})"),
         _Row("maps per iteration", f'{result["steady_maps_per_iteration"]:.2f}', note="(steady; 0 is the target)"),
         _Row("host bytes per iteration", host_bytes,
              note="(steady: live bytes on host pages that allocs and frees touched; lower is better)"),
+        _Row("bytes moved per iteration", moved_bytes,
+             note="(steady: page moves to the host and back, each a copy; lower is better)"),
     ]
 
 

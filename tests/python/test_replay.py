@@ -202,6 +202,11 @@ def test_blocks_on_host_pages_count_as_host_bytes_touched_per_iteration(tmp_path
     assert result["spilled_bytes"] + result["num_spilled_allocations"] > 0
     assert all(touched >= 2 * MiB for touched in result["host_touched_bytes_per_iteration"][1:])
     assert result["steady_host_touched_bytes_per_iteration"] >= 2 * MiB
+    # The first squeeze moves the older block's page out; later iterations
+    # reuse both pages where they lie, so they move nothing.
+    assert result["moved_bytes_per_iteration"] == [2 * MiB, 0, 0, 0]
+    assert sum(result["moved_bytes_per_iteration"]) == result["spilled_bytes"] + result["restored_bytes"]
+    assert result["steady_moved_bytes_per_iteration"] == 0
 
 
 def test_the_table_shows_driver_and_steady_iteration_figures(tmp_path, capsys):
@@ -217,6 +222,7 @@ def test_the_table_shows_driver_and_steady_iteration_figures(tmp_path, capsys):
     assert rows["iterations"] == ["6", "(steady figures: the mean over the last 3)"]
     assert rows["maps per iteration"][0] == "0.00"
     assert rows["host bytes per iteration"][0] == "0 B"
+    assert rows["bytes moved per iteration"][0] == "0 B"
 
 
 def test_the_table_says_when_a_trace_has_no_iteration_marks(tmp_path, capsys):
