@@ -73,6 +73,17 @@ struct CachingAllocator::State {
   // The tick of the last iteration mark: a cached page last used before it
   // is cold. 0: no mark yet.
   std::uint64_t cold_before = 0;
+  // Peak allocated bytes since the last iteration mark, and over the
+  // iteration before it (-1 before the first mark): how much a step still
+  // allocates from any point on, if it repeats the last one.
+  std::int64_t iteration_peak = 0, last_iteration_peak = -1;
+  // A safe point that must spill also spills this share of what the step
+  // still allocates (at most kSpillAheadCapShare of the cap): those
+  // allocations then find room without a safe point (a device synchronize)
+  // each. Measured on the bundled traces (docs/allocator.md, "Temperature
+  // under a cap").
+  static constexpr double kSpillAheadShare = 0.25;
+  static constexpr double kSpillAheadCapShare = 0.125;
   static constexpr double kGrowthSlack = 0.05;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
@@ -751,7 +762,16 @@ struct CachingAllocator::State {
         pages->push_back({segment.get(), i});
       }
     }
-    return plan_migrations(candidates, device_bytes(), effective_cap(), page_bytes);
+    return plan_migrations(candidates, device_bytes(), effective_cap(), page_bytes, spill_ahead());
+  }
+
+  // The bytes a safe point spills beyond the cap's need (see kSpillAheadShare).
+  std::uint64_t spill_ahead() const {
+    const std::uint64_t limit = effective_cap();
+    const std::int64_t still = last_iteration_peak - stats.allocated_bytes.all.current;
+    if (limit == kNoCap || last_iteration_peak < 0 || still <= 0) return 0;
+    return static_cast<std::uint64_t>(std::min(static_cast<double>(still) * kSpillAheadShare,
+                                               static_cast<double>(limit) * kSpillAheadCapShare));
   }
 
   // Recomputes what waits for a safe point, for stats and the pending flag.
@@ -1259,6 +1279,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   const auto block_bytes = static_cast<std::int64_t>(block->size);
   s.stats.allocation.increase(pool, 1);
   s.stats.allocated_bytes.increase(pool, block_bytes);
+  s.iteration_peak = std::max(s.iteration_peak, s.stats.allocated_bytes.all.current);
   s.stats.requested_bytes.increase(pool, static_cast<std::int64_t>(bytes));
   s.stats.active.increase(pool, 1);
   s.stats.active_bytes.increase(pool, block_bytes);
@@ -1377,6 +1398,8 @@ void CachingAllocator::mark_iteration() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.cold_before = s.tick + 1;
+  s.last_iteration_peak = s.iteration_peak;
+  s.iteration_peak = s.stats.allocated_bytes.all.current;
   const bool was_active = s.step_plan.active();
   s.step_plan.mark();
   if (s.step_plan.active() == was_active) return;  // free_by_address is kept while the plan is active

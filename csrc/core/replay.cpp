@@ -96,6 +96,10 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   std::int64_t host_touched = 0;
   auto moved_so_far = [&allocator] { return allocator.stats().spilled_bytes + allocator.stats().restored_bytes; };
   std::int64_t moved_at_mark = moved_so_far();
+  std::int64_t safe_points_at_mark = 0;
+  auto safe_point = [&allocator, &result] {
+    if (allocator.apply_pending_migrations() > 0) ++result.num_safe_points;
+  };
   std::int64_t reserved_peak = allocator.stats().reserved_bytes.all.current;
 
   for (std::size_t index = 0; index < ops.size(); ++index) {
@@ -103,7 +107,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
     // An allocation over the cap (in a colder page's stead) flags pages to
     // move; a job moves them at its next safe point, the next op's entry.
     // The trace's next op stands for that.
-    if (allocator.has_pending_migrations()) allocator.apply_pending_migrations();
+    if (allocator.has_pending_migrations()) safe_point();
     switch (op.kind) {
       case ReplayOpKind::kAlloc: {
         if (trace.live.count(op.id) != 0) {
@@ -165,7 +169,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         }
         allocator.set_memory_cap(op.bytes);
         // The cap op is the trace's safe point: pages move here.
-        allocator.apply_pending_migrations();
+        safe_point();
         break;
       }
       case ReplayOpKind::kEmptyCache:
@@ -173,12 +177,14 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         break;
       case ReplayOpKind::kIteration: {
         // The end of a step is a safe point: marked pages move here.
-        allocator.apply_pending_migrations();
+        safe_point();
         allocator.mark_iteration();
         const std::int64_t maps = allocator.stats().num_device_alloc;
         result.maps_per_iteration.push_back(maps - maps_at_mark);
         result.host_touched_bytes_per_iteration.push_back(host_touched);
         result.moved_bytes_per_iteration.push_back(moved_so_far() - moved_at_mark);
+        result.safe_points_per_iteration.push_back(result.num_safe_points - safe_points_at_mark);
+        safe_points_at_mark = result.num_safe_points;
         maps_at_mark = maps;
         moved_at_mark = moved_so_far();
         host_touched = 0;
@@ -221,6 +227,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   result.steady_maps_per_iteration = warm_mean(result.maps_per_iteration);
   result.steady_host_touched_bytes_per_iteration = warm_mean(result.host_touched_bytes_per_iteration);
   result.steady_moved_bytes_per_iteration = warm_mean(result.moved_bytes_per_iteration);
+  result.steady_safe_points_per_iteration = warm_mean(result.safe_points_per_iteration);
   result.final_stats = stats;
   return result;
 }

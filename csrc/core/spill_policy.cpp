@@ -6,7 +6,7 @@
 namespace cotenant {
 
 MigrationPlan plan_migrations(const std::vector<PageCandidate>& live_pages, std::uint64_t device_bytes,
-                              std::uint64_t cap, std::size_t page_bytes) {
+                              std::uint64_t cap, std::size_t page_bytes, std::uint64_t ahead) {
   MigrationPlan plan;
   std::vector<const PageCandidate*> device, host;
   for (const PageCandidate& page : live_pages) {
@@ -19,11 +19,12 @@ MigrationPlan plan_migrations(const std::vector<PageCandidate>& live_pages, std:
     return std::make_tuple(b->last_use, a->id) < std::make_tuple(a->last_use, b->id);
   });
   std::size_t coldest = 0, hottest = 0;  // next device page to spill, next host page to restore
-  while (device_bytes > cap && coldest < device.size()) {
+  const std::uint64_t spill_to = device_bytes > cap ? cap - std::min(cap, ahead) : cap;
+  while (device_bytes > spill_to && coldest < device.size()) {
     plan.to_host.push_back(device[coldest++]->id);
     device_bytes -= std::min<std::uint64_t>(device_bytes, page_bytes);
   }
-  while (device_bytes <= cap && cap - device_bytes >= page_bytes && hottest < host.size()) {
+  while (device_bytes <= cap && cap - device_bytes >= page_bytes + ahead && hottest < host.size()) {
     plan.to_device.push_back(host[hottest++]->id);
     device_bytes += page_bytes;
   }

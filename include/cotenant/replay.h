@@ -88,14 +88,18 @@ struct ReplayResult {
   // allocation or a free touched (bytes of the block on host pages).
   std::vector<std::int64_t> maps_per_iteration;
   std::vector<std::int64_t> host_touched_bytes_per_iteration;
-  // Bytes page moves carried (spilled plus restored) in each iteration.
+  // Bytes page moves carried (spilled plus restored) in each iteration, and
+  // the safe points that moved pages (on a GPU each waits for the device).
   std::vector<std::int64_t> moved_bytes_per_iteration;
+  std::vector<std::int64_t> safe_points_per_iteration;
   // Means over the warm iterations: the last half of them (at least one),
   // so a loop's first steps, which build its working set, do not count.
   // -1 when the trace has fewer than 2 iteration marks.
   double steady_maps_per_iteration = -1.0;
   double steady_host_touched_bytes_per_iteration = -1.0;
   double steady_moved_bytes_per_iteration = -1.0;
+  double steady_safe_points_per_iteration = -1.0;
+  std::int64_t num_safe_points = 0;  // safe points that moved pages, the whole replay
   // Where the reserved memory is at the op that first reaches peak
   // reserved (the allocation that maps its last page), in bytes that sum to
   // peak reserved: live blocks, free bytes inside pages that hold a live

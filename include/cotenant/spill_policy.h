@@ -25,13 +25,15 @@ struct MigrationPlan {
 };
 
 // Over the cap: spill device pages, coldest first, until device_bytes is at
-// most the cap. Under it: restore host pages, hottest first, while each one
-// still fits under the cap. Then, while the hottest host page left is hotter
+// most the cap less `ahead` (the bytes the job is expected to allocate soon:
+// spilling for them in the same batch spares them a safe point each). Under
+// it: restore host pages, hottest first, while each one still fits under the
+// cap with `ahead` to spare. Then, while the hottest host page left is hotter
 // than the coldest device page left, the two swap places (one page each
 // way), so that the cap holds the hottest pages. Apply to_host before
 // to_device. Ties go to the lower id, so plans are reproducible. `cap` ==
 // UINT64_MAX means no cap.
 MigrationPlan plan_migrations(const std::vector<PageCandidate>& live_pages, std::uint64_t device_bytes,
-                              std::uint64_t cap, std::size_t page_bytes);
+                              std::uint64_t cap, std::size_t page_bytes, std::uint64_t ahead = 0);
 
 }  // namespace cotenant

@@ -785,7 +785,7 @@ def _spill_rows(result: Dict[str, Any]) -> List[_Row]:
              note="(placed on the host when made: no room under the cap)"),
         _Row("bytes spilled", size(result["spilled_bytes"])),
         _Row("bytes restored", size(result["restored_bytes"])),
-        _Row("migrations", str(result["num_migrations"])),
+        _Row("migrations", str(result["num_migrations"]), note=f'(page moves, in {result["num_safe_points"]} safe points)'),
     ]
 
 
@@ -817,6 +817,8 @@ def _iteration_rows(result: Dict[str, Any]) -> List[_Row]:
              note="(steady: live bytes on host pages that allocs and frees touched; lower is better)"),
         _Row("bytes moved per iteration", moved_bytes,
              note="(steady: page moves to the host and back, each a copy; lower is better)"),
+        _Row("safe points per iteration", f'{result["steady_safe_points_per_iteration"]:.2f}',
+             note="(steady: safe points that moved pages, each a device synchronize on a GPU; lower is better)"),
     ]
 
 

@@ -65,6 +65,76 @@ TEST_CASE("an_allocation_over_the_cap_takes_device_pages_and_a_colder_page_moves
   CHECK(holds(device, hot, 2, 4 * kMiB));
 }
 
+// A step that repeats under a cap below its peak (32 MiB of activations
+// under a 24 MiB cap) moves its oldest pages out once, in the first step, a
+// safe point (the next op's entry) per page over the cap; the later steps
+// reuse those host pages where they lie and move nothing. The cap holds
+// after every safe point, and the bytes stay intact.
+TEST_CASE("a_repeated_step_under_a_cap_moves_pages_in_its_first_step_only", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(24 * kMiB);
+  std::vector<int> safe_points;     // per step: the safe points that moved pages
+  std::vector<std::int64_t> moved;  // per step: bytes moved either way
+  for (int step = 0; step < 4; ++step) {
+    int moving = 0;
+    const std::int64_t moved_before = allocator.stats().spilled_bytes + allocator.stats().restored_bytes;
+    auto safe_point = [&] {
+      if (allocator.has_pending_migrations() && allocator.apply_pending_migrations() > 0) ++moving;
+      CHECK(allocator.stats().device_resident_bytes.current <= 24 * static_cast<std::int64_t>(kMiB));
+    };
+    std::vector<DevicePtr> activations;
+    for (int i = 0; i < 16; ++i) {
+      safe_point();
+      activations.push_back(allocator.allocate(2 * kMiB, 0));
+      fill(device, activations.back(), static_cast<std::uint8_t>(i), 2 * kMiB);
+    }
+    for (int i = 15; i >= 0; --i) {  // a backward pass: the newest die first
+      safe_point();
+      CHECK(holds(device, activations[i], static_cast<std::uint8_t>(i), 2 * kMiB));
+      allocator.free(activations[i]);
+    }
+    safe_point();
+    allocator.mark_iteration();
+    safe_points.push_back(moving);
+    moved.push_back(allocator.stats().spilled_bytes + allocator.stats().restored_bytes - moved_before);
+  }
+  CHECK(safe_points == std::vector<int>{4, 0, 0, 0});
+  CHECK(moved == std::vector<std::int64_t>{8 * static_cast<std::int64_t>(kMiB), 0, 0, 0});
+}
+
+// Once a step has shown its peak (an iteration mark), a safe point that must
+// spill also spills a quarter of what the step still allocates, at most an
+// eighth of the cap: the next allocations then find room without a safe
+// point (a device synchronize) each. Before any mark it spills what the cap
+// needs and no more.
+TEST_CASE("a_safe_point_spills_ahead_for_what_the_step_still_allocates_once_a_step_showed_its_peak", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  auto squeeze_mid_step = [&device](bool step_seen) {
+    CachingAllocator allocator(device);
+    std::vector<DevicePtr> blocks;
+    if (step_seen) {  // a step that peaks at 32 MiB
+      for (int i = 0; i < 16; ++i) blocks.push_back(allocator.allocate(2 * kMiB, 0));
+      for (DevicePtr block : blocks) allocator.free(block);
+      blocks.clear();
+      allocator.mark_iteration();
+    }
+    for (int i = 0; i < 8; ++i) blocks.push_back(allocator.allocate(2 * kMiB, 0));  // 16 MiB into the next
+    allocator.set_memory_cap(12 * kMiB);
+    allocator.apply_pending_migrations();
+    const std::int64_t device_after_squeeze = allocator.stats().device_resident_bytes.current;
+    blocks.push_back(allocator.allocate(2 * kMiB, 0));
+    const bool next_needs_a_safe_point = allocator.has_pending_migrations();
+    allocator.apply_pending_migrations();
+    for (DevicePtr block : blocks) allocator.free(block);
+    return std::make_pair(device_after_squeeze, next_needs_a_safe_point);
+  };
+  // 16 MiB still to come: a quarter is 4 MiB, an eighth of the cap 1.5 MiB,
+  // so the squeeze goes 1.5 MiB further: a page more than the cap needs.
+  CHECK(squeeze_mid_step(true) == std::make_pair(static_cast<std::int64_t>(10 * kMiB), false));
+  CHECK(squeeze_mid_step(false) == std::make_pair(static_cast<std::int64_t>(12 * kMiB), true));
+}
+
 TEST_CASE("spill_targets_not_needed_any_more_are_given_back", "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
   CachingAllocator allocator(device);

@@ -20,6 +20,7 @@ TEST_CASE("spill_policy_table", "[policy]") {
     std::uint64_t device_bytes;
     std::uint64_t cap;
     std::vector<std::size_t> to_host, to_device;
+    std::uint64_t ahead = 0;
   };
   const std::vector<Case> cases = {
       {"under the cap with nothing on the host: no moves",
@@ -44,10 +45,22 @@ TEST_CASE("spill_policy_table", "[policy]") {
       {"room for less than a page: nothing returns", {on_host(1, 3)}, kPage, kPage + kPage / 2, {}, {}},
       {"over the cap with host pages and no device page left to swap: spill only",
        {on_device(0, 1), on_host(1, 9)}, 2 * kPage, kPage, {0}, {}},
+      {"over the cap with a page's allocations ahead: one page more spills",
+       {on_device(0, 5), on_device(1, 2), on_device(2, 9)}, 3 * kPage, 2 * kPage, {1, 0}, {}, kPage},
+      {"over the cap, less than a page ahead: a page more spills (pages move whole)",
+       {on_device(0, 5), on_device(1, 2), on_device(2, 9)}, 3 * kPage, 2 * kPage, {1, 0}, {}, kPage / 4},
+      {"ahead more than the cap: everything spills, nothing more",
+       {on_device(0, 5), on_device(1, 2)}, 2 * kPage, kPage, {1, 0}, {}, 4 * kPage},
+      {"under the cap, bytes ahead: nothing spills before it is needed",
+       {on_device(0, 5), on_device(1, 2)}, 2 * kPage, 3 * kPage, {}, {}, 2 * kPage},
+      {"room for two pages, one page ahead: one host page returns, the room ahead stays",
+       {on_host(1, 3), on_host(2, 8)}, 0, 2 * kPage, {}, {2}, kPage},
+      {"at the cap with bytes ahead: a hotter host page still swaps with a colder device page",
+       {on_device(0, 2), on_host(1, 5)}, kPage, kPage, {0}, {1}, kPage / 2},
   };
   for (const Case& c : cases) {
     INFO(c.name);
-    const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage);
+    const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage, c.ahead);
     CHECK(plan.to_host == c.to_host);
     CHECK(plan.to_device == c.to_device);
   }
@@ -56,7 +69,8 @@ TEST_CASE("spill_policy_table", "[policy]") {
 // A safe point that moved its whole plan does not plan again
 // (CachingAllocator::apply_pending_migrations): planning over the pages as
 // the plan left them must find nothing to move. Random pages, heats (ties
-// included), caps and cached device bytes the plan cannot move.
+// included), caps, bytes expected ahead and cached device bytes the plan
+// cannot move.
 TEST_CASE("spill_policy_a_plan_carried_out_leaves_nothing_to_plan", "[policy]") {
   std::mt19937_64 random(20261124);
   for (int round = 0; round < 2000; ++round) {
@@ -70,9 +84,10 @@ TEST_CASE("spill_policy_a_plan_carried_out_leaves_nothing_to_plan", "[policy]") 
     }
     const std::uint64_t cached = (random() % 4) * kPage;
     const std::uint64_t cap = random() % 5 == 0 ? kNone : random() % (28 * kPage);
+    const std::uint64_t ahead = random() % 3 == 0 ? 0 : random() % (6 * kPage);
     std::uint64_t device_bytes = live_device + cached;
-    CAPTURE(round, count, device_bytes, cap);
-    const MigrationPlan plan = plan_migrations(pages, device_bytes, cap, kPage);
+    CAPTURE(round, count, device_bytes, cap, ahead);
+    const MigrationPlan plan = plan_migrations(pages, device_bytes, cap, kPage, ahead);
     for (std::size_t id : plan.to_host) {
       pages[id].where = Residency::kHost;
       device_bytes -= std::min<std::uint64_t>(device_bytes, kPage);
@@ -81,7 +96,7 @@ TEST_CASE("spill_policy_a_plan_carried_out_leaves_nothing_to_plan", "[policy]") 
       pages[id].where = Residency::kDevice;
       device_bytes += kPage;
     }
-    const MigrationPlan again = plan_migrations(pages, device_bytes, cap, kPage);
+    const MigrationPlan again = plan_migrations(pages, device_bytes, cap, kPage, ahead);
     CHECK(again.to_host.empty());
     CHECK(again.to_device.empty());
   }
