@@ -1017,7 +1017,8 @@ struct CachingAllocator::State {
     }
   }
 
-  // Moves what the plan says; `*planned` is the plan's number of moves.
+  // Moves what the plan says and returns the bytes moved; `*planned` is the
+  // bytes the plan would move.
   std::size_t apply_migrations(std::size_t* planned) {
     *planned = 0;
     if (mode() != SpillMode::kRemap) return 0;
@@ -1038,7 +1039,7 @@ struct CachingAllocator::State {
     std::vector<LivePage> pages;
     const MigrationPlan moves = plan(&pages);
     if (moves.empty()) return 0;
-    *planned = moves.to_host.size() + moves.to_device.size();
+    *planned = (moves.to_host.size() + moves.to_device.size()) * page_bytes;
     backend.synchronize_device();
     // Device pages the spills give up back the restores of the batch (a
     // host page hotter than a device page swaps places with it): a page
