@@ -105,10 +105,11 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // threads' running ops.
   std::size_t run_safe_point(std::chrono::microseconds drain_timeout = std::chrono::milliseconds(100));
 
-  // The safe point as the op-entry hook runs it: the same, with a short
-  // drain timeout, and after a failed attempt no retry for a while, so ops
-  // do not each pay a timeout when another thread cannot finish its op
-  // (e.g. it waits for the GIL this thread holds).
+  // The safe point as the op-entry hook (and the job channel's retry, for a
+  // job that idles) runs it: the same, with a short drain timeout, and after
+  // a failed attempt no retry for a while, so ops do not each pay a timeout
+  // when another thread cannot finish its op (e.g. it waits for the GIL this
+  // thread holds).
   void run_safe_point_at_op_entry();
 
   // ---- c10::Allocator ------------------------------------------------------

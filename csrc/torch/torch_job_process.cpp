@@ -28,4 +28,8 @@ double TorchJobProcess::effective_share() const { return process_effective_share
 
 IterationStats TorchJobProcess::iterations() const { return process_iterations(); }
 
+void TorchJobProcess::settle() {
+  if (cuda_.has_pending_migrations()) cuda_.run_safe_point_at_op_entry();
+}
+
 }  // namespace cotenant::torch_ext

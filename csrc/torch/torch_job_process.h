@@ -27,6 +27,10 @@ class TorchJobProcess final : public JobProcess {
   void set_coordinator_share(double share) override;
   double effective_share() const override;
   IterationStats iterations() const override;
+  // Pages a cap left pending (its safe point found an op in flight and gave
+  // up) move at the job's next op entry; a job that idles has none, so each
+  // poll of the job channel retries them too, with the op entries' backoff.
+  void settle() override;
 
   static constexpr std::chrono::milliseconds kSuspendDrainTimeout{100};
 

@@ -46,9 +46,9 @@ class JobProcess {
   // The share in force: min(the job's own, the coordinator's); 1 without a gate.
   virtual double effective_share() const = 0;
   virtual IterationStats iterations() const = 0;
-  // Called at every poll of the job channel: a process whose own ops provide
-  // no safe point (the simulated job) moves its pending pages here. A real
-  // job moves them at its next op entry (with backoff), so this does nothing.
+  // Called at every poll of the job channel: pending pages move here when
+  // the process's own ops provide no safe point (the simulated job has none;
+  // a real job that idles has none until its next op).
   virtual void settle() {}
 };
 

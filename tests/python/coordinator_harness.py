@@ -230,16 +230,19 @@ def readable_code_copy():
     return root
 
 
-def cap_a_job_through_the_coordinator(job_code, cap, env, name="capjob"):
+def cap_a_job_through_the_coordinator(job_code, cap, env, name="capjob", wait_for_ready=False):
     """Starts a coordinator and `cotenant run --opportunistic --name NAME --
     python -c JOB_CODE` with `env`, sets the job's cap to `cap` through the
-    coordinator once the job has registered, and returns the JSON object the
-    job prints last. Both processes are stopped at the end. Neither keeps a
-    host headroom: what the test runs beside (a build, other tests) must not
-    decide whether the squeeze may pin."""
+    coordinator once the job has registered (and, with `wait_for_ready`, once
+    the job has created the file its CAPJOB_READY variable names), and returns
+    the JSON object the job prints last. Both processes are stopped at the
+    end. Neither keeps a host headroom: what the test runs beside (a build,
+    other tests) must not decide whether the squeeze may pin."""
     env = {**env, "COTENANT_HOST_HEADROOM": "0"}
     directory = tempfile.mkdtemp(prefix="ctc-", dir="/tmp")  # Unix socket paths are short
     sock = os.path.join(directory, "c.sock")
+    ready = os.path.join(directory, "ready")
+    env["CAPJOB_READY"] = ready
     coordinator = subprocess.Popen([sys.executable, "-m", "cotenant.cli", "coordinator", "--socket", sock,
                                     "--gpus", "0", "--memory-host-headroom", "0"],
                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -256,6 +259,8 @@ def cap_a_job_through_the_coordinator(job_code, cap, env, name="capjob"):
             if any(j.get("name") == name for j in client.status(sock).get("jobs", [])):
                 break
             time.sleep(0.1)
+        while wait_for_ready and time.time() < deadline and job.poll() is None and not os.path.exists(ready):
+            time.sleep(0.05)
         client.set_cap(name, cap, socket=sock)
         out, err = job.communicate(timeout=180)
         assert job.returncode == 0, err

@@ -849,6 +849,48 @@ def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library):
     assert result["same"]  # the bytes survived the move
 
 
+# The cap arrives while an op runs (work launched outside ATen, held open):
+# the safe point the cap's own command runs cannot drain it and gives up. The
+# job then idles, so no op entry comes to retry; the job channel's polls
+# must, or the job stays over its cap for as long as it idles.
+CAPPED_WHILE_AN_OP_RUNS = r'''
+import os
+from cotenant import _C
+assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+data = torch.arange(32 << 20, dtype=torch.int32)  # 128 MiB
+x = data.to("cuda")
+_C.begin_explicit_op()
+open(os.environ["CAPJOB_READY"], "w").close()  # the harness sets the cap now
+deadline = time.time() + 60
+while cotenant.memory_stats()["memory_cap"] is None and time.time() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)  # well past the cap's safe point and its drain timeout
+held_over = cotenant.memory_stats()["device_bytes"]
+_C.end_explicit_op()
+deadline = time.time() + 20
+while time.time() < deadline:
+    s = cotenant.memory_stats()
+    if s["device_bytes"] <= s["memory_cap"]:
+        break
+    time.sleep(0.05)  # idle: no op entry from here on
+print(json.dumps({"cap": s["memory_cap"], "device": s["device_bytes"], "held_over": held_over,
+                  "same": bool(torch.equal(x.to("cpu"), data)), "violations": fake.violations()}))
+'''
+
+
+def test_a_cap_that_arrives_while_an_op_runs_reaches_the_job_once_it_idles(library):
+    from coordinator_harness import cap_a_job_through_the_coordinator
+
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    result = cap_a_job_through_the_coordinator(job_code(library, CAPPED_WHILE_AN_OP_RUNS), "64MiB", env,
+                                               wait_for_ready=True)
+    assert result["violations"] == []
+    assert result["cap"] == 64 * MIB
+    assert result["held_over"] > result["cap"]  # the op held the cap's own safe point off
+    assert result["device"] <= result["cap"], result
+    assert result["same"]
+
+
 HOST_STREAM = -1  # the stream host-resident memory reports (docs/allocator.md, "Memory history")
 
 
