@@ -155,7 +155,7 @@ def compute_figures(measured: Dict[str, Dict]) -> Dict[str, Optional[float]]:
     for pct in (25, 50):
         figures[f"step_time_ratio_spilled_{pct}pct"] = ratio(spilled.get(f"{pct}pct_s"), spilled.get("0pct_s"))
         per_step = spilled.get(f"{pct}pct_per_step")
-        driver_s = sum(t["ns"] for t in per_step["driver_calls"].values()) / 1e9 if per_step else None
+        driver_s = step_driver_ns(per_step) / 1e9 if per_step else None
         figures[f"spilled_step_driver_share_{pct}pct"] = ratio(driver_s, spilled.get(f"{pct}pct_s"))
     return figures
 
@@ -507,6 +507,11 @@ def worker_spilled(allocator: str, args) -> Dict:
     return out
 
 
+def step_driver_ns(per_step: Dict) -> float:
+    """Nanoseconds of driver calls in one spilled step (measured.spilled.*pct_per_step)."""
+    return sum(t["ns"] for t in per_step["driver_calls"].values())
+
+
 def spilled_step_table(spilled: Dict) -> List[str]:
     """Lines of a table of where a training step's time goes under a cap that
     puts 25% / 50% of its working set on the host: the step's time, what its
@@ -522,9 +527,8 @@ def spilled_step_table(spilled: Dict) -> List[str]:
         seconds, per_step = spilled.get(f"{pct}pct_s"), spilled.get(f"{pct}pct_per_step")
         if seconds is None or per_step is None:
             continue
-        calls = per_step["driver_calls"]
-        driver_ns = sum(t["ns"] for t in calls.values())
-        syncs = calls.get("device_synchronize", {}).get("calls", 0)
+        driver_ns = step_driver_ns(per_step)
+        syncs = per_step["driver_calls"].get("device_synchronize", {}).get("calls", 0)
         times = f"{seconds / base:7.1f}" if base else f"{'-':>7}"
         lines.append(f"{f'{pct}%':<12} {seconds * 1e3:8.1f} {times} {per_step['spilled_bytes'] / 2**20:8.1f} "
                      f"{per_step['restored_bytes'] / 2**20:8.1f} {per_step['num_migrations']:6.0f} {syncs:6.0f} "

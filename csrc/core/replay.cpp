@@ -94,8 +94,8 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   // Per-iteration counters: maps at the last mark, host bytes touched since it.
   std::int64_t maps_at_mark = allocator.stats().num_device_alloc;
   std::int64_t host_touched = 0;
-  auto moved_so_far = [&allocator] { return allocator.stats().spilled_bytes + allocator.stats().restored_bytes; };
-  std::int64_t moved_at_mark = moved_so_far();
+  auto moved = [](const AllocatorStats& stats) { return stats.spilled_bytes + stats.restored_bytes; };
+  std::int64_t moved_at_mark = moved(allocator.stats());
   std::int64_t safe_points_at_mark = 0;
   auto safe_point = [&allocator, &result] {
     if (allocator.apply_pending_migrations() > 0) ++result.num_safe_points;
@@ -179,14 +179,14 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         // The end of a step is a safe point: marked pages move here.
         safe_point();
         allocator.mark_iteration();
-        const std::int64_t maps = allocator.stats().num_device_alloc;
-        result.maps_per_iteration.push_back(maps - maps_at_mark);
+        const AllocatorStats at_mark = allocator.stats();
+        result.maps_per_iteration.push_back(at_mark.num_device_alloc - maps_at_mark);
         result.host_touched_bytes_per_iteration.push_back(host_touched);
-        result.moved_bytes_per_iteration.push_back(moved_so_far() - moved_at_mark);
+        result.moved_bytes_per_iteration.push_back(moved(at_mark) - moved_at_mark);
         result.safe_points_per_iteration.push_back(result.num_safe_points - safe_points_at_mark);
         safe_points_at_mark = result.num_safe_points;
-        maps_at_mark = maps;
-        moved_at_mark = moved_so_far();
+        maps_at_mark = at_mark.num_device_alloc;
+        moved_at_mark = moved(at_mark);
         host_touched = 0;
         break;
       }
