@@ -296,15 +296,25 @@ TEST_CASE("many_threads_at_once_never_exceed_the_in_flight_bound", "[gate]") {
     }
   });
   constexpr int kThreads = 8, kOpsEach = 150;
+  // The count an op adds is read and handed over (launching -> pending
+  // work) under one lock, so that no snapshot counts an op twice: once as
+  // launching and once as its recorded marker. The gate's admit() stays
+  // outside it, free to race.
+  std::mutex books;
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&] {
       for (int i = 0; i < kOpsEach; ++i) {
         rig.gate.admit();
-        const int now = ++launching + static_cast<int>(rig.work.pending());
+        int now = 0;
+        {
+          std::lock_guard<std::mutex> lock(books);
+          now = ++launching + static_cast<int>(rig.work.pending());
+        }
         int seen = max_seen.load();
         while (now > seen && !max_seen.compare_exchange_weak(seen, now)) {
         }
+        std::lock_guard<std::mutex> lock(books);
         --launching;
         rig.gate.launched();
       }
