@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <set>
 #include <tuple>
 #include <vector>
@@ -60,24 +61,24 @@ struct Segment {
   Block* first = nullptr;
 };
 
-// A set of blocks that keeps the nodes of erased blocks for later inserts,
-// so that the allocator's fast path allocates no memory of its own.
-template <class Order>
+// A set that keeps the nodes of erased values for later inserts, so that
+// the allocator's fast path allocates no memory of its own.
+template <class Order, class Value = Block*>
 class BlockSet {
  public:
-  using Set = std::set<Block*, Order>;
-  void insert(Block* block) {
+  using Set = std::set<Value, Order>;
+  void insert(const Value& value) {
     if (spare_.empty()) {
-      set_.insert(block);
+      set_.insert(value);
       return;
     }
     typename Set::node_type node = std::move(spare_.back());
     spare_.pop_back();
-    node.value() = block;
+    node.value() = value;
     set_.insert(std::move(node));
   }
-  void erase(Block* block) {
-    if (typename Set::node_type node = set_.extract(block)) spare_.push_back(std::move(node));
+  void erase(const Value& value) {
+    if (typename Set::node_type node = set_.extract(value)) spare_.push_back(std::move(node));
   }
   void clear() {
     while (!set_.empty()) spare_.push_back(set_.extract(set_.begin()));
@@ -90,45 +91,47 @@ class BlockSet {
 };
 
 // Free blocks ordered for best fit: by stream, then size, then address.
+// Each entry holds its block's key, so a search compares the tree's own
+// nodes and reads no block (a block's size changes only while it is out of
+// the pool).
 class BlockPool {
  public:
   // The smallest free block of `stream` with at least `size` bytes, or null.
   Block* best_fit(StreamId stream, std::size_t size) const {
     auto it = first_fit_in_order(stream, size);
-    return it == blocks_.set().end() || (*it)->segment->stream != stream ? nullptr : *it;
+    return it == blocks_.set().end() || it->stream != stream ? nullptr : it->block;
   }
   // The first of the free blocks of `stream` with at least `size` bytes, in
   // best-fit order and at most `limit` of them, that `accept` takes; or null.
   template <class Accept>
   Block* find_fit(StreamId stream, std::size_t size, std::size_t limit, Accept accept) const {
     for (auto it = first_fit_in_order(stream, size);
-         it != blocks_.set().end() && (*it)->segment->stream == stream && limit > 0; ++it, --limit) {
-      if (accept(*it)) return *it;
+         it != blocks_.set().end() && it->stream == stream && limit > 0; ++it, --limit) {
+      if (accept(it->block)) return it->block;
     }
     return nullptr;
   }
-  void insert(Block* block) { blocks_.insert(block); }
-  void erase(Block* block) { blocks_.erase(block); }
+  void insert(Block* block) { blocks_.insert(key_of(block)); }
+  void erase(Block* block) { blocks_.erase(key_of(block)); }
   bool empty() const { return blocks_.set().empty(); }
   std::size_t size() const { return blocks_.set().size(); }
 
  private:
-  struct Order {
-    bool operator()(const Block* a, const Block* b) const {
-      return std::make_tuple(a->segment->stream, a->size, a->address) <
-             std::make_tuple(b->segment->stream, b->size, b->address);
+  struct Entry {
+    StreamId stream;
+    std::size_t size;
+    DevicePtr address;
+    Block* block;
+    bool operator<(const Entry& other) const {
+      return std::tie(stream, size, address) < std::tie(other.stream, other.size, other.address);
     }
   };
-  using Set = BlockSet<Order>::Set;
+  static Entry key_of(Block* block) { return {block->segment->stream, block->size, block->address, block}; }
+  using Set = BlockSet<std::less<Entry>, Entry>::Set;
   Set::const_iterator first_fit_in_order(StreamId stream, std::size_t size) const {
-    Segment key_segment;
-    key_segment.stream = stream;
-    Block key;
-    key.segment = &key_segment;
-    key.size = size;
-    return blocks_.set().lower_bound(&key);
+    return blocks_.set().lower_bound(Entry{stream, size, 0, nullptr});
   }
-  BlockSet<Order> blocks_;
+  BlockSet<std::less<Entry>, Entry> blocks_;
 };
 
 // Free blocks by address, to find the one holding a given address.
