@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace cotenant::testing {
@@ -25,21 +26,21 @@ struct ScriptOp {
 
 class StepScript {
  public:
+  using DrawSize = std::function<std::size_t(std::mt19937_64&)>;
+
   // `requests` allocations a step, each of `draw_size(rng)` bytes on one of
   // `streams` streams.
-  template <class DrawSize>
   StepScript(std::mt19937_64& rng, std::size_t requests, std::size_t streams, DrawSize draw_size)
-      : slots_(requests), live_(requests, false) {
+      : slots_(requests), draw_(std::move(draw_size)) {
     for (std::size_t i = 0; i < requests; ++i) {
       Slot& slot = slots_[i];
-      slot.bytes = draw_size(rng);
+      slot.bytes = draw_(rng);
       slot.stream = rng() % streams;
       slot.carried = rng() % 6 == 0;
       // In-step blocks die after their request, by the step's end at the
       // latest; carried ones in the next step, before their request.
       slot.dies_at = slot.carried ? rng() % (i + 1) : i + 1 + rng() % (requests - i);
     }
-    draw_ = [draw_size](std::mt19937_64& r) { return draw_size(r); };
   }
 
   // The next step's operations. A step whose sizes differ from the step
@@ -55,9 +56,10 @@ class StepScript {
     std::vector<ScriptOp> ops;
     auto free_at = [&](std::size_t position, bool carried) {
       for (std::size_t i = 0; i < slots_.size(); ++i) {
-        if (live_[i] && slots_[i].carried == carried && slots_[i].dies_at == position) {
+        Slot& slot = slots_[i];
+        if (slot.live && slot.carried == carried && slot.dies_at == position) {
           ops.push_back({false, i, 0, 0});
-          live_[i] = false;
+          slot.live = false;
         }
       }
     };
@@ -66,7 +68,7 @@ class StepScript {
       free_at(k, /*carried=*/false);
       if (k == slots_.size()) break;
       ops.push_back({true, k, bytes[k], slots_[k].stream});
-      live_[k] = true;
+      slots_[k].live = true;
     }
     return ops;
   }
@@ -79,10 +81,10 @@ class StepScript {
     std::size_t stream = 0;
     bool carried = false;     // outlives its step
     std::size_t dies_at = 0;  // the request (of this step or, carried, the next) before which it is freed
+    bool live = false;        // allocated and not yet freed
   };
   std::vector<Slot> slots_;
-  std::vector<bool> live_;
-  std::function<std::size_t(std::mt19937_64&)> draw_;
+  DrawSize draw_;
 };
 
 }  // namespace cotenant::testing
