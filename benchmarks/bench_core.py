@@ -125,6 +125,11 @@ def meets(figure: Optional[float], target: float) -> Optional[bool]:
     return None if figure is None else figure <= target
 
 
+def pair_ns(figures: Dict[str, Any]) -> float:
+    """A trace's alloc+free time: its ns per alloc + ns per free."""
+    return figures["ns_per_alloc"] + figures["ns_per_free"]
+
+
 def trace_targets_met(figures: Dict[str, Any]) -> Dict[str, Optional[bool]]:
     """Each target for one trace's replay figures. The pair time is the trace's
     own ns per alloc + ns per free, cold first calls included."""
@@ -132,7 +137,7 @@ def trace_targets_met(figures: Dict[str, Any]) -> Dict[str, Optional[bool]]:
         "fragmentation": meets(figures["fragmentation"], FRAGMENTATION_TARGET),
         "maps_per_peak_page": meets(figures["maps_per_peak_page"], MAPS_PER_PEAK_PAGE_TARGET),
         "steady_maps_per_iteration": meets(figures["steady_maps_per_iteration"], STEADY_MAPS_PER_ITERATION_TARGET),
-        "alloc_free_pair_ns": meets(figures["ns_per_alloc"] + figures["ns_per_free"], ALLOC_FREE_PAIR_NS_TARGET),
+        "alloc_free_pair_ns": meets(pair_ns(figures), ALLOC_FREE_PAIR_NS_TARGET),
     }
 
 
@@ -157,9 +162,9 @@ def median_replay(results) -> Dict[str, Any]:
             if key not in TIMED_FIGURES and result[key] != results[0][key]:
                 raise ValueError(f"the replay is not deterministic: {key} was {results[0][key]} in the first run "
                                  f"and {result[key]} in another")
-    runs = sorted(results, key=lambda r: r["ns_per_alloc"] + r["ns_per_free"])
+    runs = sorted(results, key=pair_ns)
     figures = trace_figures(runs[len(runs) // 2])
-    figures["pair_ns_runs"] = [round(r["ns_per_alloc"] + r["ns_per_free"], 1) for r in runs]
+    figures["pair_ns_runs"] = [round(pair_ns(r), 1) for r in runs]
     return figures
 
 
@@ -247,7 +252,7 @@ def print_targets(traces: Dict[str, Dict[str, Any]]) -> None:
         cells = (verdict(met["fragmentation"], f"{t['fragmentation']:.3f}"),
                  verdict(met["maps_per_peak_page"], f"{t['maps_per_peak_page']:.2f}"),
                  verdict(met["steady_maps_per_iteration"], "" if steady is None else f"{steady:.2f}"),
-                 verdict(met["alloc_free_pair_ns"], f"{t['ns_per_alloc'] + t['ns_per_free']:.0f} ns"))
+                 verdict(met["alloc_free_pair_ns"], f"{pair_ns(t):.0f} ns"))
         print(f"{name:<32}{cells[0]:>24}{cells[1]:>22}{cells[2]:>24}{cells[3]:>24}")
     print("(alloc+free per trace: its ns/alloc + ns/free in the median of its replays, each on a fresh allocator, "
           "first calls that map pages included)")

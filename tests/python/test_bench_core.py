@@ -53,18 +53,15 @@ def test_a_trace_without_iteration_marks_does_not_fail_the_steady_state_target(b
     assert not bench_core.all_met({"alloc_free": {"target_met": False}, "traces": {"t": trace}})
 
 
-def replay_result(ns_per_alloc, ns_per_free, **changed):
-    result = {key: 0 for key in ("num_ops", "peak_allocated_bytes", "peak_reserved_bytes", "spilled_bytes",
-                                 "restored_bytes", "num_migrations", "num_ooms", "num_page_maps", "num_page_unmaps",
-                                 "num_iterations", "steady_host_touched_bytes_per_iteration", "fragmentation_floor",
-                                 "at_peak_live_bytes", "at_peak_partial_page_free_bytes", "at_peak_free_page_bytes",
-                                 "at_peak_request_bytes", "at_peak_largest_hole_bytes")}
+def replay_result(bench_core, ns_per_alloc, ns_per_free, **changed):
+    result = dict.fromkeys(bench_core.TRACE_FIGURES, 0)
     result.update(figures(ns_per_alloc=ns_per_alloc, ns_per_free=ns_per_free), **changed)
     return result
 
 
 def test_a_traces_times_are_its_median_replays(bench_core):
-    runs = [replay_result(300.0, 200.0), replay_result(100.0, 90.0), replay_result(150.0, 100.0)]
+    runs = [replay_result(bench_core, 300.0, 200.0), replay_result(bench_core, 100.0, 90.0),
+            replay_result(bench_core, 150.0, 100.0)]
     median = bench_core.median_replay(runs)
     assert (median["ns_per_alloc"], median["ns_per_free"]) == (150.0, 100.0)
     assert median["pair_ns_runs"] == [190.0, 250.0, 500.0]
@@ -72,7 +69,7 @@ def test_a_traces_times_are_its_median_replays(bench_core):
 
 
 def test_replays_of_a_trace_that_differ_in_more_than_time_are_refused(bench_core):
-    runs = [replay_result(100.0, 100.0), replay_result(100.0, 100.0, num_page_maps=3)]
+    runs = [replay_result(bench_core, 100.0, 100.0), replay_result(bench_core, 100.0, 100.0, num_page_maps=3)]
     with pytest.raises(ValueError, match="num_page_maps"):
         bench_core.median_replay(runs)
 
