@@ -13,6 +13,7 @@
 #include "cotenant/cap.h"
 #include "cotenant/caching_allocator.h"
 #include "cotenant/errors.h"
+#include "cotenant/host_memory.h"
 #include "cotenant/replay.h"
 #include "cotenant/simulated_backend.h"
 #include "cotenant/size.h"
@@ -299,6 +300,20 @@ COTENANT_CORE_BINDINGS(core) {
         "Bytes in a size like \"6GiB\", \"512MiB\", \"1.5GB\" or \"4096\"; raises Error otherwise.");
   m.def("format_size", [](std::uint64_t bytes) { return format_size(bytes); }, py::arg("bytes"),
         "A size for people: \"6.00 GiB\", \"4096 B\".");
+  m.def(
+      "cgroup_memory_rooms",
+      [](const std::string& proc_cgroup, const std::string& cgroup_root) {
+        std::vector<std::pair<std::string, std::size_t>> rooms;
+        for (CgroupRoom& cgroup : read_cgroup_memory_rooms(proc_cgroup, cgroup_root, CgroupOf::another_process)) {
+          rooms.emplace_back(std::move(cgroup.path), cgroup.room_bytes);
+        }
+        return rooms;
+      },
+      py::arg("proc_cgroup"), py::arg("cgroup_root") = "/sys/fs/cgroup",
+      "[(path, room bytes)] for each memory cgroup with a limit on the way up from the process whose "
+      "/proc/<pid>/cgroup is `proc_cgroup` to the root of the cgroup filesystem at `cgroup_root`, its own first: "
+      "processes under one of them share its room (limit less working set). Empty where none has a limit or "
+      "the mount does not show the process's cgroup.");
 
   py::class_<SimulatedBackend>(m, "SimulatedBackend",
                                "A simulated GPU: configurable capacity and page size, real bytes per page.")

@@ -110,16 +110,21 @@ fs::path clean(const fs::path& path) {
   return text;
 }
 
-// The least room over the cgroup `cgroup` mounted under `top_dir` and its
-// ancestors up to `top_dir` itself (a container's cgroup namespace shows
-// its own cgroup there).
-std::optional<std::size_t> least_room(const fs::path& top_dir, const std::string& cgroup, const CgroupFiles& files) {
+// Each cgroup with a limit from `cgroup` (a path under the mount `top_dir`)
+// up to `top_dir` itself, own first. A path the mount does not show is read
+// as the mount's root where it is this process's (a container's cgroup
+// namespace shows its own cgroup there) and as unknown where it is another's.
+std::vector<CgroupRoom> rooms_on_the_way_up(const fs::path& top_dir, const std::string& cgroup,
+                                            const CgroupFiles& files, CgroupOf whose) {
   const fs::path top = clean(top_dir);
   fs::path leaf = clean(top / fs::path(cgroup).relative_path());
   std::error_code error;
   const bool inside = leaf.native().rfind(top.native(), 0) == 0;
-  if (!inside || !fs::is_directory(leaf, error)) leaf = top;  // a path of another cgroup namespace than the mount's
-  std::optional<std::size_t> least;
+  std::vector<CgroupRoom> rooms;
+  if (!inside || !fs::is_directory(leaf, error)) {
+    if (whose == CgroupOf::another_process) return rooms;
+    leaf = top;
+  }
   for (fs::path dir = leaf;; dir = dir.parent_path()) {
     const std::optional<std::uint64_t> limit = read_number(dir / files.limit);
     if (limit && *limit < kNoLimitAbove) {
@@ -127,12 +132,13 @@ std::optional<std::size_t> least_room(const fs::path& top_dir, const std::string
         const std::uint64_t inactive = std::min(*usage, read_inactive_file(dir / "memory.stat", files));
         const std::uint64_t working_set = *usage - inactive;
         const std::size_t room = working_set >= *limit ? 0 : static_cast<std::size_t>(*limit - working_set);
-        least = least ? std::min(*least, room) : room;
+        const fs::path below_top = dir.lexically_relative(top);
+        rooms.push_back({below_top == "." ? "/" : "/" + below_top.native(), room});
       }
     }
     if (dir.native().size() <= top.native().size() || dir == dir.parent_path()) break;
   }
-  return least;
+  return rooms;
 }
 
 }  // namespace
@@ -145,12 +151,13 @@ std::optional<std::size_t> read_mem_available(const char* path) {
   return static_cast<std::size_t>(*kib) * 1024;  // meminfo counts in kB (KiB)
 }
 
-std::optional<std::size_t> read_cgroup_memory_room(const std::string& proc_cgroup, const std::string& cgroup_root) {
+std::vector<CgroupRoom> read_cgroup_memory_rooms(const std::string& proc_cgroup, const std::string& cgroup_root,
+                                                 CgroupOf whose) {
   // Lines are "hierarchy-id:controllers:path": "0::/path" for v2, and for v1
   // one per hierarchy, the memory controller's naming "memory" among its
   // comma-separated controllers. A v1 memory line wins (hybrid systems).
   const std::optional<std::string> text = read_text(proc_cgroup.c_str());
-  if (!text) return std::nullopt;
+  if (!text) return {};
   std::optional<std::string_view> v1_path, v2_path;
   any_piece(*text, '\n', [&](std::string_view line) {
     const std::size_t first = line.find(':');
@@ -165,9 +172,17 @@ std::optional<std::size_t> read_cgroup_memory_room(const std::string& proc_cgrou
     }
     return false;
   });
-  if (v1_path) return least_room(fs::path(cgroup_root) / "memory", std::string(*v1_path), kV1);
-  if (v2_path) return least_room(fs::path(cgroup_root), std::string(*v2_path), kV2);
-  return std::nullopt;
+  if (v1_path) return rooms_on_the_way_up(fs::path(cgroup_root) / "memory", std::string(*v1_path), kV1, whose);
+  if (v2_path) return rooms_on_the_way_up(fs::path(cgroup_root), std::string(*v2_path), kV2, whose);
+  return {};
+}
+
+std::optional<std::size_t> read_cgroup_memory_room(const std::string& proc_cgroup, const std::string& cgroup_root) {
+  std::optional<std::size_t> least;
+  for (const CgroupRoom& cgroup : read_cgroup_memory_rooms(proc_cgroup, cgroup_root, CgroupOf::this_process)) {
+    least = least ? std::min(*least, cgroup.room_bytes) : cgroup.room_bytes;
+  }
+  return least;
 }
 
 std::optional<std::size_t> read_host_available() {

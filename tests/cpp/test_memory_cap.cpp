@@ -894,6 +894,54 @@ TEST_CASE("cgroup_v1_room_reads_the_memory_controller_and_wins_on_a_hybrid_syste
   CHECK(fs.room() == std::optional<std::size_t>(300 * kMiB));
 }
 
+TEST_CASE("cgroup_rooms_name_every_limited_cgroup_on_the_way_up_so_sibling_processes_can_share_one", "[cap]") {
+  // A Slurm job step: each rank in a task cgroup of its own, no limit there; the step and the job have one.
+  FakeCgroupFs fs;
+  fs.write("task0_cgroup", "0::/slurm/uid_1000/job_7/step_0/task_0\n");
+  fs.write("task1_cgroup", "0::/slurm/uid_1000/job_7/step_0/task_1\n");
+  for (const char* task : {"task_0", "task_1"}) {
+    fs.write(std::string("fs/slurm/uid_1000/job_7/step_0/") + task + "/memory.max", "max\n");
+    fs.write(std::string("fs/slurm/uid_1000/job_7/step_0/") + task + "/memory.current", "4096\n");
+  }
+  fs.write("fs/slurm/uid_1000/job_7/step_0/memory.max", std::to_string(4 * kGiB) + "\n");
+  fs.write("fs/slurm/uid_1000/job_7/step_0/memory.current", std::to_string(kGiB) + "\n");
+  fs.write("fs/slurm/uid_1000/job_7/memory.max", std::to_string(6 * kGiB) + "\n");
+  fs.write("fs/slurm/uid_1000/job_7/memory.current", std::to_string(kGiB) + "\n");
+  fs.write("fs/memory.max", "max\n");
+  const std::string top = (fs.root / "fs").string();
+  const std::vector<CgroupRoom> task0 =
+      read_cgroup_memory_rooms((fs.root / "task0_cgroup").string(), top, CgroupOf::another_process);
+  REQUIRE(task0.size() == 2);  // own first; the task's and the root's "max" are no limit
+  CHECK(task0[0].path == "/slurm/uid_1000/job_7/step_0");
+  CHECK(task0[0].room_bytes == 3 * kGiB);
+  CHECK(task0[1].path == "/slurm/uid_1000/job_7");
+  CHECK(task0[1].room_bytes == 5 * kGiB);
+  const std::vector<CgroupRoom> task1 =
+      read_cgroup_memory_rooms((fs.root / "task1_cgroup").string(), top, CgroupOf::another_process);
+  REQUIRE(task1.size() == 2);
+  CHECK(task1[0].path == task0[0].path);  // the two ranks name one step cgroup: one room between them
+  CHECK(task1[1].path == task0[1].path);
+
+  // A limit at the mount's root is named "/".
+  fs.write("fs/memory.max", std::to_string(64 * kGiB) + "\n");
+  fs.write("fs/memory.current", std::to_string(8 * kGiB) + "\n");
+  const std::vector<CgroupRoom> with_root =
+      read_cgroup_memory_rooms((fs.root / "task0_cgroup").string(), top, CgroupOf::another_process);
+  REQUIRE(with_root.size() == 3);
+  CHECK(with_root[2].path == "/");
+  CHECK(with_root[2].room_bytes == 56 * kGiB);
+
+  // Another process's cgroup the mount does not show (another cgroup namespace) is unknown, not the root's:
+  // only this process's own is read as the mount's root.
+  fs.write("other_cgroup", "0::/../../kubepods/pod9/ctr\n");
+  CHECK(read_cgroup_memory_rooms((fs.root / "other_cgroup").string(), top, CgroupOf::another_process).empty());
+  const std::vector<CgroupRoom> own =
+      read_cgroup_memory_rooms((fs.root / "other_cgroup").string(), top, CgroupOf::this_process);
+  REQUIRE(own.size() == 1);
+  CHECK(own[0].path == "/");
+  CHECK(read_cgroup_memory_rooms((fs.root / "missing").string(), top, CgroupOf::another_process).empty());
+}
+
 TEST_CASE("host_available_is_the_least_of_mem_available_and_the_cgroup_room", "[cap]") {
   const std::optional<std::size_t> available = read_host_available();
   const std::optional<std::size_t> node = read_mem_available();

@@ -135,6 +135,56 @@ def test_jobs_of_one_memory_cgroup_on_two_gpus_share_its_room(node):
     assert o1["host_bytes"] == 0 and o1["device_bytes"] == 192 * MiB and o1["host_room_bytes"] == 64 * MiB
 
 
+def _fake_cgroup_fs(root, room_bytes, usage_bytes=1 << 30):
+    """A cgroup filesystem under `root` in which this process's memory cgroup, and so its children's, has a
+    limit leaving `room_bytes`: v1's memory controller where /proc/self/cgroup names one, else v2. Returns the
+    cgroup's path and a function that sets its usage (as the kernel charges what its processes pin)."""
+    with open("/proc/self/cgroup") as f:
+        lines = [line.split(":", 2) for line in f.read().splitlines()]
+    v1 = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
+    if v1:
+        top, path, limit_file, usage_file = root / "memory", v1[0], "memory.limit_in_bytes", "memory.usage_in_bytes"
+    else:
+        top, path, limit_file, usage_file = root, [p for i, c, p in lines if i == "0" and not c][0], "memory.max", \
+            "memory.current"
+    directory = top / path.lstrip("/")
+    directory.mkdir(parents=True, exist_ok=True)
+    limit = usage_bytes + room_bytes
+    (directory / limit_file).write_text(f"{limit}\n")
+    (directory / "memory.stat").write_text("inactive_file 0\ntotal_inactive_file 0\n")
+
+    def set_usage(usage):
+        (directory / usage_file).write_text(f"{usage}\n")
+
+    set_usage(usage_bytes)
+    return path, set_usage
+
+
+def test_a_limited_memory_cgroup_the_coordinator_reads_bounds_the_squeezes_of_the_jobs_under_it(tmp_path):
+    # The job reports a roomy host (1 TiB): only the cgroup the coordinator reads (the one every process here
+    # is under) bounds its squeeze. Ranks in sibling cgroups under one limit share it the same way
+    # (test_policy.py: test_ranks_in_sibling_cgroups_share_the_room_of_the_limited_cgroup_above_them).
+    path, set_usage = _fake_cgroup_fs(tmp_path / "cgroup", 0)
+    node = Node(extra_args=("--memory-cgroup-root", str(tmp_path / "cgroup")))
+    try:
+        node.start_coordinator()
+        node.start_job("opportunistic", "o", hold_mib=192)
+        g = node.start_job("guaranteed", "g", hold_mib=256)
+        assert node.job("o")["memory_cgroups"] == [{"path": path, "room_bytes": 0}]
+        assert node.job("o")["host_room_bytes"] > 1 << 39
+        g.burst(512)  # the plan squeezes o by about 190 MiB; the cgroup is at its limit
+        assert wait_until(lambda: node.job("o")["squeeze_held_back_bytes"] >= 180 * MiB, timeout=5), \
+            node.status()["jobs"]
+        time.sleep(0.3)
+        assert node.job("o")["host_bytes"] == 0 and node.job("o")["device_bytes"] == 192 * MiB
+        set_usage(0)  # the cgroup's processes free its 1 GiB: room for the squeeze
+        assert wait_until(lambda: node.job("o")["host_bytes"] >= 180 * MiB, timeout=5), node.status()["jobs"]
+        assert node.job("o")["squeeze_held_back_bytes"] == 0
+        assert node.job("o")["memory_cgroups"] == [{"path": path, "room_bytes": 1 << 30}]
+    finally:
+        node.close()
+
+
 def test_guaranteed_slowdown_cuts_the_opportunistic_share(node):
     node.start_coordinator()
     g = node.start_job("guaranteed", "g", hold_mib=64, iteration_us=5000)

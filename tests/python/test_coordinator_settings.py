@@ -49,7 +49,9 @@ def test_a_config_file_sets_settings_and_a_flag_wins_over_it(tmp_path):
 
 
 def test_printed_config_reads_back_to_the_same_settings(tmp_path):
-    config = parse("--share-min-share", "0.1", "--memory-burst-margin", "300MiB")
+    config = parse("--share-min-share", "0.1", "--memory-burst-margin", "300MiB",
+                   "--memory-cgroup-root", "/host/sys/fs/cgroup")
+    assert config.cgroup_root == "/host/sys/fs/cgroup"
     path = tmp_path / "printed.toml"
     path.write_text(coordinator_settings.format_toml(config))
     again = parse("--config", str(path))
@@ -64,6 +66,7 @@ def test_printed_config_reads_back_to_the_same_settings(tmp_path):
     ('[memory]\nheadroom = "6 apples"\n', ["[memory] headroom", "6 apples"]),
     ('[baseline]\nwindow_iterations = 0\n', ["[baseline] window_iterations", "at least 1"]),
     ('[jobs]\ntick_s = 0\n', ["[jobs] tick_s", "above 0"]),
+    ('[memory]\ncgroup_root = "sys/fs/cgroup"\n', ["[memory] cgroup_root", "give an absolute path"]),
     ('[share\n', ["not a TOML file"]),
 ])
 def test_a_bad_config_file_is_refused_naming_the_setting(tmp_path, text, words):

@@ -1,5 +1,7 @@
 """The coordinator's pure policies, driven by tables of cases."""
 
+import dataclasses
+
 import pytest
 
 from cotenant.coordinator import policy
@@ -181,7 +183,7 @@ def test_salus_admission(case, persistent, total, g_live, o_persistent, decision
 def _in_cgroup(job_id, role, gib, room_gib, group):
     """A job whose GiB are all live on the device, at that cap, in cgroup `group` with `room_gib` to pin."""
     return Job(job_id, role, device_bytes=gib * GiB, allocated_bytes=gib * GiB, cap=gib * GiB,
-               host_room_bytes=room_gib * GiB, host_room_group=group)
+               host_room_bytes=room_gib * GiB, host_room_groups=(group,))
 
 
 # (case, jobs, planned caps, host room, expected caps, expected held back)
@@ -268,20 +270,51 @@ def test_squeezes_are_held_back_to_keep_the_host_headroom(case, jobs, planned, r
         job = by_id[job_id]
         if job.host_room_bytes is not None and job.user_cap is None:
             assert job.pins_under(cap) <= job.host_room_bytes
-            if job.host_room_group is not None:
-                room, pins = groups.get(job.host_room_group, (job.host_room_bytes, 0))
-                groups[job.host_room_group] = (min(room, job.host_room_bytes), pins + job.pins_under(cap))
+            for group in job.host_room_groups:
+                room, pins = groups.get(group, (job.host_room_bytes, 0))
+                groups[group] = (min(room, job.host_room_bytes), pins + job.pins_under(cap))
     assert all(pins <= room for room, pins in groups.values())  # nor a cgroup's jobs past its room together
 
 
 def test_a_cgroups_room_from_its_jobs_on_other_gpus_bounds_its_jobs_here():
     jobs = [Job(2, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=3 * GiB,
-                host_room_group="pod")]
+                host_room_groups=("pod",))]
     bound = policy.bound_squeezes_by_host({2: 4 * GiB}, jobs, 1 << 50, {"pod": GiB, "other": 8 * GiB})
     assert bound.caps == {2: 7 * GiB} and bound.held_back == {2: 3 * GiB}
     assert policy.bound_squeezes_by_host({2: 4 * GiB}, jobs, 1 << 50, {"pod": -GiB}).caps == {2: 8 * GiB}
     # A group room larger than what its jobs here report does not raise theirs.
     assert policy.bound_squeezes_by_host({2: 4 * GiB}, jobs, 1 << 50, {"pod": 8 * GiB}).caps == {2: 5 * GiB}
+
+
+def _ranks(*own_rooms_gib):
+    """Opportunistic jobs of 8 GiB, each in a task cgroup of its own under one limited Slurm step cgroup, each
+    reporting the room it may pin (GiB): the step's, or its task's where that limit is nearer."""
+    return [Job(2 + i, O, device_bytes=8 * GiB, allocated_bytes=8 * GiB, cap=8 * GiB, host_room_bytes=room * GiB,
+                host_room_groups=(f"0::/step/task_{i}", "/step")) for i, room in enumerate(own_rooms_gib)]
+
+
+def test_ranks_in_sibling_cgroups_share_the_room_of_the_limited_cgroup_above_them():
+    # Each rank reads the step's 4 GiB of room; squeezed by 4 GiB each, together they may pin only those 4.
+    ranks = _ranks(4, 4)
+    rooms = {"0::/step/task_0": 4 * GiB, "0::/step/task_1": 4 * GiB, "/step": 4 * GiB}
+    bound = policy.bound_squeezes_by_host({2: 4 * GiB, 3: 4 * GiB}, ranks, 1 << 50, rooms)
+    assert bound.caps == {2: 6 * GiB, 3: 6 * GiB} and bound.held_back == {2: 2 * GiB, 3: 2 * GiB}
+    # Grouped by their own cgroups only (the exact /proc/<pid>/cgroup text), each would take the step's whole room.
+    apart = [dataclasses.replace(j, host_room_groups=j.host_room_groups[:1]) for j in ranks]
+    assert policy.bound_squeezes_by_host({2: 4 * GiB, 3: 4 * GiB}, apart, 1 << 50, rooms).caps == \
+        {2: 4 * GiB, 3: 4 * GiB}
+
+
+def test_a_rank_whose_own_limit_is_nearer_leaves_the_rest_of_the_step_to_its_sibling():
+    # Rank 0's task cgroup leaves it 1 GiB; the step's 4 GiB go 1 to it and 3 to rank 1 (inner groups first).
+    ranks = _ranks(1, 4)
+    rooms = {"0::/step/task_0": GiB, "0::/step/task_1": 4 * GiB, "/step": 4 * GiB}
+    bound = policy.bound_squeezes_by_host({2: 4 * GiB, 3: 4 * GiB}, ranks, 1 << 50, rooms)
+    assert bound.caps == {2: 7 * GiB, 3: 5 * GiB} and bound.held_back == {2: 3 * GiB, 3: GiB}
+    # The step's room less what squeezes on other GPUs will pin (the coordinator's reading) bounds both.
+    rooms["/step"] = 2 * GiB
+    bound = policy.bound_squeezes_by_host({2: 4 * GiB, 3: 4 * GiB}, ranks, 1 << 50, rooms)
+    assert bound.caps == {2: 7 * GiB, 3: 7 * GiB}
 
 
 @pytest.mark.parametrize("case,total,jobs,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])

@@ -44,6 +44,8 @@ from cotenant.coordinator.rundir import AlreadyRunning, RunDirectory, UnsafeRunD
 
 log = logging.getLogger("cotenant.coordinator")
 
+CGROUP_READ_INTERVAL_S = 0.1  # the jobs' memory cgroups are read at most this often (a job reads its own as often)
+
 
 def _core():
     from cotenant import _core
@@ -195,6 +197,7 @@ class Job:
     silent_since: Optional[float] = None  # a live process's heartbeat stopped (stopped, or hung) at this time
     held_back_bytes: int = 0  # how far its cap stays above the plan, so the node keeps its host headroom
     cgroup: Optional[str] = None  # its process's /proc/<pid>/cgroup: jobs with the same share its memory limit
+    cgroup_rooms: Tuple[Tuple[str, int], ...] = ()  # its limited memory cgroups, own first: (path, room) as last read
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
         """True while the solo baseline is being measured. A guaranteed job that
@@ -216,9 +219,14 @@ class Job:
             job_id=self.job_id, role=self.role, device=self.device,
             device_bytes=self.report.get("device_bytes", 0), host_bytes=self.report.get("host_bytes", 0),
             host_pool_bytes=self.report.get("host_pool_bytes", 0), host_room_bytes=self.report.get("host_room_bytes"),
-            host_room_group=self.cgroup,
+            host_room_groups=self.host_room_groups(),
             allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
         )
+
+    def host_room_groups(self) -> Tuple[str, ...]:
+        """The groups whose room it shares: its /proc/<pid>/cgroup text (jobs in
+        the same cgroups), then each limited memory cgroup on its way up."""
+        return ((self.cgroup,) if self.cgroup is not None else ()) + tuple(path for path, _ in self.cgroup_rooms)
 
     def state(self) -> str:
         """queued, paused (the process is stopped), unresponsive (live, its
@@ -247,6 +255,7 @@ class Job:
             "page_moves": r.get("num_migrations", 0),
             "pending_migration_bytes": r.get("pending_migration_bytes", 0),
             "squeeze_held_back_bytes": self.held_back_bytes,
+            "memory_cgroups": [{"path": path, "room_bytes": room} for path, room in self.cgroup_rooms],
             "applied_cap": r.get("applied_memory_cap"), "applied_share": r.get("applied_share"),
             "iteration_ewma_us": self.iteration_ewma_us(), "iteration_count": r.get("iteration_count", 0),
             "effective_share": r.get("effective_share"),
@@ -385,6 +394,7 @@ class CoordinatorConfig:
     idle_timeout_s: float = 30.0       # a connection (socket or metrics) silent this long is closed
     max_connections_per_uid: int = 64  # more from one uid are refused with "busy" (clients retry)
     listen_backlog: int = 4096         # connections waiting for accept (the kernel caps it at somaxconn)
+    cgroup_root: str = host_memory.CGROUP_ROOT  # where the jobs' memory cgroups are read (the node's cgroup fs)
 
 
 class Coordinator:
@@ -403,6 +413,7 @@ class Coordinator:
         self._stopping = asyncio.Event()
         self._last_share_decision: Dict[int, float] = {}  # per GPU, time.monotonic()
         self._last_history = 0.0
+        self._cgroups_read = float("-inf")  # time.monotonic() of the last read of the jobs' memory cgroups
         self._history_file = None
         self._state_dirty = False
         from cotenant.scheduling.policies import make_policy
@@ -528,7 +539,8 @@ class Coordinator:
             return None
         job = Job(job_id=job_id, name=entry["name"], role=entry["role"], device=int(entry["device"]), pid=pid,
                   gpu=str(entry.get("gpu") or gpus.gpu_key(None, int(entry["device"]))), uid=uid, block=block, report=block.report() or {"pid": pid, "state": "starting"},
-                  adopted=True, pid_start_ticks=start_ticks, owner_token=token, cgroup=host_memory.read_cgroup(pid))
+                  adopted=True, pid_start_ticks=start_ticks, owner_token=token, cgroup=host_memory.read_cgroup(pid),
+                  cgroup_rooms=host_memory.cgroup_rooms(pid, self.config.cgroup_root))
         job.user_cap = entry.get("user_cap")
         job.pinned_share = entry.get("pinned_share")
         job.persistent_bytes = entry.get("persistent_bytes", 0)
@@ -633,6 +645,10 @@ class Coordinator:
             if reason:
                 self._reclaim(job, reason)
         meminfo = host_memory.read_meminfo()  # once a tick, for every GPU's plan
+        if now - self._cgroups_read >= CGROUP_READ_INTERVAL_S:
+            self._cgroups_read = now
+            for job in self.jobs.values():
+                job.cgroup_rooms = host_memory.cgroup_rooms(job.pid, self.config.cgroup_root)
         for gpu in sorted({j.gpu for j in self.jobs.values()}):
             self._plan_device(gpu, now, meminfo)
         self.queue.tick(now)
@@ -799,21 +815,26 @@ class Coordinator:
     def _host_rooms(self, device: str, meminfo: Optional[Dict[str, int]]) -> Tuple[Optional[int], Dict[str, int]]:
         """What squeezes on GPU `device` may pin: on the node, its available
         host memory (`meminfo`, read_meminfo()'s) less the host headroom
-        (None where /proc/meminfo cannot be read: no bound); in each memory
-        cgroup (the ranks of one container on several GPUs share its limit),
-        the least any of its jobs reports (the latest to see the others'
-        pins). Each less what caps on the other GPUs will still pin."""
+        (None where /proc/meminfo cannot be read: no bound); for each group
+        of jobs (Job.host_room_groups): in one cgroup, the least any of them
+        reports (the latest to see the others' pins); under one limited
+        memory cgroup, its room as this coordinator reads it less the host
+        headroom (as each job's own figure is). Each less what caps on the
+        other GPUs will still pin."""
+        headroom = self.config.memory.host_headroom_bytes
         elsewhere = 0
         rooms: Dict[str, int] = {}
-        group_elsewhere: Dict[str, int] = {}
+        group_elsewhere: Dict[str, int] = collections.defaultdict(int)
         for job in self.jobs.values():
             pins = job.observation().pins_under(job.cap) if job.gpu != device else 0
             elsewhere += pins
             room = job.report.get("host_room_bytes")
             if job.cgroup is not None and room is not None:
                 rooms[job.cgroup] = min(rooms.get(job.cgroup, room), room)
-                group_elsewhere[job.cgroup] = group_elsewhere.get(job.cgroup, 0) + pins
-        headroom = self.config.memory.host_headroom_bytes
+            for path, cgroup_room in job.cgroup_rooms:
+                rooms[path] = cgroup_room - headroom
+            for group in job.host_room_groups():
+                group_elsewhere[group] += pins
         node = None if meminfo is None else meminfo["available_bytes"] - headroom - elsewhere
         return node, {group: room - group_elsewhere[group] for group, room in rooms.items()}
 
@@ -1097,7 +1118,7 @@ class Coordinator:
         job = Job(job_id=job_id, name=name, role=role, device=index, gpu=device, pid=pid, uid=uid, block=block,
                   user_cap=user_cap, persistent_bytes=persistent, admitted=admitted, queue_reason=reason,
                   cap=user_cap, share=share, pid_start_ticks=start_ticks, owner_token=owner_token,
-                  cgroup=host_memory.read_cgroup(pid))
+                  cgroup=host_memory.read_cgroup(pid), cgroup_rooms=host_memory.cgroup_rooms(pid, self.config.cgroup_root))
         job.report = block.report() or {}
         self.jobs[job_id] = job
         self._plan_device(device, time.monotonic(), host_memory.read_meminfo())

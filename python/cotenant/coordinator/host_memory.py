@@ -12,9 +12,10 @@ its GPU would fit.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 MEMINFO = "/proc/meminfo"
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 def read_meminfo(path: str = MEMINFO) -> Optional[Dict[str, int]]:
@@ -45,6 +46,21 @@ def read_cgroup(pid: int, proc: str = "/proc") -> Optional[str]:
     except (OSError, ValueError):
         return None
     return text or None
+
+
+def cgroup_rooms(pid: int, cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> Tuple[Tuple[str, int], ...]:
+    """((path, room bytes), ...) for each memory cgroup with a limit on the
+    way up from process `pid`'s own to the root of the cgroup filesystem at
+    `cgroup_root`, its own first; the room is the limit less the working
+    set. Jobs under one of them share its room: the ranks of a Slurm job
+    step, each in a task cgroup of its own, share the step's limit. Empty
+    where none has a limit, or the filesystem does not show the process's
+    cgroup (a coordinator in a container of its own sees only its own; give
+    it the node's with [memory] cgroup_root). The same reader as the jobs'
+    own host_room_bytes (include/cotenant/host_memory.h)."""
+    from cotenant._core import cgroup_memory_rooms
+
+    return tuple((path, int(room)) for path, room in cgroup_memory_rooms(f"{proc}/{int(pid)}/cgroup", cgroup_root))
 
 
 def host_status(meminfo: Optional[Mapping[str, int]], jobs: Iterable[Mapping[str, Any]],

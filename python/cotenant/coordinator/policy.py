@@ -30,7 +30,7 @@ the node into its OOM killer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 MiB = 1 << 20
 # Host memory no squeeze may pin: the coordinator's [memory] host_headroom and
@@ -53,7 +53,7 @@ class JobObservation:
     host_bytes: int = 0
     host_pool_bytes: int = 0        # pinned host pages kept for spills (a squeeze fills them first)
     host_room_bytes: Optional[int] = None  # what the job may still pin by its own account (None: unknown)
-    host_room_group: Optional[str] = None  # jobs of one group (one memory cgroup) share that room
+    host_room_groups: Tuple[str, ...] = ()  # jobs of one group (a memory cgroup they are all under) share its room
     allocated_bytes: Optional[int] = None  # held by live tensors; None: count everything held
     cap: Optional[int] = None       # the cap now in force (None = none)
     user_cap: Optional[int] = None  # an upper bound an administrator set
@@ -161,10 +161,13 @@ def bound_squeezes_by_host(
     bound) or in a job's own room (JobObservation.host_room_bytes: its
     memory cgroup's limit and its headroom; a job pins no further, so a
     squeeze past it would stop part way and leave the device over the cap).
-    Jobs of one host_room_group (processes of one container: the ranks of a
-    torchrun) share one room: `group_rooms[group]` where given (the least
-    any of the group's jobs on any GPU reports, less what squeezes of its
-    jobs on other GPUs will pin), else the least its jobs here report.
+    Jobs of one group (JobObservation.host_room_groups: a memory cgroup
+    they are all in or under, as the ranks of one container, or of one Slurm
+    job step in task cgroups of their own, are) share one room:
+    `group_rooms[group]` where given (the coordinator's reading, less what
+    squeezes of the group's jobs on other GPUs will pin), else the least
+    its jobs here report. A job may be in several groups (its own cgroup
+    and a limited one above it); it gets no more than each allows.
 
     A squeeze pins the job's live device bytes above its new cap, less the
     host pages it keeps (JobObservation.pins_under). An administrator's cap
@@ -187,14 +190,18 @@ def bound_squeezes_by_host(
 
     groups: Dict[str, List[int]] = {}
     for job_id in fits:
-        group = by_id[job_id].host_room_group
-        if group is not None and by_id[job_id].host_room_bytes is not None:
+        for group in by_id[job_id].host_room_groups:
             groups.setdefault(group, []).append(job_id)
-    for group, members in groups.items():
-        # Each member reads the same room; the least is the latest to have seen the others' pins.
-        shared = min(by_id[k].host_room_bytes for k in members)
+    # Fewest members first: a cgroup's jobs are all among those of a group above it. Each fill only
+    # lowers what its members get, so every group filled before stays within its room.
+    for group, members in sorted(groups.items(), key=lambda item: (len(item[1]), item[0])):
         if group_rooms is not None and group in group_rooms:
-            shared = min(shared, group_rooms[group])
+            shared = group_rooms[group]
+        else:  # each member reads the same room; the least is the latest to have seen the others' pins
+            reports = [by_id[k].host_room_bytes for k in members if by_id[k].host_room_bytes is not None]
+            if not reports:
+                continue
+            shared = min(reports)
         fits.update(_fill_by_rank(shared, {k: fits[k] for k in members}, rank))
     given = fits if host_room_bytes is None else _fill_by_rank(host_room_bytes, fits, rank)
     bounded = dict(caps)

@@ -87,6 +87,12 @@ def _whole(low: int) -> Callable[[Any], int]:
 _POSITIVE_SECONDS = _number(0.0, float("inf"), low_open=True)
 
 
+def _absolute_path(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError("give an absolute path such as \"/sys/fs/cgroup\"")
+    return value
+
+
 @dataclass(frozen=True)
 class Setting:
     table: str                  # the TOML table
@@ -115,6 +121,9 @@ SETTINGS = (
     Setting("memory", "min_cap", ("memory", "min_cap_bytes"), _size, "the lowest cap the policy sets"),
     Setting("memory", "host_headroom", ("memory", "host_headroom_bytes"), _size,
             "host memory kept available on the node: no squeeze pins it (the cap stays higher instead)"),
+    Setting("memory", "cgroup_root", ("cgroup_root",), _absolute_path,
+            "where the node's cgroup filesystem is mounted, to read the memory limits the jobs share "
+            "(a coordinator in a container: mount the node's there)"),
     Setting("share", "target_slowdown", ("share", "target_slowdown"), _number(1.0, float("inf"), low_open=True),
             "the guaranteed job's iteration time over its solo baseline that the policy keeps under"),
     Setting("share", "increase_step", ("share", "increase_step"), _number(0.0, 1.0, low_open=True),
@@ -281,6 +290,6 @@ def format_toml(config: Any) -> str:
             table = setting.table
             lines += ["", f"[{table}]"] if lines else [f"[{table}]"]
         value = _default(setting, config)
-        text = f'"{_show(setting, value)}"' if setting.read is _size else _show(setting, value)
+        text = f'"{_show(setting, value)}"' if setting.read in (_size, _absolute_path) else _show(setting, value)
         lines.append(f"{setting.name} = {text}  # {setting.meaning}")
     return "\n".join(lines) + "\n"
