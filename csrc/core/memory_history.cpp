@@ -64,11 +64,13 @@ void MemoryHistory::configure(HistorySettings settings) {
   if (!settings.enabled || settings.clear) {
     ring_.clear();
     next_ = 0;
+    annotations_.clear();
   } else {
     // Oldest first again, keeping the newest max_entries_ (the size may have changed).
     std::rotate(ring_.begin(), ring_.begin() + static_cast<std::ptrdiff_t>(next_), ring_.end());
     next_ = 0;
     if (ring_.size() > max_entries_) ring_.erase(ring_.begin(), ring_.end() - static_cast<std::ptrdiff_t>(max_entries_));
+    while (annotations_.size() > max_entries_) annotations_.pop_front();
   }
   if (!settings.enabled) block_contexts_.clear();
   enabled_.store(settings.enabled, std::memory_order_release);
@@ -126,6 +128,8 @@ void MemoryHistory::on_pool_event(const AllocatorEvent& event, HistoryPoolId poo
   entry.stream = event.stream;
   entry.pool = pool;
   entry.time_us = now_us();
+  entry.compile_context = compile_context_;
+  entry.user_metadata = user_metadata_;
   HistoryContext context = lent();
   switch (event.kind) {
     case Kind::kAlloc:
@@ -182,7 +186,27 @@ void MemoryHistory::record_snapshot() {
   HistoryEntry entry;
   entry.action = HistoryAction::kSnapshot;
   entry.time_us = now_us();
+  entry.compile_context = compile_context_;
+  entry.user_metadata = user_metadata_;
   record(std::move(entry));
+}
+
+void MemoryHistory::set_labels(HistoryLabel compile_context, HistoryLabel user_metadata) {
+  std::lock_guard lock(mutex_);
+  compile_context_ = std::move(compile_context);
+  user_metadata_ = std::move(user_metadata);
+}
+
+void MemoryHistory::record_annotation(std::vector<std::pair<std::string, std::string>> metadata) {
+  std::lock_guard lock(mutex_);
+  if (!enabled()) return;
+  if (annotations_.size() >= max_entries_) annotations_.pop_front();
+  annotations_.push_back({now_us(), std::move(metadata)});
+}
+
+std::vector<HistoryAnnotation> MemoryHistory::annotations() const {
+  std::lock_guard lock(mutex_);
+  return {annotations_.begin(), annotations_.end()};
 }
 
 bool MemoryHistory::keeps_in_trace(HistoryAction action) const {

@@ -160,6 +160,11 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   void recordHistory(bool enabled, c10_alloc::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, c10_alloc::RecordContext when,
                      bool clearHistory, const std::vector<std::string>& skip_actions) override;
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override;
+  void pushCompileContext(std::string& md) override;
+  void popCompileContext() override;
+  void setUserMetadata(const std::string& metadata) override;
+  std::string getUserMetadata() override;
   void attachOutOfMemoryObserver(c10_alloc::OutOfMemoryObserver observer) override;
   void attachAllocatorTraceTracker(c10_alloc::AllocatorTraceTracker tracker) override;
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override;
@@ -200,8 +205,13 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // mapped pages of one residency; host memory on kHostStream).
   void add_segments_to_snapshot(DeviceAllocators& d, CachingAllocator& allocator, c10::MempoolId_t pool,
                                 c10_alloc::SnapshotInfo& out);
+  // Hands the compile context and user metadata in force to every device's
+  // history (with `only`, to that device's alone: a new device).
+  void apply_history_labels(DeviceAllocators* only = nullptr);
   std::mutex history_mutex_;     // the settings below, and attaching
   HistorySettings history_settings_;
+  std::vector<std::string> compile_contexts_;  // pushCompileContext's stack; the top labels entries
+  std::string user_metadata_;                  // setUserMetadata's; labels entries
 
   std::atomic<bool> installed_{false};
   std::atomic<bool> enabled_{true};

@@ -2,6 +2,7 @@
 // cotenant: each device's MemoryHistory (cotenant/memory_history.h) in
 // PyTorch's types. How host-resident memory appears, for memory_viz:
 // docs/allocator.md, "Memory history".
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -59,13 +60,18 @@ std::shared_ptr<c10::GatheredContext> to_torch(const HistoryContext& context) {
   return std::static_pointer_cast<c10::GatheredContext>(context);
 }
 
+// Segment entries' user metadata is their residency ("cotenant:host"); the
+// others carry the job's (setUserMetadata). "N/A" for no compile context, as
+// PyTorch's.
 c10_alloc::TraceEntry to_torch(const HistoryEntry& e, c10::DeviceIndex device) {
   const bool segment = is_segment_action(e.action);
+  std::string user_metadata = segment  ? std::string("cotenant:") + residency_name(e.where)
+                              : e.user_metadata ? *e.user_metadata
+                                                : std::string();
   c10_alloc::TraceEntry entry(to_torch(e.action), device, e.address, e.size,
                               segment ? stream_pointer(e.stream, e.where) : stream_pointer(e.stream),
                               c10::MempoolId_t{e.pool.first, e.pool.second}, /*time=*/0, to_torch(e.context),
-                              /*compile_context=*/"",
-                              segment ? std::string("cotenant:") + residency_name(e.where) : std::string());
+                              e.compile_context ? *e.compile_context : std::string("N/A"), std::move(user_metadata));
   entry.time_.t_ = static_cast<time_t>(e.time_us);  // what snapshots report as time_us
   return entry;
 }
@@ -118,6 +124,61 @@ void CotenantCudaAllocator::recordHistory(bool enabled, c10_alloc::CreateContext
   }
 }
 
+void CotenantCudaAllocator::recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
+  if (!isHistoryEnabled()) return;  // as PyTorch's: kept only while recording
+  with_torch_errors([&] { on(c10::cuda::current_device()).history->record_annotation(md); });
+}
+
+void CotenantCudaAllocator::pushCompileContext(std::string& md) {
+  {
+    std::lock_guard<std::mutex> lock(history_mutex_);
+    if (!history_settings_.enabled) return;  // as PyTorch's: only while recording
+    compile_contexts_.push_back(md);
+  }
+  apply_history_labels();
+}
+
+void CotenantCudaAllocator::popCompileContext() {
+  {
+    std::lock_guard<std::mutex> lock(history_mutex_);
+    if (compile_contexts_.empty()) return;
+    compile_contexts_.pop_back();
+  }
+  apply_history_labels();
+}
+
+void CotenantCudaAllocator::setUserMetadata(const std::string& metadata) {
+  {
+    std::lock_guard<std::mutex> lock(history_mutex_);
+    user_metadata_ = metadata;
+  }
+  apply_history_labels();
+}
+
+std::string CotenantCudaAllocator::getUserMetadata() {
+  std::lock_guard<std::mutex> lock(history_mutex_);
+  return user_metadata_;
+}
+
+void CotenantCudaAllocator::apply_history_labels(DeviceAllocators* only) {
+  HistoryLabel compile_context, user_metadata;
+  {
+    std::lock_guard<std::mutex> lock(history_mutex_);
+    if (!compile_contexts_.empty()) compile_context = std::make_shared<const std::string>(compile_contexts_.back());
+    if (!user_metadata_.empty()) user_metadata = std::make_shared<const std::string>(user_metadata_);
+  }
+  if (only != nullptr) {
+    only->history->set_labels(compile_context, user_metadata);
+    return;
+  }
+  const int count = device_count_.load(std::memory_order_acquire);
+  for (int dev = 0; dev < count; ++dev) {
+    if (DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev))) {
+      d->history->set_labels(compile_context, user_metadata);
+    }
+  }
+}
+
 void CotenantCudaAllocator::attachAllocatorTraceTracker(c10_alloc::AllocatorTraceTracker tracker) {
   {
     std::lock_guard<std::mutex> lock(observers_mutex_);
@@ -137,6 +198,7 @@ void CotenantCudaAllocator::attach_history(DeviceAllocators& d, bool configure) 
       settings = history_settings_;
     }
     if (settings.enabled) with_torch_errors([&] { d.history->configure(settings); });
+    apply_history_labels(&d);
   }
   bool add_tracker_listener = false;
   {
@@ -207,6 +269,12 @@ void CotenantCudaAllocator::add_history_to_snapshot(DeviceAllocators& d, c10_all
   if (!include_traces) return;
   auto& trace = out.device_traces.at(static_cast<size_t>(d.device));
   for (const HistoryEntry& e : d.history->entries()) trace.push_back(to_torch(e, d.device));
+  for (const HistoryAnnotation& a : d.history->annotations()) {
+    c10::CachingDeviceAllocator::AnnotationEntry annotation(d.device, /*time=*/0);
+    annotation.time_.t_ = static_cast<time_t>(a.time_us);  // what snapshots report as time_us
+    for (const auto& [name, value] : a.metadata) annotation.recordUserMetadata(name, value);
+    out.external_annotations.push_back(std::move(annotation));
+  }
 }
 
 }  // namespace cotenant::torch_ext

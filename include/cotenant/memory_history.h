@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -69,6 +70,8 @@ enum class ContextLevel : std::uint8_t { kNever, kState, kAlloc, kAll };
 
 // A call-stack capture, opaque here.
 using HistoryContext = std::shared_ptr<void>;
+// A text entries carry (PyTorch's compile context, user metadata); null: none.
+using HistoryLabel = std::shared_ptr<const std::string>;
 using HistoryPoolId = std::pair<std::uint64_t, std::uint64_t>;  // {0, 0}: the default pool
 
 struct HistoryEntry {
@@ -82,6 +85,15 @@ struct HistoryEntry {
   HistoryPoolId pool{0, 0};
   HistoryContext context;     // null unless the level keeps one here
   std::int64_t time_us = 0;   // system clock, microseconds since the epoch
+  HistoryLabel compile_context;  // the labels set when it was recorded (set_labels)
+  HistoryLabel user_metadata;
+};
+
+// A mark the job put in the timeline (a record_function's start or end:
+// {"name", ...}, {"stage", "START"}), kept beside the entries.
+struct HistoryAnnotation {
+  std::int64_t time_us = 0;  // as HistoryEntry's
+  std::vector<std::pair<std::string, std::string>> metadata;
 };
 
 struct HistorySettings {
@@ -140,6 +152,14 @@ class MemoryHistory final : public AllocatorEventSink {
   void record_snapshot();
   // The ring, oldest first.
   std::vector<HistoryEntry> entries() const;
+
+  // Labels every entry recorded from now on carries (null: none).
+  void set_labels(HistoryLabel compile_context, HistoryLabel user_metadata);
+  // Keeps an annotation, timed now, while recording (the newest max_entries,
+  // as entries; nothing otherwise). Cleared with the entries.
+  void record_annotation(std::vector<std::pair<std::string, std::string>> metadata);
+  // The annotations kept, oldest first.
+  std::vector<HistoryAnnotation> annotations() const;
   // The context of the live block at `address` (null if none was kept).
   HistoryContext context_of(DevicePtr address) const;
 
@@ -159,6 +179,9 @@ class MemoryHistory final : public AllocatorEventSink {
   std::size_t max_entries_ = 1;
   std::vector<HistoryEntry> ring_;  // up to max_entries_; next_ is the oldest once full
   std::size_t next_ = 0;
+  std::deque<HistoryAnnotation> annotations_;  // at most max_entries_
+  HistoryLabel compile_context_;
+  HistoryLabel user_metadata_;
   std::unordered_map<DevicePtr, HistoryContext> block_contexts_;  // live blocks
   std::vector<Listener> listeners_;
   std::map<HistoryPoolId, std::unique_ptr<PoolFeed>> feeds_;

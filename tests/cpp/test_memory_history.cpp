@@ -432,3 +432,50 @@ TEST_CASE("threads_recording_at_once_each_get_their_own_contexts", "[history]") 
   CHECK(frees == kThreads * kRounds);
   allocator.set_event_sink(nullptr);
 }
+
+TEST_CASE("entries_carry_the_labels_set_when_they_were_recorded", "[history]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  MemoryHistory history;
+  history.configure(recording(ContextLevel::kNever));
+  allocator.set_event_sink(&history);
+  const DevicePtr a = allocator.allocate(4096, 0);  // no labels yet
+  history.set_labels(std::make_shared<const std::string>("compiled_fn"), std::make_shared<const std::string>("run 7"));
+  const DevicePtr b = allocator.allocate(4096, 0);
+  history.set_labels(nullptr, std::make_shared<const std::string>("run 8"));  // the compile context ended
+  allocator.free(b);
+  history.record_snapshot();
+  const auto entries = history.entries();
+  REQUIRE(entries.size() >= 5);
+  auto text = [](const HistoryLabel& l) { return l ? *l : std::string("<none>"); };
+  std::vector<std::string> labels;
+  for (const HistoryEntry& e : entries) {
+    if (e.action == HistoryAction::kSegmentMap) continue;
+    labels.push_back(std::string(history_action_name(e.action)) + " " + text(e.compile_context) + " " +
+                     text(e.user_metadata) + (e.address == a ? " a" : ""));
+  }
+  CHECK(labels == std::vector<std::string>{"alloc <none> <none> a", "alloc compiled_fn run 7",
+                                           "free_requested <none> run 8", "free_completed <none> run 8",
+                                           "snapshot <none> run 8"});
+  allocator.set_event_sink(nullptr);
+}
+
+TEST_CASE("annotations_are_kept_while_recording_newest_max_entries_and_cleared_with_the_ring", "[history]") {
+  MemoryHistory history;
+  history.record_annotation({{"name", "before"}, {"stage", "START"}});  // not recording: not kept
+  CHECK(history.annotations().empty());
+  history.configure(recording(ContextLevel::kNever, 3));
+  for (int i = 0; i < 5; ++i) history.record_annotation({{"name", "step" + std::to_string(i)}, {"stage", "START"}});
+  const auto kept = history.annotations();
+  REQUIRE(kept.size() == 3);
+  CHECK(kept[0].metadata.at(0).second == "step2");
+  CHECK(kept[2].metadata.at(0).second == "step4");
+  CHECK(kept[2].metadata.at(1) == std::pair<std::string, std::string>{"stage", "START"});
+  CHECK(kept[0].time_us > 0);
+  CHECK(kept[0].time_us <= kept[2].time_us);
+  history.configure(recording(ContextLevel::kNever, 2));  // a smaller ring keeps the newest
+  REQUIRE(history.annotations().size() == 2);
+  CHECK(history.annotations()[0].metadata.at(0).second == "step3");
+  history.configure(HistorySettings{});  // off
+  CHECK(history.annotations().empty());
+}

@@ -4,6 +4,7 @@ floods of connections, a full /dev/shm, and errors that must be messages.
 The rules are docs/coordinator.md's "Security model"; the tests that need
 other uids are in test_permissions.py."""
 
+import http.client
 import json
 import os
 import resource
@@ -488,8 +489,14 @@ def test_the_metrics_port_serves_at_most_16_connections_at_once(node):
     finally:
         for sock in held:
             sock.close()
-    assert wait_until(lambda: b"cotenant_jobs" in urllib.request.urlopen(
-        f"http://127.0.0.1:{port}/metrics", timeout=5).read(), timeout=10)
+
+    def scrape():  # a slot frees once its server thread sees the close: until then a scrape is turned away
+        try:
+            return b"cotenant_jobs" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except (OSError, http.client.HTTPException):
+            return False
+
+    assert wait_until(scrape, timeout=10)
 
 
 # --- errors are messages ----------------------------------------------------------------------------

@@ -766,6 +766,36 @@ def test_memory_history_records_cotenants_allocations(library):
     assert out["actions"] == [["alloc", 3 * MIB], ["free_completed", 3 * MIB]]
 
 
+ANNOTATED_RECORDING = """
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    torch.cuda.memory._set_memory_metadata("run 7")
+    with torch.profiler.record_function("forward"):
+        x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    del x
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    out["annotations"] = [(a["name"], a["stage"], a["device"]) for a in snapshot["external_annotations"]]
+    times = [a["time_us"] for a in snapshot["external_annotations"]]
+    trace = snapshot["device_traces"][0]
+    alloc = next(e for e in trace if e["action"] == "alloc")
+    out["inside"] = times[0] <= alloc["time_us"] <= times[1]  # the allocation is timed between START and END
+    out["labels"] = sorted({(e["action"], e["compile_context"], e["user_metadata"]) for e in trace
+                            if e["action"] in ("alloc", "free_completed")})
+    out["segment_metadata"] = sorted({e["user_metadata"] for e in trace if e["action"].startswith("segment")})
+"""
+
+
+def test_memory_history_keeps_record_function_annotations_and_user_metadata_as_pytorchs_does(library):
+    native = run(library, ANNOTATED_RECORDING)
+    ours = run(library, "cotenant.enable()\n" + textwrap.dedent(ANNOTATED_RECORDING))
+    expected = [["forward", "START", 0], ["forward", "END", 0]]
+    assert native["annotations"] == expected and ours["annotations"] == expected
+    assert native["inside"] and ours["inside"]
+    labels = [["alloc", "N/A", "run 7"], ["free_completed", "N/A", "run 7"]]
+    assert native["labels"] == labels and ours["labels"] == labels
+    assert ours["segment_metadata"] == ["cotenant:device"]  # segment entries name their residency
+
+
 def test_a_copy_reads_a_spilled_tensor_at_its_device_address(library):
     out = run(library, """
         cotenant.enable()
