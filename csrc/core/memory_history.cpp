@@ -122,14 +122,11 @@ void MemoryHistory::on_pool_event(const AllocatorEvent& event, HistoryPoolId poo
   using Kind = AllocatorEvent::Kind;
   std::lock_guard lock(mutex_);
   if (!enabled() && listeners_.empty()) return;
-  HistoryEntry entry;
+  HistoryEntry entry = stamped_entry();
   entry.address = event.address;
   entry.size = event.bytes;
   entry.stream = event.stream;
   entry.pool = pool;
-  entry.time_us = now_us();
-  entry.compile_context = compile_context_;
-  entry.user_metadata = user_metadata_;
   HistoryContext context = lent();
   switch (event.kind) {
     case Kind::kAlloc:
@@ -183,12 +180,17 @@ void MemoryHistory::on_pool_event(const AllocatorEvent& event, HistoryPoolId poo
 void MemoryHistory::record_snapshot() {
   std::lock_guard lock(mutex_);
   if (!enabled() && listeners_.empty()) return;
-  HistoryEntry entry;
+  HistoryEntry entry = stamped_entry();
   entry.action = HistoryAction::kSnapshot;
+  record(std::move(entry));
+}
+
+HistoryEntry MemoryHistory::stamped_entry() const {
+  HistoryEntry entry;
   entry.time_us = now_us();
   entry.compile_context = compile_context_;
   entry.user_metadata = user_metadata_;
-  record(std::move(entry));
+  return entry;
 }
 
 void MemoryHistory::set_labels(HistoryLabel compile_context, HistoryLabel user_metadata) {

@@ -427,24 +427,21 @@ std::vector<CachingAllocator*> CotenantCudaAllocator::allocators_of(DeviceAlloca
 }
 
 void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
-  const int count = device_count_.load();
-  for (int dev = 0; dev < count; ++dev) {
-    DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
-    if (d == nullptr) continue;
-    // As PyTorch does: the default pool's cache, and the pools no graph or
-    // MemPool holds any more. A held pool keeps its pages: its graphs replay
-    // on them, freed blocks included.
+  // As PyTorch does: the default pool's cache, and the pools no graph or
+  // MemPool holds any more. A held pool keeps its pages: its graphs replay
+  // on them, freed blocks included.
+  for_each_device([&](DeviceAllocators& d) {
     translate_errors([&] {
       if (mempool_id == kDefaultPool) {
-        d->main->empty_cache();
-        d->pools->empty_freeable();
-        for (auto& [name, region] : d->regions->allocators()) region->empty_cache();
+        d.main->empty_cache();
+        d.pools->empty_freeable();
+        for (auto& [name, region] : d.regions->allocators()) region->empty_cache();
       } else {
         const PoolId only = pool_id(mempool_id);
-        d->pools->empty_freeable(&only);
+        d.pools->empty_freeable(&only);
       }
     });
-  }
+  });
 }
 
 c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c10::DeviceIndex device) {

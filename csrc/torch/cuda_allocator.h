@@ -87,6 +87,14 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   DeviceAllocators& on(c10::DeviceIndex device);
   // Already-created devices only (nullptr otherwise); lock-free.
   DeviceAllocators* existing(c10::DeviceIndex device) const;
+  // Calls fn(DeviceAllocators&) on each device created so far, in index order.
+  template <typename Fn>
+  void for_each_device(Fn&& fn) const {
+    const int count = device_count_.load(std::memory_order_acquire);
+    for (int dev = 0; dev < count; ++dev) {
+      if (DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev))) fn(*d);
+    }
+  }
 
   // Host memory no device's host pool pins into (HostPagePool::set_headroom):
   // for every device now and every device created later.

@@ -115,13 +115,10 @@ void CotenantCudaAllocator::recordHistory(bool enabled, c10_alloc::CreateContext
     history_settings_ = settings;
     history_settings_.clear = false;  // devices created later start empty anyway
   }
-  const int count = device_count_.load(std::memory_order_acquire);
-  for (int dev = 0; dev < count; ++dev) {
-    DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev));
-    if (d == nullptr) continue;
-    with_torch_errors([&] { d->history->configure(settings); });
-    attach_history(*d, /*configure=*/false);
-  }
+  for_each_device([&](DeviceAllocators& d) {
+    with_torch_errors([&] { d.history->configure(settings); });
+    attach_history(d, /*configure=*/false);
+  });
 }
 
 void CotenantCudaAllocator::recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
@@ -171,12 +168,7 @@ void CotenantCudaAllocator::apply_history_labels(DeviceAllocators* only) {
     only->history->set_labels(compile_context, user_metadata);
     return;
   }
-  const int count = device_count_.load(std::memory_order_acquire);
-  for (int dev = 0; dev < count; ++dev) {
-    if (DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev))) {
-      d->history->set_labels(compile_context, user_metadata);
-    }
-  }
+  for_each_device([&](DeviceAllocators& d) { d.history->set_labels(compile_context, user_metadata); });
 }
 
 void CotenantCudaAllocator::attachAllocatorTraceTracker(c10_alloc::AllocatorTraceTracker tracker) {
@@ -184,10 +176,7 @@ void CotenantCudaAllocator::attachAllocatorTraceTracker(c10_alloc::AllocatorTrac
     std::lock_guard<std::mutex> lock(observers_mutex_);
     trace_trackers_.push_back(std::move(tracker));
   }
-  const int count = device_count_.load(std::memory_order_acquire);
-  for (int dev = 0; dev < count; ++dev) {
-    if (DeviceAllocators* d = existing(static_cast<c10::DeviceIndex>(dev))) attach_history(*d, false);
-  }
+  for_each_device([&](DeviceAllocators& d) { attach_history(d, false); });
 }
 
 void CotenantCudaAllocator::attach_history(DeviceAllocators& d, bool configure) {

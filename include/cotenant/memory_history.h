@@ -166,6 +166,8 @@ class MemoryHistory final : public AllocatorEventSink {
  private:
   class PoolFeed;
   void on_pool_event(const AllocatorEvent& event, HistoryPoolId pool);
+  // Under mutex_: an entry timed now, with the labels in force.
+  HistoryEntry stamped_entry() const;
   // Under mutex_: listeners, then the ring unless the action is skipped.
   void record(HistoryEntry entry);
   bool keeps_in_trace(HistoryAction action) const;
