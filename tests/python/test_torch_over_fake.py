@@ -767,11 +767,15 @@ def test_memory_history_records_cotenants_allocations(library):
 
 
 ANNOTATED_RECORDING = """
-    torch.cuda.memory._record_memory_history(max_entries=1000)
+    torch.cuda.memory._record_memory_history(max_entries=1000, compile_context=True)
     torch.cuda.memory._set_memory_metadata("run 7")
     with torch.profiler.record_function("forward"):
         x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
     del x
+    def make():
+        return torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    y = torch.compile(make, backend="eager")()  # allocates inside the compiled region
+    del y
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     out["annotations"] = [(a["name"], a["stage"], a["device"]) for a in snapshot["external_annotations"]]
@@ -785,13 +789,14 @@ ANNOTATED_RECORDING = """
 """
 
 
-def test_memory_history_keeps_record_function_annotations_and_user_metadata_as_pytorchs_does(library):
+def test_memory_history_keeps_annotations_compile_contexts_and_user_metadata_as_pytorchs_does(library):
     native = run(library, ANNOTATED_RECORDING)
     ours = run(library, "cotenant.enable()\n" + textwrap.dedent(ANNOTATED_RECORDING))
     expected = [["forward", "START", 0], ["forward", "END", 0]]
     assert native["annotations"] == expected and ours["annotations"] == expected
     assert native["inside"] and ours["inside"]
-    labels = [["alloc", "N/A", "run 7"], ["free_completed", "N/A", "run 7"]]
+    labels = [["alloc", "N/A", "run 7"], ["alloc", "Torch-Compiled Region: 0/0", "run 7"],
+              ["free_completed", "N/A", "run 7"]]
     assert native["labels"] == labels and ours["labels"] == labels
     assert ours["segment_metadata"] == ["cotenant:device"]  # segment entries name their residency
 
