@@ -574,6 +574,53 @@ struct CachingAllocator::State {
     return hole ? carve(hole, at, size) : nullptr;
   }
 
+  // A backed block becomes a live allocation of `bytes` requested bytes.
+  void hand_out(Block* block, std::size_t bytes, PoolKind pool) {
+    block->allocated = true;
+    block->requested = bytes;
+    block->size_class = pool;
+    allocated.emplace(block->address, block);
+    const auto block_bytes = static_cast<std::int64_t>(block->size);
+    stats.allocation.increase(pool, 1);
+    stats.allocated_bytes.increase(pool, block_bytes);
+    iteration_peak = std::max(iteration_peak, stats.allocated_bytes.all.current);
+    stats.requested_bytes.increase(pool, static_cast<std::int64_t>(bytes));
+    stats.active.increase(pool, 1);
+    stats.active_bytes.increase(pool, block_bytes);
+    emit(AllocatorEvent::Kind::kAlloc, block->address, bytes, block->segment->stream);
+  }
+
+  // Frees the live allocation at `it`: it retires now, or once the events
+  // recorded on the other streams that used it complete. When an event
+  // cannot be recorded it throws, leaving the allocation live.
+  void free_live(std::unordered_map<DevicePtr, Block*>::iterator it) {
+    Block* block = it->second;
+    std::vector<EventHandle> events;
+    events.reserve(block->used_on.size());
+    try {
+      for (StreamId stream : block->used_on) {
+        events.push_back(take_event());
+        backend.record_event(events.back(), stream);
+      }
+    } catch (...) {
+      spare_events.insert(spare_events.end(), events.begin(), events.end());
+      throw;
+    }
+    emit(AllocatorEvent::Kind::kFreeRequested, block->address, block->requested, block->segment->stream);
+    allocated.erase(it);
+    block->allocated = false;
+    const PoolKind pool = block->size_class;
+    stats.allocation.decrease(pool, 1);
+    stats.allocated_bytes.decrease(pool, static_cast<std::int64_t>(block->size));
+    stats.requested_bytes.decrease(pool, static_cast<std::int64_t>(block->requested));
+    if (events.empty()) {
+      retire(block);
+      return;
+    }
+    block->events = std::move(events);
+    waiting.push_back(block);
+  }
+
   // A block that is neither allocated nor waiting becomes free: its pages
   // lose a live block, it merges with free neighbours and joins its pool.
   void make_free(Block* block) {
@@ -1272,20 +1319,9 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
     ++s.stats.num_alloc_retries;
   }
 
-  block->allocated = true;
-  block->requested = bytes;
-  block->size_class = pool;
-  s.allocated.emplace(block->address, block);
+  s.hand_out(block, bytes, pool);
   s.step_plan.record(size, stream, block->address);
-  const auto block_bytes = static_cast<std::int64_t>(block->size);
-  s.stats.allocation.increase(pool, 1);
-  s.stats.allocated_bytes.increase(pool, block_bytes);
-  s.iteration_peak = std::max(s.iteration_peak, s.stats.allocated_bytes.all.current);
-  s.stats.requested_bytes.increase(pool, static_cast<std::int64_t>(bytes));
-  s.stats.active.increase(pool, 1);
-  s.stats.active_bytes.increase(pool, block_bytes);
   if (spilled) ++s.stats.num_spilled_allocations;
-  s.emit(AllocatorEvent::Kind::kAlloc, block->address, bytes, block->segment->stream);
   if (s.device_bytes() > s.effective_cap()) {
     // Placed over the cap in colder pages' stead: they move at the next safe point.
     s.stats.pending_spill_bytes = static_cast<std::int64_t>(s.device_bytes() - s.effective_cap());
@@ -1304,35 +1340,11 @@ void CachingAllocator::free(DevicePtr address) {
         "this allocator, so nothing was freed",
         address));
   }
-  Block* block = it->second;
   // The events first: a backend that cannot record one (the driver shutting
   // down, a stream of another device) leaves the block allocated and the
   // books as they were, so a caller that must not throw (a tensor's deleter)
   // can report the error and go on.
-  std::vector<EventHandle> events;
-  events.reserve(block->used_on.size());
-  try {
-    for (StreamId stream : block->used_on) {
-      events.push_back(s.take_event());
-      s.backend.record_event(events.back(), stream);
-    }
-  } catch (...) {
-    s.spare_events.insert(s.spare_events.end(), events.begin(), events.end());
-    throw;
-  }
-  s.emit(AllocatorEvent::Kind::kFreeRequested, address, block->requested, block->segment->stream);
-  s.allocated.erase(it);
-  block->allocated = false;
-  const PoolKind pool = block->size_class;
-  s.stats.allocation.decrease(pool, 1);
-  s.stats.allocated_bytes.decrease(pool, static_cast<std::int64_t>(block->size));
-  s.stats.requested_bytes.decrease(pool, static_cast<std::int64_t>(block->requested));
-  if (events.empty()) {
-    s.retire(block);
-    return;
-  }
-  block->events = std::move(events);
-  s.waiting.push_back(block);
+  s.free_live(it);
 }
 
 void CachingAllocator::record_stream(DevicePtr address, StreamId stream) {
@@ -1580,6 +1592,68 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
                              !block->allocated && !block->in_pool});
     }
     out.push_back(std::move(info));
+  }
+  return out;
+}
+
+CachingAllocator::Restored CachingAllocator::restore_allocations(const std::vector<SegmentInfo>& checkpoint) {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  // Everything checked before anything changes.
+  std::vector<std::pair<Segment*, const BlockInfo*>> wanted;
+  for (const SegmentInfo& info : checkpoint) {
+    auto found = s.segments.find(info.address);
+    if (found == s.segments.end() || found->second->size != info.size || found->second->pinned_fallback ||
+        found->second->stream != info.stream) {
+      throw Error(fmt::format("cannot restore the checkpoint: its segment at {:#x} ({}) is no longer this "
+                              "allocator's (its memory was released since); take a new checkpoint",
+                              info.address, format_size(info.size)));
+    }
+    Segment& segment = *found->second;
+    for (const BlockInfo& block : info.blocks) {
+      if (!block.allocated) continue;
+      if (block.size == 0 || block.address < segment.base || block.address + block.size > segment.base + segment.size ||
+          block.address % s.options.round_bytes != 0 || block.size % s.options.round_bytes != 0) {
+        throw Error(fmt::format("cannot restore the checkpoint: its block at {:#x} ({}) does not lie on the "
+                                "rounding inside its segment; give a snapshot() of this allocator",
+                                block.address, format_size(block.size)));
+      }
+      if (!s.all_mapped(segment, block.address, block.size)) {
+        throw Error(fmt::format("cannot restore the checkpoint: pages under its block at {:#x} ({}) were "
+                                "released since (empty_cache() on a pool no graph held); take a new checkpoint",
+                                block.address, format_size(block.size)));
+      }
+      wanted.emplace_back(&segment, &block);
+    }
+  }
+  std::sort(wanted.begin(), wanted.end(),
+            [](const auto& a, const auto& b) { return a.second->address < b.second->address; });
+  for (std::size_t i = 1; i < wanted.size(); ++i) {
+    if (wanted[i - 1].second->address + wanted[i - 1].second->size > wanted[i].second->address) {
+      throw Error(fmt::format("cannot restore the checkpoint: its blocks at {:#x} and {:#x} overlap",
+                              wanted[i - 1].second->address, wanted[i].second->address));
+    }
+  }
+
+  Restored out;
+  out.freed.reserve(s.allocated.size());
+  for (const auto& [address, block] : s.allocated) out.freed.push_back(address);
+  std::sort(out.freed.begin(), out.freed.end());
+  for (DevicePtr address : out.freed) s.free_live(s.allocated.find(address));
+  s.synchronize_waiting();  // every block free: each segment is its free blocks
+
+  out.allocated.reserve(wanted.size());
+  Block* placed = nullptr;  // the last block placed; the next one lies after it
+  for (const auto& [segment, info] : wanted) {
+    Block* hole = placed != nullptr && placed->segment == segment ? placed->next : segment->first;
+    while (hole->address + hole->size <= info->address) hole = hole->next;
+    placed = s.carve(hole, info->address, info->size);
+    bool spilled = false, released_cache = false;
+    s.back_block(*placed, &spilled, &released_cache);  // maps nothing: checked above
+    const std::size_t rounded = round_up(info->requested_size, s.options.round_bytes);
+    s.hand_out(placed, info->requested_size,
+               rounded <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge);
+    out.allocated.push_back(info->address);
   }
   return out;
 }

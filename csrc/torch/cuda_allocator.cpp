@@ -631,21 +631,63 @@ bool CotenantCudaAllocator::checkPoolLiveAllocations(
   return live == expected_live_allocations.size();
 }
 
-std::shared_ptr<c10_alloc::AllocatorState> CotenantCudaAllocator::getCheckpointState(c10::DeviceIndex,
-                                                                                   c10::MempoolId_t) {
-  TORCH_CHECK(false,
-              "CUDA graph trees (torch.compile(mode=\"reduce-overhead\")) checkpoint the allocator's "
-              "pool state, which cotenant's allocator does not support. Use torch.compile's default "
-              "mode or mode=\"max-autotune-no-cudagraphs\", or capture graphs with "
-              "torch.cuda.graph(), which cotenant supports.");
+namespace {
+// A graph pool's allocations as CUDA graph trees checkpoint them: the
+// pool's snapshot, restored by CachingAllocator::restore_allocations.
+struct PoolCheckpoint final : c10_alloc::AllocatorState {
+  c10::DeviceIndex device = 0;
+  c10::MempoolId_t pool{0, 0};
+  std::vector<SegmentInfo> segments;
+};
+}  // namespace
+
+std::shared_ptr<c10_alloc::AllocatorState> CotenantCudaAllocator::getCheckpointState(c10::DeviceIndex device,
+                                                                                   c10::MempoolId_t id) {
+  DeviceAllocators* d = existing(device);
+  CachingAllocator* pool = d != nullptr && id != kDefaultPool ? d->pools->find(pool_id(id)) : nullptr;
+  TORCH_CHECK(pool != nullptr, "cannot checkpoint memory pool (", id.first, ", ", id.second, ") of CUDA device ",
+              static_cast<int>(device), ": cotenant knows no such graph pool there (checkpoints are of the pools "
+              "CUDA graphs and torch.cuda.MemPool create)");
+  auto checkpoint = std::make_shared<PoolCheckpoint>();
+  checkpoint->device = device;
+  checkpoint->pool = id;
+  checkpoint->segments = pool->snapshot();
+  return checkpoint;
 }
 
 c10_alloc::CheckpointDelta CotenantCudaAllocator::setCheckpointPoolState(
-    c10::DeviceIndex, std::shared_ptr<c10_alloc::AllocatorState>) {
-  TORCH_CHECK(false,
-              "CUDA graph trees (torch.compile(mode=\"reduce-overhead\")) restore the allocator's "
-              "pool state, which cotenant's allocator does not support. Use torch.compile's default "
-              "mode or mode=\"max-autotune-no-cudagraphs\".");
+    c10::DeviceIndex device, std::shared_ptr<c10_alloc::AllocatorState> state) {
+  auto checkpoint = std::dynamic_pointer_cast<PoolCheckpoint>(state);
+  TORCH_CHECK(checkpoint != nullptr && checkpoint->device == device,
+              "cannot restore a memory pool checkpoint that cotenant did not take on CUDA device ",
+              static_cast<int>(device), "; take it with torch._C._cuda_getCheckpointState on the same device");
+  DeviceAllocators* d = existing(device);
+  CachingAllocator* pool = d != nullptr ? d->pools->find(pool_id(checkpoint->pool)) : nullptr;
+  TORCH_CHECK(pool != nullptr, "cannot restore the checkpoint of memory pool (", checkpoint->pool.first, ", ",
+              checkpoint->pool.second, "): the pool was released since");
+  CachingAllocator::Restored restored;
+  {
+    // Gathered outside the allocator's lock (it takes Python's).
+    const HistoryContext context = d->history->gather(ContextLevel::kState);
+    MemoryHistory::ContextScope lend_context(context);
+    translate_errors([&] { restored = pool->restore_allocations(checkpoint->segments); });
+  }
+  {
+    // The pool's addresses change owners as its blocks did (only the graph
+    // tree that owns the pool allocates from it meanwhile).
+    std::lock_guard<std::mutex> lock(owners_mutex_);
+    for (DevicePtr address : restored.freed) owners_.erase(reinterpret_cast<void*>(address));
+    for (DevicePtr address : restored.allocated) {
+      owners_[reinterpret_cast<void*>(address)] = Owner{pool, device, /*graph_pool=*/true};
+    }
+  }
+  c10_alloc::CheckpointDelta delta;
+  for (DevicePtr address : restored.freed) delta.ptrs_freed.push_back(reinterpret_cast<void*>(address));
+  for (DevicePtr address : restored.allocated) {
+    void* ptr = reinterpret_cast<void*>(address);
+    delta.dataptrs_allocd.emplace_back(ptr, ptr, &delete_with_cotenant, c10::Device(c10::DeviceType::CUDA, device));
+  }
+  return delta;
 }
 
 // ---- IPC, observers, peers (memory history: cuda_allocator_history.cpp) ------------------------------------------------------

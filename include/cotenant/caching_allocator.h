@@ -225,6 +225,22 @@ class CachingAllocator {
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot() const;
 
+  // What restore_allocations() changed: the addresses it freed and the
+  // addresses it allocated, in address order.
+  struct Restored {
+    std::vector<DevicePtr> freed;
+    std::vector<DevicePtr> allocated;
+  };
+  // Puts the allocations back as `checkpoint` (a snapshot() of this
+  // allocator) shows them, as CUDA graph trees need of a graph pool: frees
+  // every live allocation, waits for the streams that used them, then
+  // allocates each block the checkpoint shows allocated, at its address,
+  // with its size and requested bytes. Segments that came since stay, free.
+  // Maps no page: throws Error, changing nothing, when a segment of the
+  // checkpoint is gone, a block of it leaves its segment, or a page under
+  // one of its blocks is unmapped (a graph pool keeps its pages while held).
+  Restored restore_allocations(const std::vector<SegmentInfo>& checkpoint);
+
   Backend& backend() const { return backend_; }
 
   // Where to report what the allocator does (allocator_events.h); nullptr

@@ -425,3 +425,99 @@ TEST_CASE("cached_pages_stay_while_the_device_cannot_synchronize", "[allocator]"
   CHECK_FALSE(allocator.is_device_resident(first));
   allocator.free(second);
 }
+
+// ---- checkpoints (CUDA graph trees restore a graph pool's allocations) --------
+
+namespace {
+std::vector<std::tuple<DevicePtr, std::size_t, std::size_t>> live_blocks(const CachingAllocator& allocator) {
+  std::vector<std::tuple<DevicePtr, std::size_t, std::size_t>> out;
+  for (const SegmentInfo& segment : allocator.snapshot()) {
+    for (const BlockInfo& block : segment.blocks) {
+      if (block.allocated) out.emplace_back(block.address, block.size, block.requested_size);
+    }
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("restoring_a_checkpoint_frees_what_is_live_and_allocates_what_was_at_the_same_addresses",
+          "[allocator][checkpoint]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(1000, 0);
+  const DevicePtr b = allocator.allocate(3 * kMiB, 0);
+  const DevicePtr c = allocator.allocate(5000, 0);
+  const DevicePtr other_stream = allocator.allocate(2 * kMiB, 7);
+  allocator.free(other_stream);
+  const auto checkpoint = allocator.snapshot();
+  const auto live_then = live_blocks(allocator);
+  const AllocatorStats stats_then = allocator.stats();
+
+  allocator.free(b);
+  const DevicePtr d = allocator.allocate(1 * kMiB, 0);  // in b's place
+  const DevicePtr e = allocator.allocate(8 * kMiB, 0);
+  const DevicePtr f = allocator.allocate(4096, 7);
+  const std::int64_t maps_before = allocator.stats().num_device_alloc;
+
+  const CachingAllocator::Restored restored = allocator.restore_allocations(checkpoint);
+  std::vector<DevicePtr> was_live{a, c, d, e, f};
+  std::sort(was_live.begin(), was_live.end());
+  CHECK(restored.freed == was_live);
+  CHECK(restored.allocated == std::vector<DevicePtr>{a, b, c});
+  CHECK(live_blocks(allocator) == live_then);  // addresses, sizes and requested bytes
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.allocated_bytes.small_pool.current == stats_then.allocated_bytes.small_pool.current);
+  CHECK(stats.allocated_bytes.large_pool.current == stats_then.allocated_bytes.large_pool.current);
+  CHECK(stats.requested_bytes.all.current == stats_then.requested_bytes.all.current);
+  CHECK(stats.allocation.all.current == 3);
+  CHECK(stats.num_device_alloc == maps_before);  // no page mapped: the pages were kept
+  allocator.check_invariants();
+
+  // The restored blocks are allocations like any other.
+  allocator.free(b);
+  CHECK(allocator.allocate(3 * kMiB, 0) == b);
+  allocator.free(a);
+  allocator.free(b);
+  allocator.free(c);
+  allocator.check_invariants();
+  CHECK(allocator.stats().allocation.all.current == 0);
+}
+
+TEST_CASE("restoring_waits_for_the_streams_that_used_a_live_block", "[allocator][checkpoint]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const auto empty = allocator.snapshot();  // no segment yet: nothing to restore
+  const DevicePtr a = allocator.allocate(1 * kMiB, 0);
+  allocator.record_stream(a, 3);
+  const auto checkpoint = allocator.snapshot();
+  const CachingAllocator::Restored restored = allocator.restore_allocations(checkpoint);
+  CHECK(restored.freed == std::vector<DevicePtr>{a});
+  CHECK(restored.allocated == std::vector<DevicePtr>{a});
+  CHECK(allocator.allocation_size(a) == 1 * kMiB);
+  allocator.check_invariants();
+  CHECK(allocator.restore_allocations(empty).allocated.empty());
+  CHECK(allocator.stats().allocation.all.current == 0);
+  allocator.check_invariants();
+}
+
+TEST_CASE("a_checkpoint_that_no_longer_fits_is_refused_and_nothing_changes", "[allocator][checkpoint]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr a = allocator.allocate(3 * kMiB, 0);
+  const auto checkpoint = allocator.snapshot();
+  allocator.free(a);
+  allocator.empty_cache();  // the pages under a go back to the driver
+  const DevicePtr small = allocator.allocate(1024, 0);
+  CHECK_THROWS_WITH(allocator.restore_allocations(checkpoint), Catch::Contains("released since"));
+  CHECK(allocator.allocation_size(small) == 1024);  // still live
+  CHECK(allocator.stats().allocation.all.current == 1);
+
+  auto moved = checkpoint;
+  moved.front().address += 64 * kMiB;
+  CHECK_THROWS_WITH(allocator.restore_allocations(moved), Catch::Contains("no longer this allocator's"));
+  auto off_rounding = allocator.snapshot();
+  off_rounding.front().blocks.front().address += 1;
+  CHECK_THROWS_WITH(allocator.restore_allocations(off_rounding), Catch::Contains("rounding"));
+  CHECK(allocator.stats().allocation.all.current == 1);
+  allocator.check_invariants();
+}

@@ -501,6 +501,29 @@ def test_torch_compile_smoke():
     assert out["close"] is True
 
 
+def test_torch_compile_reduce_overhead_runs_cuda_graph_trees_that_checkpoint_their_pool():
+    # f replays, then a g that needs a new graph (k changes shape) starts its
+    # warm-up mid-path: the tree puts the pool back to its checkpoint first.
+    out = run_script("""
+        from torch._inductor import cudagraph_trees
+        def f(x, w):
+            return torch.relu(x @ w)
+        def g(h, k):
+            return (h @ k).sum(dim=0)
+        cf, cg = torch.compile(f, mode="reduce-overhead"), torch.compile(g, mode="reduce-overhead")
+        x, w = torch.randn(64, 256, device="cuda"), torch.randn(256, 256, device="cuda")
+        close = []
+        for step in range(10):
+            k = torch.randn(256, 32 if step < 5 else 48, device="cuda")
+            y = cg(cf(x, w), k).clone()
+            close.append(torch.allclose(y, g(f(x, w), k), rtol=1e-3, atol=1e-2))
+        manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+        print(json.dumps({"close": close, "checkpoints": manager.debug_checkpointing_counter}))
+    """)
+    assert out["close"] == [True] * 10
+    assert out["checkpoints"] >= 1
+
+
 def test_cudnn_benchmark_mode_works():
     out = run_script("""
         torch.backends.cudnn.benchmark = True

@@ -739,6 +739,54 @@ def test_a_mem_pool_serves_its_tensors_and_gives_its_memory_back(library):
     assert out["after_same"]
 
 
+# What CUDA graph trees (torch.compile(mode="reduce-overhead")) do with a
+# pool between recordings (torch/_inductor/cudagraph_trees.py): checkpoint its
+# allocations, go on, then put the checkpoint back with the storages alive
+# since (stale: their blocks are freed, their deleters dropped) and the
+# storages that hold a checkpointed block without owning it (they get the
+# block's deleter); the checkpointed blocks no storage holds are freed by hand.
+CHECKPOINTED_POOL = """
+    import gc
+    pool = torch.cuda.MemPool()
+    data = pattern(1 << 20, seed=21)
+    with torch.cuda.use_mem_pool(pool):
+        a = data.to("cuda")
+        b = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    state = torch._C._cuda_getCheckpointState(0, pool.id)
+    ptr_a, ptr_b = a.data_ptr(), b.data_ptr()
+    del b
+    with torch.cuda.use_mem_pool(pool):
+        c = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+        d = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    live = {a.data_ptr(), c.data_ptr(), d.data_ptr()}
+    out["live_before"] = torch._C._cuda_checkPoolLiveAllocations(0, pool.id, live)
+    out["c_in_b_place"] = c.data_ptr() == ptr_b
+    held_a = torch._C._construct_storage_from_data_pointer(ptr_a, a.device, a.untyped_storage().nbytes())
+    stale = [t.untyped_storage()._cdata for t in (a, c, d)]
+    torch._C._cuda_setCheckpointPoolState(0, state, stale, [held_a._cdata])
+    out["live_after"] = torch._C._cuda_checkPoolLiveAllocations(0, pool.id, {ptr_a, ptr_b})
+    del a, c, d  # their deleters were dropped: they free nothing
+    gc.collect()
+    out["live_after_stale_died"] = torch._C._cuda_checkPoolLiveAllocations(0, pool.id, {ptr_a, ptr_b})
+    restored_a = torch.empty(0, dtype=torch.int32, device="cuda").set_(held_a.untyped() if hasattr(held_a, "untyped") else held_a)
+    out["a_kept_its_values"] = same(restored_a[: data.numel()], data)
+    torch._C._cuda_cudaCachingAllocator_raw_delete(ptr_b)  # no storage holds b
+    del restored_a, held_a
+    gc.collect()
+    out["live_at_end"] = torch._C._cuda_checkPoolLiveAllocations(0, pool.id, set())
+    out["allocated_at_end"] = torch.cuda.memory_allocated()
+"""
+
+
+def test_a_pool_checkpoint_restores_as_pytorchs_allocator_does_for_cuda_graph_trees(library):
+    native = run(library, CHECKPOINTED_POOL)
+    ours = run(library, "cotenant.enable()\n" + textwrap.dedent(CHECKPOINTED_POOL))
+    expected = {"live_before": True, "c_in_b_place": True, "live_after": True, "live_after_stale_died": True,
+                "a_kept_its_values": True, "live_at_end": True, "allocated_at_end": 0}
+    assert native == expected
+    assert ours == expected
+
+
 def test_enable_after_a_cuda_allocation_says_how_to_fix_it(library):
     out = run(library, """
         x = torch.empty(1024, device="cuda")
