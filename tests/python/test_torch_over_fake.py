@@ -768,7 +768,7 @@ CHECKPOINTED_POOL = """
     del a, c, d  # their deleters were dropped: they free nothing
     gc.collect()
     out["live_after_stale_died"] = torch._C._cuda_checkPoolLiveAllocations(0, pool.id, {ptr_a, ptr_b})
-    restored_a = torch.empty(0, dtype=torch.int32, device="cuda").set_(held_a.untyped() if hasattr(held_a, "untyped") else held_a)
+    restored_a = torch.empty(0, dtype=torch.int32, device="cuda").set_(held_a)
     out["a_kept_its_values"] = same(restored_a[: data.numel()], data)
     torch._C._cuda_cudaCachingAllocator_raw_delete(ptr_b)  # no storage holds b
     del restored_a, held_a
