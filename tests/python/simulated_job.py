@@ -114,7 +114,10 @@ def main():
     burst = []
     ran, was_suspended, resumes = 0, False, 0
     while True:
-        suspended = own_block.report()["state"] == "suspended"
+        # None while the channel's thread is mid-write (the read gives up after
+        # 2 ms, as the coordinator's does): the state stays what it was.
+        report = own_block.report()
+        suspended = was_suspended if report is None else report["state"] == "suspended"
         if was_suspended and not suspended:
             if check_patterns(backend, held, patterns, args.control):
                 resumes += 1

@@ -242,7 +242,7 @@ def test_killed_coordinator_leaves_jobs_running_with_last_cap_and_share_and_rest
     time.sleep(0.5)
     assert g.alive() and o.alive()
     block = _core.JobBlock.open(o.registration["block_name"])
-    control, report = block.control(), block.report()
+    control, report = block.control(), wait_until(block.report)  # None while the job's writer is mid-update
     assert (control["memory_cap"], control["share"]) == (64 * MiB, 0.3)
     assert report["applied_memory_cap"] == 64 * MiB and report["applied_share"] == 0.3
     assert report["device_bytes"] <= 64 * MiB

@@ -157,8 +157,8 @@ def test_hostile_clients_job_churn_and_coordinator_kills_lose_nothing():
                     assert job.process.wait(timeout=20) == 0  # ran on its own and finished: no crash
             if node.coordinator.poll() is not None:
                 node.start_coordinator()
-            crashed = [name for name, job in live.items() if not job.alive()]
-            assert not crashed, f"step {step}: jobs {crashed} died"
+            crashed = {name: job.process.returncode for name, job in live.items() if not job.alive()}
+            assert not crashed, f"step {step} ({action}): jobs died (name: exit status) {crashed}\n{node.read_log()}"
         stop.set()
         for thread in hostiles:
             thread.join(timeout=10)
