@@ -72,10 +72,12 @@ void PoolTable::release(PoolId id) {
   drop_if_done_locked(it);
 }
 
-CachingAllocator* PoolTable::route_for(StreamId stream) {
+CachingAllocator* PoolTable::route_for(StreamId stream, PoolId* id) {
   std::lock_guard lock(mutex_);
-  for (auto& [id, filter] : routes_) {
-    if (filter(stream)) return pools_.at(id).allocator.get();
+  for (auto& [routed, filter] : routes_) {
+    if (!filter(stream)) continue;
+    if (id != nullptr) *id = routed;
+    return pools_.at(routed).allocator.get();
   }
   return nullptr;
 }

@@ -276,7 +276,10 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
     // Creating and mapping pages is not capturable; relaxed mode lets this
     // thread call the driver while another stream captures.
     relaxed.emplace(cudaStreamCaptureModeRelaxed);
-    if (CachingAllocator* pool = d.pools->route_for(static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)))) {
+    PoolId routed{};
+    if (CachingAllocator* pool =
+            d.pools->route_for(static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)), &routed)) {
+      if (std::optional<void*> ptr = allocate_foreign(d, routed, nbytes, stream)) return *ptr;
       target = pool;
       graph_pool = true;
     }
@@ -375,6 +378,10 @@ void CotenantCudaAllocator::free_owned(void* ptr) {
     DeviceAllocators* d = existing(owner.device);
     std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
     if (d != nullptr && d->pools->routing()) relaxed.emplace(cudaStreamCaptureModeRelaxed);
+    if (owner.foreign) {
+      free_foreign(*d, ptr);
+      return;
+    }
     const HistoryContext context = d != nullptr ? d->history->gather(ContextLevel::kAll) : HistoryContext{};
     MemoryHistory::ContextScope lend_context(context);
     owner.allocator->free(reinterpret_cast<DevicePtr>(ptr));
@@ -392,8 +399,18 @@ void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUD
   // Views and storages made with a custom deleter are not ours to track.
   if (ptr.get_deleter() != &delete_with_cotenant) return;
   Owner owner = owner_of(ptr.get());
-  if (owner.allocator == nullptr) return;
   DeviceAllocators* d = existing(owner.device);
+  if (owner.foreign && d != nullptr) {
+    // Waited for at its free (the pool's allocator frees at once).
+    std::lock_guard<std::mutex> lock(d->foreign_mutex);
+    auto it = d->foreign_blocks.find(ptr.get());
+    if (it != d->foreign_blocks.end() &&
+        std::find(it->second.streams.begin(), it->second.streams.end(), stream.stream()) == it->second.streams.end()) {
+      it->second.streams.push_back(stream.stream());
+    }
+    return;
+  }
+  if (owner.allocator == nullptr) return;
   // Inside a capture a graph-pool block is only reused by the same graph in
   // capture order, so it needs no events (events cannot be queried there).
   if (owner.graph_pool && d != nullptr && d->pools->routing()) return;
@@ -449,6 +466,10 @@ c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c
   DeviceAllocators* d = existing(device);
   if (d == nullptr) return out;  // nothing allocated on it yet
   for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) add_stats(out, a->stats());
+  {
+    std::lock_guard<std::mutex> lock(d->foreign_mutex);
+    add_stats(out, d->foreign_stats);
+  }
   out.max_split_size = std::numeric_limits<int64_t>::max();  // blocks of any size may split
   return out;
 }
@@ -456,12 +477,16 @@ c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c
 void CotenantCudaAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
   if (DeviceAllocators* d = existing(device)) {
     for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_accumulated_stats();
+    std::lock_guard<std::mutex> lock(d->foreign_mutex);
+    d->foreign_stats.reset_accumulated();
   }
 }
 
 void CotenantCudaAllocator::resetPeakStats(c10::DeviceIndex device) {
   if (DeviceAllocators* d = existing(device)) {
     for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_peak_stats();
+    std::lock_guard<std::mutex> lock(d->foreign_mutex);
+    d->foreign_stats.reset_peaks();
   }
 }
 
@@ -514,6 +539,15 @@ void CotenantCudaAllocator::cacheInfo(c10::DeviceIndex device, size_t* largestBl
 
 void* CotenantCudaAllocator::getBaseAllocation(void* ptr, size_t* size) {
   Owner owner = owner_of(ptr);
+  if (owner.foreign) {
+    // What the pool's allocator returned is all cotenant knows of it.
+    DeviceAllocators* d = existing(owner.device);
+    std::lock_guard<std::mutex> lock(d->foreign_mutex);
+    auto it = d->foreign_blocks.find(ptr);
+    TORCH_CHECK(it != d->foreign_blocks.end(), "getBaseAllocation: ", ptr, " was freed.");
+    if (size != nullptr) *size = it->second.bytes;
+    return ptr;
+  }
   TORCH_CHECK(owner.allocator != nullptr, "getBaseAllocation: ", ptr,
               " is not a live allocation of cotenant's CUDA allocator.");
   const auto address = reinterpret_cast<DevicePtr>(ptr);
@@ -543,6 +577,7 @@ c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool
       if (mempool_id == kDefaultPool || mempool_id == torch_id) sources.emplace_back(torch_id, pool);
     }
     for (auto& [id, allocator] : sources) add_segments_to_snapshot(*d, *allocator, id, out);
+    add_foreign_segments_to_snapshot(*d, mempool_id, out);
     add_history_to_snapshot(*d, out, include_traces);
   }
   out.config_metadata.garbage_collection_threshold = 0.0;
@@ -560,10 +595,11 @@ c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool
 
 void CotenantCudaAllocator::createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
                                                std::shared_ptr<c10_alloc::CUDAAllocator> allocator) {
-  TORCH_CHECK(allocator == nullptr || allocator.get() == this,
-              "torch.cuda.MemPool with a custom allocator is not supported while cotenant manages "
-              "CUDA memory; create the MemPool without an allocator argument.");
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
+  if (allocator != nullptr && allocator.get() != this) {
+    std::lock_guard<std::mutex> lock(d.foreign_mutex);
+    d.foreign_pools.emplace(pool_id(mempool_id), std::move(allocator));
+  }
   d.pools->create_or_incref(pool_id(mempool_id));
   attach_history(d);  // a new pool's allocator reports to the history too
 }
@@ -606,10 +642,106 @@ void CotenantCudaAllocator::setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool
               "memory instead. Create the MemPool without use_on_oom.");
 }
 
-void CotenantCudaAllocator::setNoSplit(c10::DeviceIndex, c10::MempoolId_t) {
+void CotenantCudaAllocator::setNoSplit(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {
+  // A pool with its own allocator splits nothing already: each allocation is
+  // one call to that allocator.
+  if (DeviceAllocators* d = existing(device)) {
+    std::lock_guard<std::mutex> lock(d->foreign_mutex);
+    if (d->foreign_pools.count(pool_id(mempool_id)) != 0) return;
+  }
   TORCH_CHECK(false,
               "torch.cuda.MemPool(no_split=True) is not supported while cotenant manages CUDA "
               "memory; create the MemPool without no_split.");
+}
+
+// ---- MemPools with their own allocator ---------------------------------------------------
+
+namespace {
+PoolKind foreign_pool_kind(std::size_t bytes) {
+  return bytes <= AllocatorOptions{}.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
+}
+
+// An allocation of a MemPool's own allocator, as memory_stats counts a
+// segment that holds one block (+1) or its free (-1).
+void count_foreign(AllocatorStats& stats, std::size_t bytes, int sign) {
+  const PoolKind pool = foreign_pool_kind(bytes);
+  const auto amount = static_cast<std::int64_t>(bytes);
+  for (PooledStat* counter : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
+                              &stats.requested_bytes}) {
+    if (sign > 0) counter->increase(pool, amount);
+    else counter->decrease(pool, amount);
+  }
+  for (PooledStat* counter : {&stats.allocation, &stats.segment, &stats.active}) {
+    if (sign > 0) counter->increase(pool, 1);
+    else counter->decrease(pool, 1);
+  }
+}
+}  // namespace
+
+std::optional<void*> CotenantCudaAllocator::allocate_foreign(DeviceAllocators& d, PoolId pool, size_t nbytes,
+                                                             cudaStream_t stream) {
+  c10_alloc::CUDAAllocator* allocator = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(d.foreign_mutex);
+    auto it = d.foreign_pools.find(pool);
+    if (it == d.foreign_pools.end()) return std::nullopt;
+    allocator = it->second.get();
+  }
+  if (nbytes == 0) return nullptr;
+  // Outside every lock of cotenant's: the allocator may call back into
+  // Python (a ctypes function) or into the CUDA driver.
+  void* ptr = allocator->raw_alloc_with_stream(nbytes, stream);
+  TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "The allocator of the torch.cuda.MemPool in use (",
+                   allocator->name(), ") returned no memory for ", nbytes,
+                   " bytes. That memory is the pool's allocator's, not cotenant's: free some of it, or "
+                   "allocate outside the pool.");
+  {
+    std::lock_guard<std::mutex> lock(d.foreign_mutex);
+    d.foreign_blocks[ptr] = DeviceAllocators::ForeignBlock{allocator, pool, nbytes, {}};
+    count_foreign(d.foreign_stats, nbytes, +1);
+  }
+  std::lock_guard<std::mutex> lock(owners_mutex_);
+  owners_[ptr] = Owner{nullptr, d.device, /*graph_pool=*/true, /*foreign=*/true};
+  return ptr;
+}
+
+void CotenantCudaAllocator::free_foreign(DeviceAllocators& d, void* ptr) {
+  DeviceAllocators::ForeignBlock block;
+  {
+    std::lock_guard<std::mutex> lock(d.foreign_mutex);
+    block = d.foreign_blocks.at(ptr);
+  }
+  // The pool's allocator frees at once: work queued on other streams that
+  // use the block (record_stream) finishes first.
+  for (cudaStream_t stream : block.streams) C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  block.allocator->raw_delete(ptr);
+  std::lock_guard<std::mutex> lock(d.foreign_mutex);
+  d.foreign_blocks.erase(ptr);
+  count_foreign(d.foreign_stats, block.bytes, -1);
+}
+
+void CotenantCudaAllocator::add_foreign_segments_to_snapshot(DeviceAllocators& d, c10::MempoolId_t mempool_id,
+                                                             c10_alloc::SnapshotInfo& out) {
+  std::lock_guard<std::mutex> lock(d.foreign_mutex);
+  std::vector<std::pair<void*, const DeviceAllocators::ForeignBlock*>> blocks;
+  for (const auto& [ptr, block] : d.foreign_blocks) {
+    const c10::MempoolId_t torch_id{block.pool.first, block.pool.second};
+    if (mempool_id == kDefaultPool || mempool_id == torch_id) blocks.emplace_back(ptr, &block);
+  }
+  std::sort(blocks.begin(), blocks.end());
+  for (const auto& [ptr, block] : blocks) {
+    c10::CachingDeviceAllocator::SegmentInfo segment;
+    segment.device = d.device;
+    segment.address = reinterpret_cast<std::size_t>(ptr);
+    segment.total_size = segment.allocated_size = segment.active_size = segment.requested_size = block->bytes;
+    segment.is_large = foreign_pool_kind(block->bytes) == PoolKind::kLarge;
+    segment.owner_private_pool_id = {block->pool.first, block->pool.second};
+    c10::CachingDeviceAllocator::BlockInfo info;
+    info.size = info.requested_size = block->bytes;
+    info.allocated = info.active = true;
+    segment.blocks.push_back(std::move(info));
+    out.segments.push_back(std::move(segment));
+  }
 }
 
 bool CotenantCudaAllocator::checkPoolLiveAllocations(

@@ -31,6 +31,7 @@
 #include <unordered_set>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -70,6 +71,25 @@ struct DeviceAllocators {
   // Named regions (cotenant.region): allocations of a thread inside one go
   // to the region's own allocator, outside a graph capture (regions.cpp).
   std::unique_ptr<RegionTable> regions;
+
+  // MemPools made with an allocator of their own (torch.cuda.MemPool(allocator),
+  // as NCCL's registered buffers and vLLM's sleep mode make them): an
+  // allocation routed to one is one call to that allocator, and its free one
+  // call back. That memory is the other allocator's: never capped, spilled or
+  // cached by cotenant; memory_stats and memory_snapshot count it, as
+  // PyTorch's allocator does (each allocation a segment of its pool).
+  struct ForeignBlock {
+    c10_alloc::CUDAAllocator* allocator = nullptr;  // kept alive by foreign_pools
+    PoolId pool{};
+    std::size_t bytes = 0;
+    std::vector<cudaStream_t> streams;  // record_stream's: waited for before the free
+  };
+  std::mutex foreign_mutex;  // the three below
+  // Every such pool this device saw, kept: PyTorch never reuses a pool id,
+  // and a live block may outlive its MemPool.
+  std::map<PoolId, std::shared_ptr<c10_alloc::CUDAAllocator>> foreign_pools;
+  std::unordered_map<void*, ForeignBlock> foreign_blocks;  // live
+  AllocatorStats foreign_stats;
 };
 
 class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
@@ -188,13 +208,18 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   CotenantCudaAllocator() = default;
 
   struct Owner {
-    CachingAllocator* allocator = nullptr;
+    CachingAllocator* allocator = nullptr;  // null for a block of a MemPool's own allocator
     c10::DeviceIndex device = 0;
     bool graph_pool = false;
+    bool foreign = false;  // the block is in the device's foreign_blocks
   };
 
   void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
-  Owner owner_of(void* ptr) const;  // allocator == nullptr when unknown
+  // An allocation routed to a MemPool with its own allocator; nullptr when
+  // the pool has none (the pool's CachingAllocator serves it then).
+  std::optional<void*> allocate_foreign(DeviceAllocators& d, PoolId pool, size_t nbytes, cudaStream_t stream);
+  void free_foreign(DeviceAllocators& d, void* ptr);
+  Owner owner_of(void* ptr) const;  // allocator == nullptr and !foreign when unknown
   void free_owned(void* ptr);       // raw_delete's work; throws, changing nothing, on failure
   // The allocators of one device (main first, then every pool), or of one
   // pool when `mempool_id` is not {0, 0}.
@@ -213,6 +238,10 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // mapped pages of one residency; host memory on kHostStream).
   void add_segments_to_snapshot(DeviceAllocators& d, CachingAllocator& allocator, c10::MempoolId_t pool,
                                 c10_alloc::SnapshotInfo& out);
+  // The live blocks of MemPools with their own allocator (all of them, or
+  // those of `mempool_id`), one segment each.
+  void add_foreign_segments_to_snapshot(DeviceAllocators& d, c10::MempoolId_t mempool_id,
+                                        c10_alloc::SnapshotInfo& out);
   // Hands the compile context and user metadata in force to every device's
   // history (with `only`, to that device's alone: a new device).
   void apply_history_labels(DeviceAllocators* only = nullptr);

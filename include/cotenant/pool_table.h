@@ -61,8 +61,9 @@ class PoolTable {
   void release(PoolId id);
 
   // The pool an allocation on `stream` goes to while routes are active, or
-  // nullptr (then it goes to the device's main allocator).
-  CachingAllocator* route_for(StreamId stream);
+  // nullptr (then it goes to the device's main allocator). `id`, when given,
+  // receives the pool's id.
+  CachingAllocator* route_for(StreamId stream, PoolId* id = nullptr);
   // Whether some route is active (lock-free: read on every allocation).
   bool routing() const { return routing_.load(std::memory_order_acquire); }
 

@@ -114,7 +114,9 @@ TEST_CASE("routes_take_only_the_streams_their_filter_accepts", "[pools]") {
   CHECK(table.route_for(kCaptureStream) == nullptr);
   table.begin_route(kGraphA, only(kCaptureStream));
   CHECK(table.routing());
-  CHECK(table.route_for(kCaptureStream) == table.find(kGraphA));
+  PoolId routed{};
+  CHECK(table.route_for(kCaptureStream, &routed) == table.find(kGraphA));
+  CHECK(routed == kGraphA);
   CHECK(table.route_for(kCaptureStream + 1) == nullptr);
   table.end_route(kGraphA);
   CHECK(table.route_for(kCaptureStream) == nullptr);

@@ -731,6 +731,43 @@ def test_a_mem_pool_can_be_created_used_and_destroyed():
     assert out == {"total": float(4 << 20), "after": float(1 << 20)}
 
 
+def test_a_mem_pool_with_its_own_allocator_computes_in_that_allocators_memory():
+    # As NCCL's registered buffers and vLLM's sleep mode use it: the pool's
+    # allocator (here cudaMalloc / cudaFree through ctypes) serves the pool's
+    # tensors, kernels run on them, and each allocation goes back to it.
+    out = run_script("""
+        import ctypes, gc
+        cudart = ctypes.CDLL("libcudart.so." + torch.version.cuda.split(".")[0])
+        calls = {"alloc": [], "free": []}
+        def my_alloc(size, device, stream):
+            ptr = ctypes.c_void_p()
+            assert cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(size)) == 0
+            calls["alloc"].append((ptr.value, size))
+            return ptr.value
+        def my_free(ptr, size, device, stream):
+            calls["free"].append((ptr, size))
+            assert cudart.cudaFree(ctypes.c_void_p(ptr)) == 0
+        alloc_fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(my_alloc)
+        free_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(my_free)
+        allocator = torch._C._cuda_customAllocator(ctypes.cast(alloc_fn, ctypes.c_void_p).value,
+                                                   ctypes.cast(free_fn, ctypes.c_void_p).value)
+        pool = torch.cuda.MemPool(allocator)
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.ones(4 << 20, device="cuda")
+            y = x * 3
+        in_pool = all(any(p <= t.data_ptr() < p + n for p, n in calls["alloc"]) for t in (x, y))
+        total = y.sum().item()
+        del x, y, pool
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(json.dumps({"in_pool": in_pool, "total": total, "calls": len(calls["alloc"]),
+                          "all_freed": sorted(calls["free"]) == sorted(calls["alloc"]),
+                          "allocated_after": torch.cuda.memory_allocated()}))
+    """)
+    assert out == {"in_pool": True, "total": float(3 * (4 << 20)), "calls": 2, "all_freed": True,
+                   "allocated_after": 0}
+
+
 @pytest.mark.parametrize("kind", ["cnn"])
 def test_training_under_a_cap_in_pinned_fallback_mode_keeps_losses_identical(kind):
     native = run_script(f"print(json.dumps(train('{kind}', 20)))", use_cotenant=False)

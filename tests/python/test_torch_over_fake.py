@@ -739,6 +739,101 @@ def test_a_mem_pool_serves_its_tensors_and_gives_its_memory_back(library):
     assert out["after_same"]
 
 
+# A MemPool made with an allocator of its own (as NCCL's registered buffers
+# and vLLM's sleep mode make them): here a ctypes allocator over the fake's
+# cudaMalloc / cudaFree that notes each call.
+FOREIGN_POOL = """
+    import ctypes, gc
+    calls = {"alloc": [], "free": []}
+    def my_alloc(size, device, stream):
+        ptr = ctypes.c_void_p()
+        assert fake.lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(size)) == 0
+        calls["alloc"].append((ptr.value, size))
+        return ptr.value
+    def my_free(ptr, size, device, stream):
+        calls["free"].append((ptr, size))
+        assert fake.lib.cudaFree(ctypes.c_void_p(ptr)) == 0
+    alloc_fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(my_alloc)
+    free_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(my_free)
+    allocator = torch._C._cuda_customAllocator(ctypes.cast(alloc_fn, ctypes.c_void_p).value,
+                                               ctypes.cast(free_fn, ctypes.c_void_p).value)
+    pool = torch.cuda.MemPool(allocator)
+    data = pattern(1 << 20, seed=31)
+    allocated_before = torch.cuda.memory_allocated()
+    with torch.cuda.use_mem_pool(pool):
+        x = data.to("cuda")
+        y = torch.empty(1000, dtype=torch.uint8, device="cuda")
+    inside = [(p, n) for p, n in calls["alloc"]]
+    out["sizes_asked"] = sorted(n for p, n in inside)
+    out["pool_allocator_holds_x_and_y"] = all(
+        any(p <= t.data_ptr() and t.data_ptr() + t.untyped_storage().nbytes() <= p + n for p, n in inside)
+        for t in (x, y))
+    out["same"] = same(x, data)
+    out["counted"] = torch.cuda.memory_allocated() - allocated_before >= (4 << 20) + 1000
+    snapshot = pool.snapshot()
+    out["pool_snapshot_holds_x"] = any(s["address"] <= x.data_ptr() < s["address"] + s["total_size"] for s in snapshot)
+    out["reserved_is_the_snapshot"] = (
+        torch.cuda.memory_reserved() == sum(s["total_size"] for s in torch.cuda.memory_snapshot()))
+    z = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # outside the pool
+    out["outside_the_pool_not_called"] = (
+        len(calls["alloc"]) == len(inside) and not any(p <= z.data_ptr() < p + n for p, n in inside))
+    y.record_stream(torch.cuda.Stream())
+    del x, y, z
+    gc.collect()
+    del pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    out["each_call_freed"] = sorted(calls["free"]) == sorted(calls["alloc"]) and len(calls["alloc"]) >= 1
+    out["allocated_after"] = torch.cuda.memory_allocated() - allocated_before
+"""
+
+
+def test_a_mem_pool_with_its_own_allocator_serves_its_tensors_from_it_as_under_pytorch(library):
+    native = run(library, FOREIGN_POOL)
+    ours = run(library, "cotenant.enable()\n" + textwrap.dedent(FOREIGN_POOL))
+    # PyTorch asks its pool's allocator for segments it splits and caches
+    # (2 MiB for small requests); cotenant for each allocation as it comes.
+    assert ours.pop("sizes_asked") == [1000, 4 << 20]
+    assert native.pop("sizes_asked")[0] >= 2 * MIB
+    expected = {"pool_allocator_holds_x_and_y": True, "same": True, "counted": True, "pool_snapshot_holds_x": True,
+                "reserved_is_the_snapshot": True, "outside_the_pool_not_called": True, "each_call_freed": True,
+                "allocated_after": 0}
+    assert native == expected
+    assert ours == expected
+
+
+def test_mem_pool_options_cotenant_cannot_honour_are_refused_with_the_fix(library):
+    out = run(library, """
+        import ctypes
+        cotenant.enable()
+        for name, make in [("use_on_oom", lambda: torch.cuda.MemPool(use_on_oom=True)),
+                           ("no_split", lambda: torch.cuda.MemPool(no_split=True))]:
+            try:
+                make()
+                out[name] = "accepted"
+            except RuntimeError as error:
+                out[name] = str(error)
+        # A pool with its own allocator splits nothing anyway: no_split is its way already.
+        alloc_fn = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(lambda *a: None)
+        free_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(lambda *a: None)
+        allocator = torch._C._cuda_customAllocator(ctypes.cast(alloc_fn, ctypes.c_void_p).value,
+                                                   ctypes.cast(free_fn, ctypes.c_void_p).value)
+        pool = torch.cuda.MemPool(allocator, no_split=True)
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                torch.empty(100, device="cuda")  # its allocator returns no memory
+            out["null_from_the_allocator"] = "no error"
+        except torch.OutOfMemoryError as error:
+            out["null_from_the_allocator"] = str(error)
+        out["after"] = same(pattern(1000, seed=3).to("cuda"), pattern(1000, seed=3))
+    """)
+    assert "MemPool(use_on_oom=True) is not supported" in out["use_on_oom"]
+    assert "Create the MemPool without use_on_oom" in out["use_on_oom"]
+    assert "MemPool(no_split=True) is not supported" in out["no_split"] and "without no_split" in out["no_split"]
+    assert "returned no memory for 400 bytes" in out["null_from_the_allocator"]
+    assert out["after"]
+
+
 # What CUDA graph trees (torch.compile(mode="reduce-overhead")) do with a
 # pool between recordings (torch/_inductor/cudagraph_trees.py): checkpoint its
 # allocations, go on, then put the checkpoint back with the storages alive
