@@ -31,8 +31,10 @@ std::size_t round_up(std::size_t value, std::size_t multiple) {
 }  // namespace
 
 // Everything behind the mutex. The fast path of allocate() is: best fit in a
-// pool, split, check the block's pages are mapped, count. Page creation,
-// cache release, spilling and migration are the slow paths.
+// pool, split, check the block's pages are mapped, count; once a loop is
+// warm it and free() ask the heap for nothing (spare_blocks,
+// spare_live_nodes, the pools' kept nodes; tests/cpp/heap counts it). Page
+// creation, cache release, spilling and migration are the slow paths.
 struct CachingAllocator::State {
   State(Backend& backend, AllocatorOptions options, std::shared_ptr<HostPagePool> shared_host_pages)
       : backend(backend),
@@ -60,7 +62,14 @@ struct CachingAllocator::State {
   // finds the hole holding a planned range); empty otherwise.
   detail::BlockSet<detail::ByAddress> free_by_address;
   BlockPool pinned_free;                                   // freed pinned fallback segments, kept
-  std::unordered_map<DevicePtr, Block*> allocated;         // live blocks by address
+  using LiveMap = std::unordered_map<DevicePtr, Block*>;
+  LiveMap allocated;                                       // live blocks by address
+  // Blocks and live-map nodes that a merge or a free gave up, reused by the
+  // next cut or allocation: the fast path then asks the heap for nothing
+  // once the job's layout has been reached (an alloc+free pair made two
+  // heap calls each way before).
+  std::vector<std::unique_ptr<Block>> spare_blocks;
+  std::vector<LiveMap::node_type> spare_live_nodes;
   std::vector<Block*> waiting;                             // freed, held back by events
   std::vector<EventHandle> spare_events;
   AllocatorStats stats;
@@ -105,6 +114,16 @@ struct CachingAllocator::State {
     event.where = where;
     sink->on_event(event);
   }
+
+  // A block with every field at its default, a spare one when there is one.
+  Block* new_block() {
+    if (spare_blocks.empty()) return new Block;
+    Block* block = spare_blocks.back().release();
+    spare_blocks.pop_back();
+    *block = Block{};
+    return block;
+  }
+  void recycle(Block* block) { spare_blocks.emplace_back(block); }
 
   // discard_pages() in force until back_discarded_pages(): live blocks may
   // sit on unmapped pages, and allocation is refused.
@@ -464,7 +483,7 @@ struct CachingAllocator::State {
     segment->pool = pool;
     segment->pinned_fallback = pinned_fallback;
     if (!pinned_fallback) segment->pages.resize(bytes / page_bytes);
-    auto* block = new Block;
+    Block* block = new_block();
     block->segment = segment.get();
     block->address = base;
     block->size = bytes;
@@ -491,7 +510,7 @@ struct CachingAllocator::State {
   void delete_segment(Segment& segment) {
     stats.segment.decrease(segment.pool, 1);
     const DevicePtr base = segment.base;
-    delete segment.first;
+    recycle(segment.first);
     segments.erase(base);
   }
 
@@ -502,7 +521,7 @@ struct CachingAllocator::State {
   // Cuts `block` to `size` bytes and returns the rest, a new block after it
   // in the segment's list (in no pool).
   Block* cut(Block* block, std::size_t size) {
-    auto* rest = new Block;
+    Block* rest = new_block();
     rest->segment = block->segment;
     rest->address = block->address + size;
     rest->size = block->size - size;
@@ -579,7 +598,15 @@ struct CachingAllocator::State {
     block->allocated = true;
     block->requested = bytes;
     block->size_class = pool;
-    allocated.emplace(block->address, block);
+    if (spare_live_nodes.empty()) {
+      allocated.emplace(block->address, block);
+    } else {
+      LiveMap::node_type node = std::move(spare_live_nodes.back());
+      spare_live_nodes.pop_back();
+      node.key() = block->address;
+      node.mapped() = block;
+      allocated.insert(std::move(node));
+    }
     const auto block_bytes = static_cast<std::int64_t>(block->size);
     stats.allocation.increase(pool, 1);
     stats.allocated_bytes.increase(pool, block_bytes);
@@ -607,7 +634,7 @@ struct CachingAllocator::State {
       throw;
     }
     emit(AllocatorEvent::Kind::kFreeRequested, block->address, block->requested, block->segment->stream);
-    allocated.erase(it);
+    spare_live_nodes.push_back(allocated.extract(it));
     block->allocated = false;
     const PoolKind pool = block->size_class;
     stats.allocation.decrease(pool, 1);
@@ -642,7 +669,7 @@ struct CachingAllocator::State {
       prev->size += block->size;
       prev->next = block->next;
       if (block->next) block->next->prev = prev;
-      delete block;
+      recycle(block);
       block = prev;
       into_prev = true;
     }
@@ -651,7 +678,7 @@ struct CachingAllocator::State {
       block->size += next->size;
       block->next = next->next;
       if (next->next) next->next->prev = block;
-      delete next;
+      recycle(next);
     }
     pool_insert(block, /*resized=*/into_prev);
   }

@@ -15,6 +15,22 @@
 namespace cotenant::detail {
 
 struct Segment;
+struct Block;
+
+// A free block's key in the best-fit order (BlockPool): by stream, then
+// size, then address. The entry holds the key itself, so a search compares
+// the tree's own nodes and reads no block (a block's size changes only while
+// it is out of the pool).
+struct FreeEntry {
+  StreamId stream;
+  std::size_t size;
+  DevicePtr address;
+  Block* block;
+  bool operator<(const FreeEntry& other) const {
+    return std::tie(stream, size, address) < std::tie(other.stream, other.size, other.address);
+  }
+};
+using FreeTree = std::set<FreeEntry>;
 
 // A contiguous piece of a segment.
 // Invariants:
@@ -35,6 +51,7 @@ struct Block {
   Block* next = nullptr;
   std::vector<StreamId> used_on;     // streams other than the segment's (record_stream)
   std::vector<EventHandle> events;   // recorded on used_on at free time
+  FreeTree::const_iterator pool_entry;  // its entry in the BlockPool while in one (leaving it is then no search)
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
 };
@@ -67,19 +84,17 @@ template <class Order, class Value = Block*>
 class BlockSet {
  public:
   using Set = std::set<Value, Order>;
-  void insert(const Value& value) {
-    if (spare_.empty()) {
-      set_.insert(value);
-      return;
-    }
+  typename Set::const_iterator insert(const Value& value) {
+    if (spare_.empty()) return set_.insert(value).first;
     typename Set::node_type node = std::move(spare_.back());
     spare_.pop_back();
     node.value() = value;
-    set_.insert(std::move(node));
+    return set_.insert(std::move(node)).position;
   }
   void erase(const Value& value) {
     if (typename Set::node_type node = set_.extract(value)) spare_.push_back(std::move(node));
   }
+  void erase(typename Set::const_iterator position) { spare_.push_back(set_.extract(position)); }
   void clear() {
     while (!set_.empty()) spare_.push_back(set_.extract(set_.begin()));
   }
@@ -90,10 +105,8 @@ class BlockSet {
   std::vector<typename Set::node_type> spare_;
 };
 
-// Free blocks ordered for best fit: by stream, then size, then address.
-// Each entry holds its block's key, so a search compares the tree's own
-// nodes and reads no block (a block's size changes only while it is out of
-// the pool).
+// Free blocks ordered for best fit (FreeEntry). Each block keeps its own
+// entry's position while in the pool, so taking it out searches nothing.
 class BlockPool {
  public:
   // The smallest free block of `stream` with at least `size` bytes, or null.
@@ -111,21 +124,13 @@ class BlockPool {
     }
     return nullptr;
   }
-  void insert(Block* block) { blocks_.insert(key_of(block)); }
-  void erase(Block* block) { blocks_.erase(key_of(block)); }
+  void insert(Block* block) { block->pool_entry = blocks_.insert(key_of(block)); }
+  void erase(Block* block) { blocks_.erase(block->pool_entry); }
   bool empty() const { return blocks_.set().empty(); }
   std::size_t size() const { return blocks_.set().size(); }
 
  private:
-  struct Entry {
-    StreamId stream;
-    std::size_t size;
-    DevicePtr address;
-    Block* block;
-    bool operator<(const Entry& other) const {
-      return std::tie(stream, size, address) < std::tie(other.stream, other.size, other.address);
-    }
-  };
+  using Entry = FreeEntry;
   static Entry key_of(Block* block) { return {block->segment->stream, block->size, block->address, block}; }
   using Set = BlockSet<std::less<Entry>, Entry>::Set;
   Set::const_iterator first_fit_in_order(StreamId stream, std::size_t size) const {
