@@ -120,7 +120,15 @@ struct CachingAllocator::State {
     if (spare_blocks.empty()) return new Block;
     Block* block = spare_blocks.back().release();
     spare_blocks.pop_back();
+    // Its lists keep their capacity (a record_stream'd block's streams and
+    // events then need no heap either).
+    std::vector<StreamId> used_on = std::move(block->used_on);
+    std::vector<EventHandle> events = std::move(block->events);
     *block = Block{};
+    used_on.clear();
+    events.clear();
+    block->used_on = std::move(used_on);
+    block->events = std::move(events);
     return block;
   }
   void recycle(Block* block) { spare_blocks.emplace_back(block); }
@@ -622,8 +630,9 @@ struct CachingAllocator::State {
   // cannot be recorded it throws, leaving the allocation live.
   void free_live(std::unordered_map<DevicePtr, Block*>::iterator it) {
     Block* block = it->second;
-    std::vector<EventHandle> events;
-    events.reserve(block->used_on.size());
+    // Into the block's own list (empty while it is live, its capacity kept
+    // from earlier waits), so a warm free asks the heap for nothing.
+    std::vector<EventHandle>& events = block->events;
     try {
       for (StreamId stream : block->used_on) {
         events.push_back(take_event());
@@ -631,6 +640,7 @@ struct CachingAllocator::State {
       }
     } catch (...) {
       spare_events.insert(spare_events.end(), events.begin(), events.end());
+      events.clear();
       throw;
     }
     emit(AllocatorEvent::Kind::kFreeRequested, block->address, block->requested, block->segment->stream);
@@ -644,7 +654,6 @@ struct CachingAllocator::State {
       retire(block);
       return;
     }
-    block->events = std::move(events);
     waiting.push_back(block);
   }
 
@@ -752,19 +761,24 @@ struct CachingAllocator::State {
   }
 
   // Blocks whose record_stream events have all completed become free.
+  // Retires, in the order they were freed, the waiting blocks whose events
+  // have all completed; the rest keep their order. In place: every
+  // allocation runs this while a block waits, so it asks the heap for nothing.
   void process_events() {
-    if (waiting.empty()) return;
-    auto done = std::stable_partition(waiting.begin(), waiting.end(), [&](Block* block) {
-      return !std::all_of(block->events.begin(), block->events.end(),
-                          [&](EventHandle event) { return backend.query_event(event); });
-    });
-    std::vector<Block*> ready(done, waiting.end());
-    waiting.erase(done, waiting.end());
-    for (Block* block : ready) {
-      for (EventHandle event : block->events) spare_events.push_back(event);
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < waiting.size(); ++i) {
+      Block* block = waiting[i];
+      const bool done = std::all_of(block->events.begin(), block->events.end(),
+                                    [&](EventHandle event) { return backend.query_event(event); });
+      if (!done) {
+        waiting[kept++] = block;
+        continue;
+      }
+      spare_events.insert(spare_events.end(), block->events.begin(), block->events.end());
       block->events.clear();
-      retire(block);
+      retire(block);  // touches neither `waiting` nor another waiting block's events
     }
+    waiting.resize(kept);
   }
 
   void synchronize_waiting() {

@@ -52,7 +52,9 @@ long heap_calls_of(Call call) {
 // (freed last in, first out), temporaries freed at once, a few large
 // blocks, and a gradient that outlives the step (freed in the next one).
 // Returns the heap calls made inside allocate() and free().
-long step(CachingAllocator& allocator, DevicePtr* gradient) {
+// `side_stream` nonzero: every fourth activation is used on that stream too
+// (record_stream), so its free waits for an event.
+long step(CachingAllocator& allocator, DevicePtr* gradient, StreamId side_stream = 0) {
   long calls = 0;
   std::vector<DevicePtr> activations;
   activations.reserve(64);
@@ -62,6 +64,7 @@ long step(CachingAllocator& allocator, DevicePtr* gradient) {
     calls += heap_calls_of([&] { kept = allocator.allocate(sizes[layer % 6], 0); });
     calls += heap_calls_of([&] { temporary = allocator.allocate(sizes[(layer + 3) % 6] / 2 + 512, 0); });
     calls += heap_calls_of([&] { allocator.free(temporary); });
+    if (side_stream != 0 && layer % 4 == 0) calls += heap_calls_of([&] { allocator.record_stream(kept, side_stream); });
     activations.push_back(kept);
   }
   DevicePtr next_gradient = 0;
@@ -87,6 +90,29 @@ TEST_CASE("a_warm_loop_allocates_and_frees_without_asking_the_heap", "[allocator
   CHECK(cold > 0);  // the counter sees the allocator's own heap calls
   for (int warm_up = 0; warm_up < 5; ++warm_up) step(allocator, &gradient);
   for (int warm = 0; warm < 3; ++warm) CHECK(step(allocator, &gradient) == 0);
+  allocator.free(gradient);
+  allocator.check_invariants();
+  CHECK(allocator.stats().allocated_bytes.all.current == 0);
+}
+
+// A free that waits on record_stream's events records them into the block's
+// own list, and the allocations that retire it do so in place: no heap call
+// of their own. What is left: a block object handed out without room in its
+// stream or event list (block objects move between holes as blocks split
+// and merge) grows it once.
+TEST_CASE("a_warm_loop_with_record_stream_asks_the_heap_less_than_once_per_waiting_free", "[allocator]") {
+  SimulatedDeviceConfig config;
+  config.device_capacity = std::size_t{1} << 30;
+  SimulatedBackend device(config);  // events complete at once: the next allocation retires a waiting block
+  CachingAllocator allocator(device);
+  DevicePtr gradient = 0;
+  for (int warm_up = 0; warm_up < 6; ++warm_up) step(allocator, &gradient, /*side_stream=*/7);
+  const std::uint64_t events_before = device.calls().record_event;
+  long warm_calls = 0;
+  for (int warm = 0; warm < 3; ++warm) warm_calls += step(allocator, &gradient, /*side_stream=*/7);
+  const auto waiting_frees = static_cast<long>(device.calls().record_event - events_before);
+  CHECK(waiting_frees == 3 * 8);  // every fourth of 32 activations, three steps
+  CHECK(warm_calls < waiting_frees);
   allocator.free(gradient);
   allocator.check_invariants();
   CHECK(allocator.stats().allocated_bytes.all.current == 0);
