@@ -760,7 +760,6 @@ struct CachingAllocator::State {
     return block;
   }
 
-  // Blocks whose record_stream events have all completed become free.
   // Retires, in the order they were freed, the waiting blocks whose events
   // have all completed; the rest keep their order. In place: every
   // allocation runs this while a block waits, so it asks the heap for nothing.

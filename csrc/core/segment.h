@@ -125,6 +125,7 @@ class BlockPool {
     return nullptr;
   }
   void insert(Block* block) { block->pool_entry = blocks_.insert(key_of(block)); }
+  // `block` must be in this pool (in_pool, and inserted here).
   void erase(Block* block) { blocks_.erase(block->pool_entry); }
   bool empty() const { return blocks_.set().empty(); }
   std::size_t size() const { return blocks_.set().size(); }
