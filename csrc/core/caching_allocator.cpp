@@ -628,7 +628,7 @@ struct CachingAllocator::State {
   // Frees the live allocation at `it`: it retires now, or once the events
   // recorded on the other streams that used it complete. When an event
   // cannot be recorded it throws, leaving the allocation live.
-  void free_live(std::unordered_map<DevicePtr, Block*>::iterator it) {
+  void free_live(LiveMap::iterator it) {
     Block* block = it->second;
     // Into the block's own list (empty while it is live, its capacity kept
     // from earlier waits), so a warm free asks the heap for nothing.
