@@ -27,6 +27,10 @@ Workloads (an iteration is one pass of the loop named in brackets):
   gpt_train_varlen   gpt_train with length-bucketed batches: each step's sequence
                      length is drawn from a distribution of document lengths and its
                      batch fills a fixed token budget [training step]
+  gpt_train_buckets  gpt_train with batches padded to one of three bucket lengths
+                     (64, 128, 256 tokens), drawn at random each step, each batch
+                     2048 tokens: a loop that cycles through a few step shapes
+                     [training step]
   resnet_multiscale  an ImageNet-style ResNet trained at a different input
                      resolution each step, 160..320 in steps of 32, in shuffled
                      rounds of every scale [training step]
@@ -455,6 +459,19 @@ def gpt_train_varlen(steps: int, rng: random.Random):
             train_step(optimizer, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
 
 
+def gpt_train_buckets(steps: int, rng: random.Random):
+    """Batches padded to a bucket length (64, 128 or 256 tokens, at random),
+    2048 tokens each: the loop's steps come in three shapes, in any order."""
+    model = GPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for _ in range(steps):
+        with iteration():
+            length = rng.choice((64, 128, 256))
+            tokens = torch.randint(0, 8192, (2048 // length, length + 1))
+            logits = model(tokens[:, :-1])
+            train_step(optimizer, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+
+
 def resnet_multiscale(steps: int, rng: random.Random):
     """Resolutions come in rounds, each every scale of 160..320 (step 32)
     once in a shuffled order, so every scale is trained on as often."""
@@ -537,6 +554,9 @@ WORKLOADS: Dict[str, Workload] = {
     "gpt_train_varlen": Workload(gpt_train_varlen, 16, "GPT training on length-bucketed batches, sequence length "
                                                        "log-normal (median 96, 8..256), batch = 1024 tokens / length; "
                                                        "iteration = training step"),
+    "gpt_train_buckets": Workload(gpt_train_buckets, 24, "GPT training on batches padded to bucket lengths "
+                                                         "64, 128 or 256 tokens at random, 2048 tokens a batch; "
+                                                         "iteration = training step"),
     "resnet_multiscale": Workload(resnet_multiscale, 16, "ResNet (widths 32..256, ImageNet stem) multi-scale "
                                                          "training, batch 8, resolution 160..320 step 32 in "
                                                          "shuffled rounds; iteration = training step"),

@@ -82,6 +82,11 @@ struct CachingAllocator::State {
   // The tick of the last iteration mark: a cached page last used before it
   // is cold. 0: no mark yet.
   std::uint64_t cold_before = 0;
+  // Reserved bytes the cold-cache rule lets the arena reach whatever the
+  // live peak: where the rule's releases keep coming back, it stops at the
+  // footprint the loop showed it needs (back_block). 0 until then, and
+  // again after empty_cache().
+  std::int64_t cold_rule_floor = 0;
   // Peak allocated bytes since the last iteration mark, and over the
   // iteration before it (-1 before the first mark): how much a step still
   // allocates from any point on, if it repeats the last one.
@@ -94,6 +99,10 @@ struct CachingAllocator::State {
   static constexpr double kSpillAheadShare = 0.25;
   static constexpr double kSpillAheadCapShare = 0.125;
   static constexpr double kGrowthSlack = 0.05;
+  // A page released by the cold-cache rule and mapped again in a later
+  // step this many times is churn: the loop cycles through layouts (a few
+  // batch shapes in any order) and needs them all.
+  static constexpr std::uint32_t kRefaultsThatHold = 2;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
   // Host pages kept after their last use (options.keep_host_pages, the
@@ -217,6 +226,7 @@ struct CachingAllocator::State {
       throw;
     }
     segment.pages[index].handle = handle;
+    segment.pages[index].released_cold = 0;
     count_mapped(segment, handle.where, true);
     ++stats.num_device_alloc;
     emit(AllocatorEvent::Kind::kPageMapped, segment.base + index * page_bytes, page_bytes, segment.stream, handle.where);
@@ -396,16 +406,17 @@ struct CachingAllocator::State {
   }
 
   // Before mapping `new_bytes` for a block of `block_bytes`: when reserved
-  // bytes would pass the peak of live bytes by more than kGrowthSlack,
-  // release cached pages that no allocation or free touched since the last
-  // iteration mark (cold cache), host ones first, then coldest first. A
-  // warm loop maps nothing, so it never comes here; without iteration marks
-  // nothing is cold and the arena only grows.
+  // bytes would pass the peak of live bytes by more than kGrowthSlack (and
+  // cold_rule_floor), release cached pages that no allocation or free
+  // touched since the last iteration mark (cold cache), host ones first,
+  // then coldest first. A warm loop maps nothing, so it never comes here;
+  // without iteration marks nothing is cold and the arena only grows.
   void release_cold_cache_to_grow(std::size_t new_bytes, std::size_t block_bytes) {
     if (cold_before == 0 || cached_bytes[0] + cached_bytes[1] == 0) return;
     const std::int64_t live_after = stats.allocated_bytes.all.current + static_cast<std::int64_t>(block_bytes);
     const double allowed =
-        static_cast<double>(std::max(stats.allocated_bytes.all.peak, live_after)) * (1.0 + kGrowthSlack);
+        std::max(static_cast<double>(std::max(stats.allocated_bytes.all.peak, live_after)) * (1.0 + kGrowthSlack),
+                 static_cast<double>(cold_rule_floor));
     double excess = static_cast<double>(stats.reserved_bytes.all.current) + static_cast<double>(new_bytes) - allowed;
     if (excess <= 0) return;
     struct Cold { std::uint64_t order; Segment* segment; std::size_t index; };
@@ -422,9 +433,14 @@ struct CachingAllocator::State {
     for (const Cold& page : cold) {
       if (excess <= 0) break;
       unmap_page(*page.segment, page.index, /*synchronized=*/true);
+      page.segment->pages[page.index].released_cold = cold_before;
       excess -= static_cast<double>(page_bytes);
     }
   }
+
+  // Whether mapping `page` now brings back a page the cold-cache rule
+  // released in an earlier step.
+  bool refaults(const Page& page) const { return page.released_cold != 0 && page.released_cold < cold_before; }
 
   // Maps every unmapped page of `block` and marks its pages live. When no
   // page can be had it undoes the live marks, gives back the pages it mapped
@@ -439,8 +455,14 @@ struct CachingAllocator::State {
     for (std::size_t i = first; i <= last; ++i) page_gains_live(segment, i);
     try {
       std::size_t unmapped = 0;
-      for (std::size_t i = first; i <= last; ++i) unmapped += segment.pages[i].handle ? 0 : 1;
-      if (unmapped > 0) release_cold_cache_to_grow(unmapped * page_bytes, block.size);
+      bool churns = false;  // a page the cold-cache rule keeps releasing and a later step needs again
+      for (std::size_t i = first; i <= last; ++i) {
+        const Page& page = segment.pages[i];
+        if (page.handle) continue;
+        ++unmapped;
+        churns = churns || (refaults(page) && page.refaults + 1 >= kRefaultsThatHold);
+      }
+      if (unmapped > 0 && !churns) release_cold_cache_to_grow(unmapped * page_bytes, block.size);
       // Bytes of this block's pages on the device so far: no colder page.
       std::size_t own_device_bytes = 0;
       for (std::size_t i = first; i <= last; ++i) {
@@ -461,9 +483,13 @@ struct CachingAllocator::State {
           return false;
         }
         if (handle.where == Residency::kHost) *spilled = true;
+        if (refaults(segment.pages[i])) ++segment.pages[i].refaults;
         map_page(segment, i, handle);
         mapped_here.push_back(i);
       }
+      // The rule released pages this loop needs again and again: it stops
+      // where the arena is now instead of releasing them each step.
+      if (churns) cold_rule_floor = std::max(cold_rule_floor, stats.reserved_bytes.all.current);
     } catch (...) {
       // A driver call failed: pages mapped so far stay, as cache.
       for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
@@ -1405,6 +1431,7 @@ void CachingAllocator::empty_cache() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.synchronize_waiting();
+  s.cold_rule_floor = 0;  // the footprint grows again from what the job keeps
   // One wait covers the cached pages and the cached pinned segments.
   const bool any_cache = s.cached_bytes[0] + s.cached_bytes[1] > 0 || !s.pinned_free.empty();
   if (any_cache && s.backend.synchronize_for_unmap()) {

@@ -289,6 +289,62 @@ TEST_CASE("a_loop_with_iteration_marks_releases_only_cache_idle_since_the_last_m
   allocator.free(keep_too);
 }
 
+TEST_CASE("a_loop_alternating_two_step_shapes_stops_the_cold_cache_rule_once_its_releases_keep_coming_back",
+          "[allocator]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr weights = allocator.allocate(2 * kMiB, 0);
+  // Shape A uses [2, 12) MiB and leaves 2 MiB alive into shape B, whose
+  // 10 MiB block fits no hole below it: each shape's pages are cold while
+  // the other runs, and each would release the other's to grow.
+  DevicePtr carried = 0;
+  auto step_a = [&] {
+    const DevicePtr x = allocator.allocate(8 * kMiB, 0);
+    carried = allocator.allocate(2 * kMiB, 0);
+    allocator.free(x);
+    allocator.mark_iteration();
+  };
+  auto step_b = [&] {
+    const DevicePtr z = allocator.allocate(10 * kMiB, 0);
+    allocator.free(carried);
+    allocator.free(z);
+    allocator.mark_iteration();
+  };
+  struct Calls { std::size_t map, unmap; };
+  auto run = [&](auto&& step) {
+    const auto before = device.calls();
+    step();
+    return Calls{device.calls().map - before.map, device.calls().unmap - before.unmap};
+  };
+  run(step_a);
+  const Calls first_b = run(step_b);
+  CHECK(first_b.unmap == 4);  // the rule releases shape A's cold pages to grow
+  const Calls second_a = run(step_a);
+  CHECK(second_a.map > 0);  // ... which shape A maps again: once is no pattern yet
+  CHECK(second_a.unmap > 0);
+  // From the second time a released page comes back, the rule stops
+  // releasing: the loop needs both layouts, and a step maps nothing.
+  for (int cycle = 0; cycle < 2; ++cycle) {
+    run(step_b);
+    run(step_a);
+  }
+  for (int cycle = 0; cycle < 4; ++cycle) {
+    const Calls b = run(step_b);
+    const Calls a = run(step_a);
+    CHECK(b.map + b.unmap + a.map + a.unmap == 0);
+  }
+  // The cost: both layouts stay mapped, 22 MiB for a live peak of 14.
+  CHECK(allocator.stats().reserved_bytes.all.peak == static_cast<std::int64_t>(22 * kMiB));
+  CHECK(allocator.stats().allocated_bytes.all.peak == static_cast<std::int64_t>(14 * kMiB));
+  // empty_cache() starts the footprint over: the rule releases again.
+  run(step_b);
+  allocator.empty_cache();
+  run(step_a);
+  CHECK(run(step_b).unmap > 0);
+  allocator.free(weights);
+  allocator.check_invariants();
+}
+
 TEST_CASE("a_loop_that_repeats_its_steps_places_each_request_where_it_went_in_the_step_before", "[allocator]") {
   // Two allocators run the same program; in `other` the steps differ, so it
   // has no plan and best fit decides.

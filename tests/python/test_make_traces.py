@@ -24,7 +24,8 @@ def records(path):
 
 def test_the_bundled_traces_include_workloads_of_varying_shapes():
     names = {os.path.basename(path).split(".")[0] for path in BUNDLED_TRACES}
-    assert {"gpt_train_varlen", "resnet_multiscale", "moe_train", "serve_varbatch", "detection_train"} <= names
+    assert {"gpt_train_varlen", "gpt_train_buckets", "resnet_multiscale", "moe_train", "serve_varbatch",
+            "detection_train"} <= names
 
 
 @pytest.mark.parametrize("path", BUNDLED_TRACES, ids=os.path.basename)
