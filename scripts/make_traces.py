@@ -415,14 +415,21 @@ def resnet_train(steps: int, rng: random.Random):
             train_step(optimizer, F.cross_entropy(model(images), labels))
 
 
-def gpt_train(steps: int, rng: random.Random):
+def train_gpt(steps: int, batch_shape: Callable[[], Tuple[int, int]]):
+    """GPT training with AdamW; each step's (sequences, length) from
+    batch_shape(), drawn inside the step."""
     model = GPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     for _ in range(steps):
         with iteration():
-            tokens = torch.randint(0, 8192, (8, 257))
+            batch, length = batch_shape()
+            tokens = torch.randint(0, 8192, (batch, length + 1))
             logits = model(tokens[:, :-1])
             train_step(optimizer, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+
+
+def gpt_train(steps: int, rng: random.Random):
+    train_gpt(steps, lambda: (8, 256))
 
 
 def gpt_generate(steps: int, rng: random.Random):
@@ -449,27 +456,21 @@ def document_length(rng: random.Random, shortest: int, longest: int) -> int:
 def gpt_train_varlen(steps: int, rng: random.Random):
     """Length-bucketed batches: a bucket's sequence length is a drawn document
     length, its batch as many sequences as fit in 1024 tokens."""
-    model = GPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    for _ in range(steps):
-        with iteration():
-            length = document_length(rng, 8, 256)
-            tokens = torch.randint(0, 8192, (max(1, 1024 // length), length + 1))
-            logits = model(tokens[:, :-1])
-            train_step(optimizer, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+    def shape() -> Tuple[int, int]:
+        length = document_length(rng, 8, 256)
+        return max(1, 1024 // length), length
+
+    train_gpt(steps, shape)
 
 
 def gpt_train_buckets(steps: int, rng: random.Random):
     """Batches padded to a bucket length (64, 128 or 256 tokens, at random),
     2048 tokens each: the loop's steps come in three shapes, in any order."""
-    model = GPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    for _ in range(steps):
-        with iteration():
-            length = rng.choice((64, 128, 256))
-            tokens = torch.randint(0, 8192, (2048 // length, length + 1))
-            logits = model(tokens[:, :-1])
-            train_step(optimizer, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+    def shape() -> Tuple[int, int]:
+        length = rng.choice((64, 128, 256))
+        return 2048 // length, length
+
+    train_gpt(steps, shape)
 
 
 def resnet_multiscale(steps: int, rng: random.Random):
