@@ -440,7 +440,7 @@ struct CachingAllocator::State {
 
   // Whether mapping `page` now brings back a page the cold-cache rule
   // released in an earlier step.
-  bool refaults(const Page& page) const { return page.released_cold != 0 && page.released_cold < cold_before; }
+  bool comes_back(const Page& page) const { return page.released_cold != 0 && page.released_cold < cold_before; }
 
   // Maps every unmapped page of `block` and marks its pages live. When no
   // page can be had it undoes the live marks, gives back the pages it mapped
@@ -460,7 +460,7 @@ struct CachingAllocator::State {
         const Page& page = segment.pages[i];
         if (page.handle) continue;
         ++unmapped;
-        churns = churns || (refaults(page) && page.refaults + 1 >= kRefaultsThatHold);
+        churns = churns || (comes_back(page) && page.refaults + 1 >= kRefaultsThatHold);
       }
       if (unmapped > 0 && !churns) release_cold_cache_to_grow(unmapped * page_bytes, block.size);
       // Bytes of this block's pages on the device so far: no colder page.
@@ -483,7 +483,7 @@ struct CachingAllocator::State {
           return false;
         }
         if (handle.where == Residency::kHost) *spilled = true;
-        if (refaults(segment.pages[i])) ++segment.pages[i].refaults;
+        if (comes_back(segment.pages[i])) ++segment.pages[i].refaults;
         map_page(segment, i, handle);
         mapped_here.push_back(i);
       }
