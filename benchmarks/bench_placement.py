@@ -10,7 +10,7 @@ The default "before" is commit d7d7ed6: separate 2 MiB / 20 MiB /
 per-request segments, cached pages unmapped whenever reserved memory would
 pass 1.05x the peak of live bytes, and allocations over a cap placed on the
 host. Its core's Python module (`_core`) is built from `git archive REV`
-into a temporary folder with cmake and ninja (a few minutes on two cores;
+into a temporary folder with cmake and ninja (about 30 s on two cores;
 needs git history, fmt and torch's pybind11, as the tree's own build does),
 unless --before-core names one already built.
 
@@ -35,8 +35,6 @@ import importlib.util
 import json
 import os
 import pickle
-import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +52,7 @@ TIMES = ("alloc_ns_total", "free_ns_total", "ns_per_alloc", "ns_per_free")
 
 sys.path.insert(0, HERE)
 import bundled_traces  # noqa: E402
-from result_file import cpu_model, torch_version  # noqa: E402
+from result_file import cpu_model, torch_version, write_json  # noqa: E402
 
 
 def trace_name(path: str) -> str:
@@ -194,8 +192,6 @@ def main(argv=None) -> int:
             pickle.dump({trace_name(path): load_trace(path).ops for path in bundled_traces.every()}, f)
         before = replay_with(os.path.abspath(before_core), ops_path, args.repeats)
         after = replay_with(after_core.__file__, ops_path, args.repeats)
-        if args.before_core is None:
-            shutil.rmtree(os.path.join(work, "build"), ignore_errors=True)
 
     report = {
         "device": f"simulated (CPU: {cpu_model()}), {DEVICE_CAPACITY >> 30} GiB device, {GRANULARITY >> 20} MiB pages",
@@ -210,9 +206,7 @@ def main(argv=None) -> int:
         "after": after,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
-        f.write("\n")
+    write_json(report, args.out)
     print(f"{report['device']}, torch {report['torch']}; before = {args.before}, after = this tree")
     print("\n".join(table(before, after)))
     print(f"\nwrote {os.path.relpath(args.out)}")
