@@ -88,3 +88,26 @@ def test_a_before_core_that_is_not_a_module_is_named_with_the_fix(bench_placemen
 def test_a_commit_the_clone_lacks_is_named_with_the_fix(bench_placement, tmp_path):
     with pytest.raises(SystemExit, match="git archive 0{40} failed .*pass --before-core"):
         bench_placement.build_core("0" * 40, str(tmp_path / "work"))
+
+
+def clone_has(commit):
+    done = subprocess.run(["git", "-C", os.path.join(HERE, "..", ".."), "cat-file", "-e", f"{commit}^{{commit}}"],
+                          capture_output=True, check=False)
+    return done.returncode == 0
+
+
+def test_the_default_before_is_the_old_policy_built_from_its_commit(bench_placement, tmp_path):
+    """The README's "before" column, from the build the script makes of d7d7ed6."""
+    if not clone_has(bench_placement.BEFORE_COMMIT):
+        pytest.skip(f"this clone lacks commit {bench_placement.BEFORE_COMMIT} (a shallow clone): "
+                    "the script's default build of the old policy needs the history")
+    out = tmp_path / "placement.json"
+    run = subprocess.run([sys.executable, PATH, "--repeats", "1", "--out", str(out)],
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    before = json.loads(out.read_text())["before"]
+    # The old policy: low fragmentation bought with page churn, every step.
+    gpt = before["gpt_train"]["uncapped"]
+    assert round(gpt["fragmentation"], 3) == 1.048
+    assert gpt["num_page_maps"] == 1652 and gpt["steady_maps_per_iteration"] == 194.0
+    assert before["resnet50_train-h100"]["uncapped"]["steady_maps_per_iteration"] == 312.0
