@@ -127,8 +127,9 @@ def worker_environment(expandable_segments: bool) -> Dict[str, str]:
 # ---- workloads ------------------------------------------------------------------------------------
 
 
-def gpt_train_varlen(torch, device: str, batch: int = 8, longest: int = 512):
-    """(the model, a training step per call), each step at a sequence length drawn from 64..longest."""
+def gpt_train_varlen(torch, device: str, batch: int = 8, longest: int = 512, mixed_precision: bool = True):
+    """(the model, a training step per call), each step at a sequence length drawn from 64..longest;
+    the forward pass under bfloat16 autocast unless mixed_precision is False."""
     nn = torch.nn
     vocab, width, heads, layers = 8192, 512, 8, 6
     lengths = list(range(64, longest + 1, 64))
@@ -156,7 +157,7 @@ def gpt_train_varlen(torch, device: str, batch: int = 8, longest: int = 512):
     def step():
         tokens = torch.randint(0, vocab, (batch, shapes.choice(lengths) + 1), device=device)
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_precision):
             logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()

@@ -44,6 +44,12 @@ Workloads (an iteration is one pass of the loop named in brackets):
                      on images of varying size with a varying number of boxes each;
                      the loss assigns locations to boxes [training step]
 
+Not bundled, made only when named (compared with the GPT run recorded on an
+H100 in docs/allocator.md, "On real runs"): gpt_recorded_program and
+gpt_recorded_program_fp32, that recorded program (record_snapshots.py) on
+the CPU in bfloat16 mixed precision and in float32; gpt_train_lengths and
+gpt_train_lengths_bf16, this script's GPT on the recording's shapes.
+
 Shapes are drawn from random.Random(SHAPE_SEED) and data from torch's generator
 seeded with 0, on one CPU thread, so a run gives the same traces byte for byte
 on the same machine and torch build.
@@ -473,6 +479,41 @@ def gpt_train_buckets(steps: int, rng: random.Random):
     train_gpt(steps, shape)
 
 
+# The GPT training run recorded on an H100 (benchmarks/record_snapshots.py,
+# gpt_train_varlen: batch 8, sequence length 64..512 in steps of 64, width
+# 512, 6 layers, AdamW), made on the CPU: that program itself, and this
+# script's GPT on the same shapes; each in bfloat16 mixed precision, as
+# recorded, and in float32, as the bundled traces are. Not bundled: they
+# compare the CPU's traces with the recording (docs/allocator.md, "On real runs").
+RECORDED_LENGTHS = tuple(range(64, 513, 64))
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+
+
+def recorded_gpt(steps: int, mixed_precision: bool):
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    import record_snapshots  # the recorder: its program, run here on the CPU
+
+    _, step = record_snapshots.gpt_train_varlen(torch, "cpu", mixed_precision=mixed_precision)
+    for _ in range(steps):
+        with iteration():
+            step()
+
+
+def gpt_train_lengths(steps: int, rng: random.Random, mixed_precision: bool):
+    model = GPT(width=512, heads=8, context=max(RECORDED_LENGTHS))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for _ in range(steps):
+        with iteration():
+            tokens = torch.randint(0, 8192, (8, rng.choice(RECORDED_LENGTHS) + 1))
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+
+
 def resnet_multiscale(steps: int, rng: random.Random):
     """Resolutions come in rounds, each every scale of 160..320 (step 32)
     once in a shuffled order, so every scale is trained on as often."""
@@ -543,6 +584,7 @@ class Workload:
     run: Callable[[int, random.Random], None]
     steps: int  # passes of its loop by default
     what: str  # for the meta record
+    bundled: bool = True  # made by default, into benchmarks/traces; else only when named
 
 
 WORKLOADS: Dict[str, Workload] = {
@@ -569,6 +611,22 @@ WORKLOADS: Dict[str, Workload] = {
     "detection_train": Workload(detection_train, 16, "FCOS-style detector (ResNet backbone, FPN, shared head) "
                                                      "training, 4 images of 256..512 px sides, 1..30 boxes each, "
                                                      "SGD; iteration = training step"),
+    "gpt_recorded_program": Workload(
+        lambda steps, rng: recorded_gpt(steps, mixed_precision=True), 30,
+        "record_snapshots.py's gpt_train_varlen (the H100 recording's program) on the CPU, bfloat16 autocast, "
+        "batch 8 x 64..512 tokens; iteration = training step", bundled=False),
+    "gpt_recorded_program_fp32": Workload(
+        lambda steps, rng: recorded_gpt(steps, mixed_precision=False), 30,
+        "record_snapshots.py's gpt_train_varlen on the CPU in float32, batch 8 x 64..512 tokens; "
+        "iteration = training step", bundled=False),
+    "gpt_train_lengths": Workload(
+        lambda steps, rng: gpt_train_lengths(steps, rng, mixed_precision=False), 30,
+        "GPT (6 layers, width 512) training in float32 on the recording's shapes, batch 8 x 64..512 tokens, "
+        "AdamW; iteration = training step", bundled=False),
+    "gpt_train_lengths_bf16": Workload(
+        lambda steps, rng: gpt_train_lengths(steps, rng, mixed_precision=True), 30,
+        "GPT (6 layers, width 512) training under bfloat16 autocast on the recording's shapes, batch 8 x "
+        "64..512 tokens, AdamW; iteration = training step", bundled=False),
 }
 
 
@@ -660,6 +718,11 @@ def make_trace(name: str, steps: Optional[int], out_dir: str) -> str:
     return path
 
 
+def bundled_workloads() -> List[str]:
+    """The workloads whose traces are bundled in benchmarks/traces/."""
+    return [name for name, workload in WORKLOADS.items() if workload.bundled]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -668,7 +731,8 @@ def main(argv=None) -> int:
                         help="passes of each workload's loop (training steps, generated sequences, request "
                              "batches); default: each workload's own")
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                        help=f"which to make (default: all of {', '.join(WORKLOADS)})")
+                        help=f"which to make (default: the bundled ones, {', '.join(bundled_workloads())}; "
+                             f"also: {', '.join(name for name in WORKLOADS if name not in bundled_workloads())})")
     args = parser.parse_args(argv)
     unknown = [name for name in args.workloads if name not in WORKLOADS]
     if unknown:
@@ -677,7 +741,7 @@ def main(argv=None) -> int:
         parser.error(f"--steps must be at least 1, not {args.steps}")
     torch.set_num_threads(1)  # one thread: the allocation sequence does not depend on the machine's cores
     os.makedirs(args.out, exist_ok=True)
-    for name in args.workloads or list(WORKLOADS):
+    for name in args.workloads or bundled_workloads():
         make_trace(name, args.steps, args.out)
     return 0
 

@@ -55,3 +55,11 @@ def test_every_iteration_of_a_bundled_trace_allocates(path):
         elif record["op"] == "alloc":
             allocations_per_iteration[-1] += 1
     assert min(allocations_per_iteration[:-1]) > 0
+
+
+def test_the_bundled_traces_are_the_bundled_workloads_and_the_others_are_made_only_when_named():
+    make_traces = load_script(os.path.join(REPO, "scripts", "make_traces.py"))
+    names = sorted(os.path.basename(path).split(".")[0] for path in BUNDLED_TRACES)
+    assert sorted(make_traces.bundled_workloads()) == names
+    others = set(make_traces.WORKLOADS) - set(names)
+    assert {"gpt_recorded_program", "gpt_train_lengths"} <= others
