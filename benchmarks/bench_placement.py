@@ -10,9 +10,9 @@ The default "before" is commit d7d7ed6: separate 2 MiB / 20 MiB /
 per-request segments, cached pages unmapped whenever reserved memory would
 pass 1.05x the peak of live bytes, and allocations over a cap placed on the
 host. Its core's Python module (`_core`) is built from `git archive REV`
-into a temporary folder with cmake and ninja (about 30 s on two cores;
-needs git history, fmt and torch's pybind11, as the tree's own build does),
-unless --before-core names one already built.
+into a temporary folder with cmake, and ninja where there is one (about 30 s
+on two cores; needs git history, fmt and torch's pybind11, as the tree's own
+build does), unless --before-core names one already built.
 
 Each trace is read once, by this tree's parser (cotenant.replay.load_trace);
 both cores replay the same operations, each in a child process of its own
@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,10 +128,19 @@ def build_core(commit: str, work: str) -> str:
                          f"of cotenant that has commit {commit}, or pass --before-core with a built _core module")
     subprocess.run(["tar", "-x", "-C", source], input=archive.stdout, check=True)
     print(f"building the _core module of {commit} in {build} ...", flush=True)
-    subprocess.run(["cmake", "-S", source, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DCOTENANT_BUILD_TESTS=OFF", "-DCOTENANT_BUILD_PYTHON=ON", "-DCOTENANT_BUILD_TORCH=OFF",
-                    f"-DPython3_EXECUTABLE={sys.executable}"], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", build, "--target", "_core"], check=True, stdout=subprocess.DEVNULL)
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    try:
+        subprocess.run(["cmake", "-S", source, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
+                        "-DCOTENANT_BUILD_TESTS=OFF", "-DCOTENANT_BUILD_PYTHON=ON", "-DCOTENANT_BUILD_TORCH=OFF",
+                        f"-DPython3_EXECUTABLE={sys.executable}"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", build, "--target", "_core"], check=True, stdout=subprocess.DEVNULL)
+    except subprocess.CalledProcessError as error:
+        raise SystemExit(f"building the core of {commit} failed: cmake exited with status {error.returncode} "
+                         "(its message is above); install what it names, or pass --before-core with a _core "
+                         f"module built from {commit} elsewhere") from None
+    except OSError as error:
+        raise SystemExit(f"building the core of {commit} needs cmake ({error}): install cmake, or pass "
+                         f"--before-core with a _core module built from {commit} elsewhere") from None
     built = [os.path.join(root, name) for root, _, names in os.walk(build) for name in names
              if name.startswith("_core") and name.endswith(".so")]
     if len(built) != 1:

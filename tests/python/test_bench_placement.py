@@ -111,3 +111,16 @@ def test_the_default_before_is_the_old_policy_built_from_its_commit(bench_placem
     assert round(gpt["fragmentation"], 3) == 1.048
     assert gpt["num_page_maps"] == 1652 and gpt["steady_maps_per_iteration"] == 194.0
     assert before["resnet50_train-h100"]["uncapped"]["steady_maps_per_iteration"] == 312.0
+
+
+def test_a_build_that_fails_names_the_fix(bench_placement, tmp_path, monkeypatch):
+    real_run = subprocess.run
+
+    def cmake_fails(command, *args, **kwargs):
+        if command[0] == "cmake":
+            raise subprocess.CalledProcessError(1, command)
+        return real_run(command, *args, **kwargs)
+
+    monkeypatch.setattr(bench_placement.subprocess, "run", cmake_fails)
+    with pytest.raises(SystemExit, match="cmake exited with status 1 .*pass --before-core"):
+        bench_placement.build_core("HEAD", str(tmp_path / "work"))
