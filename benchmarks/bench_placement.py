@@ -58,11 +58,7 @@ from result_file import cpu_model, torch_version, write_json  # noqa: E402
 
 def trace_name(path: str) -> str:
     """gpt_train for .../gpt_train.jsonl.gz, resnet50_train-h100 for a recording."""
-    name = os.path.basename(path)
-    for suffix in (".jsonl.gz", ".pickle.gz"):
-        if name.endswith(suffix):
-            return name[:-len(suffix)]
-    return name
+    return os.path.basename(path).split(".")[0]
 
 
 # ---- the child: one core, every trace ------------------------------------------------

@@ -730,9 +730,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None,
                         help="passes of each workload's loop (training steps, generated sequences, request "
                              "batches); default: each workload's own")
+    bundled = bundled_workloads()
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                        help=f"which to make (default: the bundled ones, {', '.join(bundled_workloads())}; "
-                             f"also: {', '.join(name for name in WORKLOADS if name not in bundled_workloads())})")
+                        help=f"which to make (default: the bundled ones, {', '.join(bundled)}; "
+                             f"also: {', '.join(name for name in WORKLOADS if name not in bundled)})")
     args = parser.parse_args(argv)
     unknown = [name for name in args.workloads if name not in WORKLOADS]
     if unknown:
@@ -741,7 +742,7 @@ def main(argv=None) -> int:
         parser.error(f"--steps must be at least 1, not {args.steps}")
     torch.set_num_threads(1)  # one thread: the allocation sequence does not depend on the machine's cores
     os.makedirs(args.out, exist_ok=True)
-    for name in args.workloads or bundled_workloads():
+    for name in args.workloads or bundled:
         make_trace(name, args.steps, args.out)
     return 0
 
