@@ -146,6 +146,9 @@ void LaunchGate::admit() {
       now = clock_.now_ns();
       poll_locked(now);
     } while (wait_reason_locked(now) != GateWait::kNone);
+    // The wait ends where its reason is seen gone: a clock read before that
+    // check can predate time that passed while the reason still held.
+    now = clock_.now_ns();
     --waiting_;
     counters_.waited_ns += std::max<Nanoseconds>(now - waited_from, 0);
   }
