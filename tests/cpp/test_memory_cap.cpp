@@ -706,32 +706,6 @@ TEST_CASE("pinned_fallback_mode_pins_once_for_a_loop_of_over_cap_allocations", "
   allocator.free(on_device);
 }
 
-TEST_CASE("setting_the_cap_from_another_thread_is_safe_while_allocating", "[cap][threads]") {
-  SimulatedBackend device(device_config(1 * kGiB));
-  CachingAllocator allocator(device);
-  std::atomic<bool> stop{false};
-  std::thread capper([&] {
-    std::uint64_t cap = 8 * kMiB;
-    while (!stop.load()) {
-      allocator.set_memory_cap(cap);
-      cap = cap == 8 * kMiB ? 64 * kMiB : 8 * kMiB;
-      allocator.apply_pending_migrations();
-    }
-  });
-  std::vector<DevicePtr> live;
-  for (int i = 0; i < 2000; ++i) {
-    live.push_back(allocator.allocate(static_cast<std::size_t>((i % 7) + 1) * 300 * 1024, 0));
-    if (live.size() > 20) {
-      allocator.free(live.front());
-      live.erase(live.begin());
-    }
-  }
-  stop = true;
-  capper.join();
-  for (DevicePtr p : live) allocator.free(p);
-  CHECK(allocator.stats().allocated_bytes.all.current == 0);
-}
-
 TEST_CASE("a_partial_move_stays_pending_and_the_next_safe_point_finishes_it", "[cap]") {
   SimulatedDeviceConfig config = device_config(1 * kGiB);
   config.host_capacity = 2 * kMiB;  // room for one page on the host

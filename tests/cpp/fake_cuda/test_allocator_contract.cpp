@@ -468,7 +468,7 @@ TEMPLATE_TEST_CASE("contract_setting_the_cap_from_another_thread_is_safe_while_a
       }
     });
     std::vector<DevicePtr> live;
-    for (int i = 0; i < 500; ++i) {
+    for (int i = 0; i < 2000; ++i) {
       live.push_back(allocator.allocate(static_cast<std::size_t>((i % 7) + 1) * 300 * 1024, 0));
       if (live.size() > 20) {
         allocator.free(live.front());
