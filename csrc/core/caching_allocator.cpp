@@ -99,10 +99,6 @@ struct CachingAllocator::State {
   static constexpr double kSpillAheadShare = 0.25;
   static constexpr double kSpillAheadCapShare = 0.125;
   static constexpr double kGrowthSlack = 0.05;
-  // A page released by the cold-cache rule and mapped again in a later
-  // step this many times is churn: the loop cycles through layouts (a few
-  // batch shapes in any order) and needs them all.
-  static constexpr std::uint32_t kRefaultsThatHold = 2;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
   // Host pages kept after their last use (options.keep_host_pages, the
@@ -455,12 +451,12 @@ struct CachingAllocator::State {
     for (std::size_t i = first; i <= last; ++i) page_gains_live(segment, i);
     try {
       std::size_t unmapped = 0;
-      bool churns = false;  // a page the cold-cache rule keeps releasing and a later step needs again
+      bool churns = false;  // a page the cold-cache rule released and a later step needs again
       for (std::size_t i = first; i <= last; ++i) {
         const Page& page = segment.pages[i];
         if (page.handle) continue;
         ++unmapped;
-        churns = churns || (comes_back(page) && page.refaults + 1 >= kRefaultsThatHold);
+        churns = churns || comes_back(page);
       }
       if (unmapped > 0 && !churns) release_cold_cache_to_grow(unmapped * page_bytes, block.size);
       // Bytes of this block's pages on the device so far: no colder page.
@@ -483,12 +479,11 @@ struct CachingAllocator::State {
           return false;
         }
         if (handle.where == Residency::kHost) *spilled = true;
-        if (comes_back(segment.pages[i])) ++segment.pages[i].refaults;
         map_page(segment, i, handle);
         mapped_here.push_back(i);
       }
-      // The rule released pages this loop needs again and again: it stops
-      // where the arena is now instead of releasing them each step.
+      // The rule released a page this loop needs again: it stops where the
+      // arena is now instead of releasing the loop's layouts step after step.
       if (churns) cold_rule_floor = std::max(cold_rule_floor, stats.reserved_bytes.all.current);
     } catch (...) {
       // A driver call failed: pages mapped so far stay, as cache.

@@ -62,11 +62,9 @@ struct Block {
 struct Page {
   PageHandle handle;             // empty when unmapped
   std::uint32_t live_blocks = 0;
-  // The cold-cache rule's releases of this page that a later step mapped
-  // again, and the mark (cold_before) of its release while it stays
-  // released by that rule (0 otherwise).
-  std::uint32_t refaults = 0;
   std::uint64_t last_use = 0;    // allocator tick of the last allocation or free on its blocks: its heat
+  // The mark (cold_before) at which the cold-cache rule released this page,
+  // while it stays released by that rule (0 otherwise).
   std::uint64_t released_cold = 0;
 };
 
