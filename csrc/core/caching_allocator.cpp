@@ -1426,7 +1426,13 @@ void CachingAllocator::empty_cache() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   s.synchronize_waiting();
-  s.cold_rule_floor = 0;  // the footprint grows again from what the job keeps
+  // The footprint grows again from what the job keeps: the rule's stop and
+  // its releases so far are forgotten (a page it released before is no
+  // release of the new footprint coming back).
+  s.cold_rule_floor = 0;
+  for (auto& [base, segment] : s.segments) {
+    for (Page& page : segment->pages) page.released_cold = 0;
+  }
   // One wait covers the cached pages and the cached pinned segments.
   const bool any_cache = s.cached_bytes[0] + s.cached_bytes[1] > 0 || !s.pinned_free.empty();
   if (any_cache && s.backend.synchronize_for_unmap()) {

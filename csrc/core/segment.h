@@ -64,7 +64,8 @@ struct Page {
   std::uint32_t live_blocks = 0;
   std::uint64_t last_use = 0;    // allocator tick of the last allocation or free on its blocks: its heat
   // The mark (cold_before) at which the cold-cache rule released this page,
-  // while it stays released by that rule (0 otherwise).
+  // while it stays released by that rule (0 otherwise; empty_cache() clears
+  // it, starting the footprint over).
   std::uint64_t released_cold = 0;
 };
 

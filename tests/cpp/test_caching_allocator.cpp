@@ -342,6 +342,41 @@ TEST_CASE("a_loop_alternating_two_step_shapes_stops_the_cold_cache_rule_once_a_r
   allocator.check_invariants();
 }
 
+TEST_CASE("after_empty_cache_a_page_the_cold_cache_rule_released_before_does_not_stop_the_rule",
+          "[allocator]") {
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr weights = allocator.allocate(2 * kMiB, 0);
+  // Step 1 leaves [2, 10) MiB cached and [10, 12) alive; step 2's 10 MiB
+  // block fits no hole below 12, and the rule releases [2, 10) to grow.
+  const DevicePtr x = allocator.allocate(8 * kMiB, 0);
+  const DevicePtr carried = allocator.allocate(2 * kMiB, 0);
+  allocator.free(x);
+  allocator.mark_iteration();
+  const DevicePtr z = allocator.allocate(10 * kMiB, 0);
+  CHECK(device.calls().unmap == 4);
+  allocator.free(z);
+  allocator.mark_iteration();
+  allocator.empty_cache();  // the footprint starts over
+  // A new phase: 16 MiB above `carried`, freed, then cold at the mark.
+  const DevicePtr w = allocator.allocate(16 * kMiB, 0);
+  CHECK(w == carried + 2 * kMiB);
+  allocator.free(w);
+  allocator.mark_iteration();
+  // 8 MiB fits best in [2, 10), whose pages the rule released before
+  // empty_cache(). That is no release of this footprint coming back: to
+  // grow past 1.05x the live peak (20 MiB), the rule releases w's cold pages.
+  const auto unmaps = device.calls().unmap;
+  const DevicePtr v = allocator.allocate(8 * kMiB, 0);
+  CHECK(v == x);
+  CHECK(device.calls().unmap - unmaps == 4);
+  CHECK(allocator.stats().reserved_bytes.all.current == static_cast<std::int64_t>(20 * kMiB));
+  allocator.free(v);
+  allocator.free(carried);
+  allocator.free(weights);
+  allocator.check_invariants();
+}
+
 TEST_CASE("a_loop_that_repeats_its_steps_places_each_request_where_it_went_in_the_step_before", "[allocator]") {
   // Two allocators run the same program; in `other` the steps differ, so it
   // has no plan and best fit decides.
