@@ -15,8 +15,9 @@ either); its figure, from the replay, is printed beside them.
 - whole run: every request's lifetime known before the first one is made.
   Greedy by size (largest first, each at the lowest address that is free for
   its whole lifetime; Pisarchyk and Lee, "Efficient memory management for
-  deep neural net inference", 2020). A bound on what any plan made from
-  the past could reach; it is not optimal either (the problem is NP-hard).
+  deep neural net inference", 2020); among equal sizes the earlier first,
+  or the longer-lived first (the better layout of the two counts). A
+  heuristic, not an optimum (the problem is NP-hard), so not a bound.
 - step by step: at each iteration mark the coming step's requests and
   their lifetimes are known exactly, and the blocks alive at the mark stay
   where earlier steps put them; each step is packed greedy by size around
