@@ -57,12 +57,14 @@ NEVER = np.iinfo(np.int64).max  # the death of a block the trace never frees
 @dataclass
 class Requests:
     """A trace's allocations as arrays, in the order they were made: rounded
-    size, birth and death (op indices), and the step (iterations before it)."""
+    size, birth and death (op indices), and the step (iterations before it);
+    and (born, index) for each birth and death, in time order."""
 
     size: np.ndarray
     birth: np.ndarray
     death: np.ndarray
     step: np.ndarray
+    events: List[Tuple[bool, int]]
 
 
 def requests_of(ops: Sequence[tuple]) -> Requests:
@@ -95,8 +97,11 @@ def requests_of(ops: Sequence[tuple]) -> Requests:
             death[index] = t
         elif kind == "iteration":
             steps += 1
+    timed = sorted([(b, True, i) for i, b in enumerate(birth)] +
+                   [(d, False, i) for i, d in enumerate(death) if d != NEVER])
     return Requests(np.array(size, dtype=np.int64), np.array(birth, dtype=np.int64),
-                    np.array(death, dtype=np.int64), np.array(step, dtype=np.int64))
+                    np.array(death, dtype=np.int64), np.array(step, dtype=np.int64),
+                    [(born, i) for _, born, i in timed])
 
 
 def peak_allocated(requests: Requests) -> int:
@@ -105,13 +110,6 @@ def peak_allocated(requests: Requests) -> int:
     change = np.concatenate([requests.size, -requests.size[requests.death != NEVER]])
     order = np.argsort(events, kind="stable")
     return int(np.max(np.cumsum(change[order]), initial=0))
-
-
-def lifetime_events(requests: Requests) -> List[Tuple[bool, int]]:
-    """(born, index) for each birth and death, in time order."""
-    events = sorted([(int(b), True, i) for i, b in enumerate(requests.birth)] +
-                    [(int(d), False, i) for i, d in enumerate(requests.death) if d != NEVER])
-    return [(born, i) for _, born, i in events]
 
 
 class Layout:
@@ -166,7 +164,7 @@ class Layout:
         last = (self.address + r.size - 1) // PAGE
         in_use: Dict[int, int] = {}
         most = 0
-        for born, i in lifetime_events(r):
+        for born, i in r.events:
             for page in range(int(first[i]), int(last[i]) + 1):
                 count = in_use.get(page, 0) + (1 if born else -1)
                 if count:
@@ -198,7 +196,7 @@ def check_layout(layout: Layout) -> None:
     r = layout.requests
     live: Dict[int, int] = {}  # address -> index, of live blocks
     starts: List[int] = []
-    for born, i in lifetime_events(r):
+    for born, i in r.events:
         a = int(layout.address[i])
         if not born:
             del live[a]
