@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -1347,6 +1348,9 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
                             format_size(bytes)));
   }
   s.process_events();
+  // More than half the address space can never be had, and rounding a size
+  // this close to 2**64 up to a block or page would wrap around to a small one.
+  if (bytes > std::numeric_limits<std::size_t>::max() / 2) s.out_of_memory(bytes, stream);
   const std::size_t size = round_up(bytes, s.options.round_bytes);
   const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
   ++s.tick;

@@ -45,6 +45,7 @@ __all__ = [
 ROLES = (None, "guaranteed", "opportunistic")
 CAP_ONLY_WORDS = ("cap_only", "none")  # spellings of role=None where a string is needed (COTENANT_CONF)
 JOB_PID_VARIABLE = "COTENANT_JOB_PID"  # set by `cotenant run`: the one process that is the job
+_BYTES_LIMIT = 2**64  # sizes and caps are 64-bit byte counts in the allocator
 
 log = logging.getLogger("cotenant")
 
@@ -66,6 +67,9 @@ class _State:
         self.optimizer_hook: Any = None
         self.own_host_headroom: Optional[int] = None          # the job's own (enable(), set_host_headroom())
         self.coordinator_host_headroom: Optional[int] = None  # the node's, from the coordinator
+        # What the first enable() registered with (name, socket, persistent_memory): a later enable() may
+        # repeat them but not change them.
+        self.fixed_at_enable: Dict[str, Any] = {}
 
 
 _state = _State()
@@ -122,6 +126,9 @@ def to_cap(size: Any):
     if size is not None and not isinstance(size, (int, float, str, _core.Cap)):
         raise TypeError(f"a memory cap must be bytes (int), a size string such as \"6GiB\", a fraction such as "
                         f"0.5, or None; got {type(size).__name__}")
+    if isinstance(size, int) and size >= _BYTES_LIMIT:
+        raise ValueError(f"a memory cap of {size} bytes is more than 2**64-1 bytes; give a size such as \"6GiB\", "
+                         f"or None for no cap")
     try:
         return _core.Cap(size)
     except _core.Error as error:
@@ -135,6 +142,8 @@ def _parse_bytes(size: Union[int, str, None], what: str, example: str) -> Option
     if isinstance(size, int) and not isinstance(size, bool):
         if size < 0:
             raise ValueError(f"{what} cannot be {size} bytes; pass a size such as \"{example}\"")
+        if size >= _BYTES_LIMIT:
+            raise ValueError(f"{what} cannot be {size} bytes, more than 2**64-1; pass a size such as \"{example}\"")
         return size
     if isinstance(size, str):
         from cotenant import _core  # the one size parser
@@ -253,6 +262,11 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     default COTENANT_HOST_HEADROOM. With a coordinator the larger of this and
     its [memory] host_headroom holds; 4 GiB when neither is given.
 
+    Called again once cotenant is on (say, in a script that `cotenant run`
+    started), it applies memory_cap, host_headroom and host_reserve as
+    set_memory_cap() and the others do, and raises RuntimeError for a role,
+    device, name, socket or persistent_memory other than the first call's.
+
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
     Raises NoGpuError without a usable GPU, RuntimeError when PyTorch's own
     allocator already holds CUDA memory (the message says how to fix it), and
@@ -280,10 +294,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         return False
     with _state.lock:
         if _state.enabled:
-            if role != _state.role or index != _state.device:
-                raise RuntimeError(
-                    f"cotenant is already enabled with role={_state.role!r} on cuda:{_state.device}; "
-                    f"it cannot switch to role={role!r} on cuda:{index} in the same process")
+            _enable_again(role, index, memory_cap, headroom_bytes, reserve_bytes,
+                          {"name": name, "socket": socket, "persistent_memory": persistent_bytes})
             return True
         _refuse_if_torch_already_allocated()
         settings.warn_ignored_pytorch_options()
@@ -301,6 +313,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
             raise NoGpuError(reason)
         _C.install()  # raises _C.Error (a RuntimeError) if CUDA memory already exists
         _state.enabled, _state.device, _state.role = True, index, role
+        _state.fixed_at_enable = {"name": name, "socket": socket, "persistent_memory": persistent_bytes}
         _install_optimizer_safe_point()
         _report_the_cap_in_mem_get_info()
         _count_graph_replays_as_ops()
@@ -316,6 +329,32 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
         _activate_gate(role, index)
         atexit.register(_shutdown)
     return True
+
+
+def _enable_again(role: Optional[str], index: int, memory_cap: SizeLike, headroom_bytes: Optional[int],
+                  reserve_bytes: Optional[int], fixed: Dict[str, Any]) -> None:
+    """enable() in a process where cotenant is on already (the start-up hook of
+    `cotenant run` enabled it, or the script calls enable() twice): the cap,
+    host headroom and host reserve it gives are applied as their setters
+    would; the role, device, name, socket and persistent memory were fixed
+    at the first enable() (the coordinator knows the job by them), so a
+    different one is refused before anything changes."""
+    if role != _state.role or index != _state.device:
+        raise RuntimeError(
+            f"cotenant is already enabled with role={_state.role!r} on cuda:{_state.device}; "
+            f"it cannot switch to role={role!r} on cuda:{index} in the same process")
+    changed = [f"{key}={value!r} (it is {_state.fixed_at_enable.get(key)!r})" for key, value in fixed.items()
+               if value is not None and value != _state.fixed_at_enable.get(key)]
+    if changed:
+        raise RuntimeError(
+            f"cotenant is already enabled in this process; enable() cannot change {', '.join(changed)}: the job "
+            "registered with it. Give it to the first enable() (or to `cotenant run`), or leave it out here")
+    if memory_cap is not None:
+        set_memory_cap(memory_cap, index)
+    if headroom_bytes is not None:
+        set_host_headroom(headroom_bytes)
+    if reserve_bytes:
+        reserve_host_memory(reserve_bytes, index)
 
 
 def enable_from_environment() -> bool:

@@ -358,7 +358,14 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     # only the latest samples); ask the coordinator when the file is not readable.
     path = args.history or paths.history_path(args.socket or paths.default_socket_path())
     if os.access(path, os.R_OK):
-        records = timeline.load_history(path)
+        try:
+            records = timeline.load_history(path)
+        except OSError as error:
+            print(f"cotenant timeline: cannot read {path}: {error.strerror or error}", file=sys.stderr)
+            return 1
+        except timeline.HistoryError as error:
+            print(f"cotenant timeline: {error}", file=sys.stderr)
+            return 1
     elif args.history:
         print(f"cotenant timeline: cannot read {path}", file=sys.stderr)
         return 1
@@ -369,7 +376,12 @@ def cmd_timeline(args: argparse.Namespace) -> int:
             print(f"cotenant timeline: no coordinator is running and there is no recorded history at {path}",
                   file=sys.stderr)
             return 1
-    n = timeline.plot(records, args.output)
+    try:
+        n = timeline.plot(records, args.output)
+    except OSError as error:  # not main()'s PermissionError: this is the output file, not the socket
+        print(f"cotenant timeline: cannot write {args.output}: {error.strerror or error}; give -o a path in a "
+              "directory you can write", file=sys.stderr)
+        return 1
     print(f"wrote {args.output} ({n} samples)")
     return 0
 

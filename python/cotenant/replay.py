@@ -301,6 +301,8 @@ def snapshot_ops(snapshot: Dict[str, Any], path: str = "<snapshot>", device: Opt
     are allocated at the start too, with their requested sizes.
     """
     events = _device_trace(snapshot, path, device)
+    if not isinstance(snapshot.get("external_annotations") or [], list):
+        raise TraceError(path, None, f'the snapshot\'s "external_annotations" is not a list; {_NOT_A_TRACE}')
     blocks = _walk_blocks(events, path, _iteration_marks(snapshot, device))
     if not any(op[0] != "iteration" for op, _ in blocks.body):
         raise TraceError(path, None, "the snapshot's device trace has no alloc or free actions")
@@ -321,7 +323,9 @@ def snapshot_ops(snapshot: Dict[str, Any], path: str = "<snapshot>", device: Opt
 
 
 def _first_traced_device(snapshot: Dict[str, Any]) -> int:
-    return next((i for i, t in enumerate(snapshot.get("device_traces") or []) if t), 0)
+    # A trace that is not a list counts as traced, so that _device_trace refuses it.
+    traces = snapshot.get("device_traces") or []
+    return next((i for i, t in enumerate(traces) if t or (t is not None and not isinstance(t, list))), 0)
 
 
 # Annotation ranges whose end is an iteration mark, in order of preference:
@@ -350,6 +354,9 @@ def _device_trace(snapshot: Dict[str, Any], path: str, device: Optional[int]) ->
     traces = snapshot.get("device_traces") or []
     if device is None:
         device = _first_traced_device(snapshot)
+    if device < len(traces) and traces[device] is not None and not isinstance(traces[device], list):
+        raise TraceError(path, None, f"the snapshot's device_traces[{device}] is not a list of trace entries; "
+                         f"{_NOT_A_TRACE}")
     if device >= len(traces) or not traces[device]:
         raise TraceError(path, None, "the snapshot's device trace is empty: record it with "
                          "torch.cuda.memory._record_memory_history() before the work you want to replay")
@@ -400,9 +407,13 @@ def _walk_blocks(events: List[Dict[str, Any]], path: str, marks: Sequence[int] =
         if action not in ("alloc", "free_completed", "free"):
             continue
         where = f"device trace entry {index}"
-        address, size = event.get("addr"), event.get("size")
+        address, size, stream = event.get("addr"), event.get("size"), event.get("stream", 0)
         if not isinstance(address, int) or not isinstance(size, int) or size < 0:
             raise TraceError(path, where, f'"{action}" needs an integer "addr" and "size"')
+        if size >= 2**64:
+            raise TraceError(path, where, f'"size" is too large (got {size}; the most is 2**64-1 bytes)')
+        if isinstance(stream, int) and stream >= 2**64:
+            raise TraceError(path, where, f'"stream" must be below 2**64, not {stream}')
         if action == "alloc":
             block_id = walk.new_id()
             walk.live[address] = (block_id, size)

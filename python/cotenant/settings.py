@@ -110,7 +110,11 @@ def _whole_number(minimum: int) -> Callable[[str], int]:
     return check
 
 
-def _number(minimum: float) -> Callable[[str], float]:
+# The gate holds its window as a signed 64-bit count of nanoseconds.
+_MAX_WINDOW_MS = float(2**63 // 10**6)
+
+
+def _number(minimum: float, maximum: float) -> Callable[[str], float]:
     def check(text: str) -> float:
         try:
             value = float(text)
@@ -118,6 +122,8 @@ def _number(minimum: float) -> Callable[[str], float]:
             raise ValueError(f"{text!r} is not a number") from None
         if not value >= minimum:
             raise ValueError(f"{value} must be at least {minimum}")
+        if not value <= maximum:  # also inf
+            raise ValueError(f"{value} must be at most {maximum:g}")
         return value
 
     return check
@@ -177,7 +183,8 @@ SETTINGS = (
     Setting("share", "COTENANT_SHARE", _share, "0.5", "the job's own compute share at start, 0 to 1"),
     Setting("gate_max_in_flight", "COTENANT_GATE_MAX_IN_FLIGHT", _whole_number(1), "2",
             "the launch gate's admitted ops in flight"),
-    Setting("gate_window_ms", "COTENANT_GATE_WINDOW_MS", _number(1.0), "50", "the share's duty-cycle window (ms)"),
+    Setting("gate_window_ms", "COTENANT_GATE_WINDOW_MS", _number(1.0, _MAX_WINDOW_MS), "50",
+            "the share's duty-cycle window (ms)"),
     Setting("gpu_segment", "COTENANT_GPU_SEGMENT", _text, "/cotenant-gpu-mine",
             "the per-GPU segment's name (default: from the GPU's UUID)"),
     Setting("gate_group", "COTENANT_GATE_GROUP", _group, "cotenant",

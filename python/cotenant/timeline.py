@@ -7,17 +7,43 @@ from collections import defaultdict
 from typing import Any, Dict, Iterable, List
 
 
+class HistoryError(ValueError):
+    """A file that is not a coordinator history; the message names it and what to give instead."""
+
+
+_SAMPLE_KEYS = ("t", "job", "role", "device_bytes", "host_bytes", "share")
+
+
+def _not_a_history(path: str, why: str) -> HistoryError:
+    return HistoryError(f"{path} is not a coordinator history ({why}); give the coordinator's "
+                        "<socket>.history.jsonl, or leave out --history to ask the running coordinator")
+
+
 def load_history(path: str) -> List[Dict[str, Any]]:
+    """The records of a coordinator's history file (JSON lines). A line that
+    is not JSON is skipped (a kill -9 cuts the last one short); a line that is
+    JSON but no history record, or bytes that are not text, raise HistoryError.
+    OSError when the file cannot be read."""
     records = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut short by a kill -9
+    with open(path, encoding="utf-8") as f:
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError:
+            raise _not_a_history(path, "it is not UTF-8 text") from None
+    for number, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill -9
+        if not isinstance(record, dict) or not isinstance(record.get("t"), (int, float)):
+            raise _not_a_history(path, f"line {number} is not a record with a time \"t\"")
+        if "device_bytes" in record and any(key not in record for key in _SAMPLE_KEYS):
+            missing = ", ".join(key for key in _SAMPLE_KEYS if key not in record)
+            raise _not_a_history(path, f"line {number} is a sample without {missing}")
+        records.append(record)
     return records
 
 

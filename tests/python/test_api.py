@@ -568,6 +568,66 @@ def test_persistent_memory_is_read_by_the_one_size_parser():
         api.parse_persistent_memory(1.5)
 
 
+@pytest.mark.parametrize("parse", [api.parse_memory_cap, api.parse_persistent_memory, api.parse_host_reserve,
+                                   api.parse_host_headroom])
+def test_a_size_beyond_64_bits_is_refused_naming_the_limit_not_a_binding_error(parse):
+    # set_memory_cap(10**30) raised pybind11's "Unable to cast Python instance
+    # of type <class 'int'> to C++ type '?'", and set_host_headroom(10**30) a
+    # TypeError listing the binding's signature (after it had kept the bad
+    # headroom in its state).
+    for size in (2**64, 10**30):
+        with pytest.raises(ValueError, match=r"2\*\*64") as caught:
+            parse(size)
+        assert "6GiB" in str(caught.value) or "4GiB" in str(caught.value) or "10GiB" in str(caught.value)
+
+
+def test_a_cap_beyond_64_bits_for_the_coordinator_is_refused_as_the_api_refuses_it():
+    from cotenant.coordinator import client
+
+    with pytest.raises(ValueError, match=r"2\*\*64"):
+        client._cap(2**64)
+    with pytest.raises(TypeError):
+        client._cap(True)
+    assert client._cap("50%") == "0.5" and client._cap(4096) == 4096 and client._cap("none") is None
+
+
+def test_a_second_enable_applies_its_cap_instead_of_dropping_it(monkeypatch):
+    # enable() again with the same role and device returned True and kept the
+    # old cap: the new one was lost without a word.
+    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
+    monkeypatch.delenv("COTENANT_CONF", raising=False)
+    monkeypatch.delenv("COTENANT_DEVICE", raising=False)
+    applied = []
+    monkeypatch.setattr(api, "set_memory_cap", lambda size, device=None: applied.append(("cap", size, device)))
+    monkeypatch.setattr(api, "set_host_headroom", lambda size: applied.append(("headroom", size)))
+    monkeypatch.setattr(api._state, "enabled", True)
+    monkeypatch.setattr(api._state, "device", 0)
+    monkeypatch.setattr(api._state, "role", "opportunistic")
+    monkeypatch.setattr(api._state, "fixed_at_enable", {"name": None, "socket": None, "persistent_memory": None},
+                        raising=False)
+    assert cotenant.enable("opportunistic", memory_cap="2GiB", host_headroom="1GiB") is True
+    assert applied == [("cap", "2GiB", 0), ("headroom", 1 << 30)]
+
+
+def test_a_second_enable_refuses_a_name_it_cannot_apply_and_keeps_the_first(monkeypatch):
+    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
+    monkeypatch.delenv("COTENANT_CONF", raising=False)
+    monkeypatch.delenv("COTENANT_DEVICE", raising=False)
+    applied = []
+    monkeypatch.setattr(api, "set_memory_cap", lambda size, device=None: applied.append(size))
+    monkeypatch.setattr(api._state, "enabled", True)
+    monkeypatch.setattr(api._state, "device", 0)
+    monkeypatch.setattr(api._state, "role", None)
+    monkeypatch.setattr(api._state, "fixed_at_enable", {"name": "trainer", "socket": None,
+                                                        "persistent_memory": None}, raising=False)
+    assert cotenant.enable(name="trainer") is True  # the same name: nothing to change
+    with pytest.raises(RuntimeError) as caught:
+        cotenant.enable(name="other", memory_cap="2GiB")
+    message = str(caught.value)
+    assert "name='other'" in message and "'trainer'" in message and "already enabled" in message
+    assert applied == []  # refused before anything changed
+
+
 def test_the_optimizer_safe_point_hooks_into_torch_optimizer_steps(monkeypatch):
     # The wiring to torch's optimizer hooks, on the CPU: a stand-in for the
     # extension records what enable()'s hook asks of it after each step.

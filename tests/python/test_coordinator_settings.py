@@ -68,6 +68,9 @@ def test_printed_config_reads_back_to_the_same_settings(tmp_path):
     ('[jobs]\ntick_s = 0\n', ["[jobs] tick_s", "above 0"]),
     ('[memory]\ncgroup_root = "sys/fs/cgroup"\n', ["[memory] cgroup_root", "give an absolute path"]),
     ('[share\n', ["not a TOML file"]),
+    # Past 64 bits: accepted, then a TypeError from format_size (--print-config) or the daemon.
+    ('[memory]\nhost_headroom = 99999999999999999999999\n', ["[memory] host_headroom", "2**64"]),
+    ('[history]\nmax_size = 18446744073709551616\n', ["[history] max_size", "2**64"]),
 ])
 def test_a_bad_config_file_is_refused_naming_the_setting(tmp_path, text, words):
     path = tmp_path / "bad.toml"
@@ -76,6 +79,16 @@ def test_a_bad_config_file_is_refused_naming_the_setting(tmp_path, text, words):
         parse("--config", str(path))
     for word in words:
         assert word in str(caught.value), str(caught.value)
+
+
+def test_a_config_file_that_is_not_text_is_refused_naming_the_file(tmp_path):
+    # tomllib raises UnicodeDecodeError, which the command printed as
+    # "cotenant: 'utf-8' codec can't decode byte 0xff in position 0", naming no file.
+    path = tmp_path / "coordinator.toml"
+    path.write_bytes(b"\xff\xfe[memory]\n")
+    with pytest.raises(coordinator_settings.SettingsError) as caught:
+        parse("--config", str(path))
+    assert f"--config {path}: not a TOML file" in str(caught.value) and "UTF-8" in str(caught.value)
 
 
 def test_settings_that_contradict_each_other_are_refused():

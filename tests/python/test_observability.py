@@ -159,6 +159,45 @@ def test_timeline_groups_by_gpu_key_so_one_gpu_is_one_column():
     assert len(fig.axes) == 2  # one column: memory and share
 
 
+SAMPLE = {"t": 0.0, "gpu": 0, "gpu_key": "GPU-a", "job": "a", "role": "guaranteed", "cap": None,
+          "device_bytes": 1, "host_bytes": 0, "share": 1.0}
+
+
+@pytest.mark.parametrize("content", [
+    b"\x89PNG\r\n\x1a\n\x00\x00",                 # an image: 'utf-8' codec can't decode byte 0x89
+    b"[1, 2]\n",                                        # AttributeError: 'list' object has no attribute 'get'
+    b'{"t": 0, "device_bytes": 1}\n',                   # KeyError: 'job'
+])
+def test_timeline_of_a_file_that_is_not_a_coordinator_history_says_so(tmp_path, capsys, content):
+    history = tmp_path / "wrong.jsonl"
+    history.write_bytes(content)
+    code = cli.main(["timeline", "--history", str(history), "-o", str(tmp_path / "t.png")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert str(history) in err and "not a coordinator history" in err and "history.jsonl" in err, err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_timeline_of_a_directory_says_it_cannot_read_it(tmp_path, capsys):
+    code = cli.main(["timeline", "--history", str(tmp_path), "-o", str(tmp_path / "t.png")])
+    err = capsys.readouterr().err
+    assert code == 1 and f"cannot read {tmp_path}" in err, err
+
+
+def test_timeline_that_cannot_write_its_output_says_where_and_why(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import json
+
+    history = tmp_path / "h.jsonl"
+    history.write_text(json.dumps(SAMPLE) + "\n")
+    output = tmp_path / "no such directory" / "t.png"
+    code = cli.main(["timeline", "--history", str(history), "-o", str(output)])  # FileNotFoundError, a traceback
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"cannot write {output}" in err and "No such file or directory" in err, err
+    assert "coordinator socket" not in err
+
+
 # Modules that run inside a job; they speak through the "cotenant" logger, never print.
 JOB_SIDE = ["api.py", "gate.py", "settings.py", "launch.py", "_autoenable/sitecustomize.py",
             "coordinator/client.py", "coordinator/paths.py", "coordinator/protocol.py"]

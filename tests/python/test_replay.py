@@ -466,6 +466,36 @@ def test_a_pickle_that_would_import_code_is_refused(tmp_path, capsys):
     assert "not a cotenant trace" in err
 
 
+@pytest.mark.parametrize("data, words", [
+    # A device trace that is not a list of entries: TypeError: 'int' object is not iterable.
+    ({"device_traces": [5]}, ["device_traces[0]", "not a list"]),
+    # Annotations that are not a list: the same TypeError.
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 10, "time_us": 1}]], "external_annotations": 5},
+     ["external_annotations", "not a list"]),
+    # Sizes and streams past 64 bits: pybind11's "Unable to cast Python instance of type <class 'int'>".
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 2**70}]]}, ["device trace entry 0", '"size"']),
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 10, "stream": 2**70}]]},
+     ["device trace entry 0", '"stream"']),
+])
+def test_a_snapshot_with_malformed_fields_is_refused_naming_them(tmp_path, capsys, data, words):
+    path = tmp_path / "odd.pickle"
+    path.write_bytes(pickle.dumps(data))
+    code, _, err = run_main(capsys, path)
+    assert code == 2
+    for word in words:
+        assert word in err, err
+
+
+def test_an_allocation_too_large_for_any_device_is_an_oom_not_a_crash(tmp_path):
+    # Rounding 2**64-1 bytes up to a block wrapped around to a small size: the
+    # replay crashed with SIGSEGV inside _core.
+    trace = write_jsonl(tmp_path / "huge.jsonl", [{"op": "alloc", "id": 1, "size": 2**64 - 1}])
+    done = subprocess.run([sys.executable, "-m", "cotenant.replay", "--json", trace],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert json.loads(done.stdout)["num_ooms"] == 1
+
+
 def test_a_truncated_snapshot_is_reported(tmp_path, capsys):
     data = pickle.dumps(snapshot([{"action": "alloc", "addr": i, "size": 512, "stream": 0} for i in range(100)]))
     path = tmp_path / "cut.pickle"

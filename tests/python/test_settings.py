@@ -33,6 +33,9 @@ def test_conf_string_gives_each_key_and_checks_its_value():
     ("gate_max_in_flight:0", ["gate_max_in_flight:0", "must be at least 1"]),
     ("cap:1GiB,cap:2GiB", ["'cap' is given twice"]),
     ("spill_without_cap:maybe", ["spill_without_cap:maybe", "write 1 or 0"]),
+    # Accepted before, and cast to a 64-bit count of nanoseconds in the extension (undefined for these).
+    ("gate_window_ms:inf", ["gate_window_ms:inf", "at most"]),
+    ("gate_window_ms:1e300", ["gate_window_ms:1e300", "at most"]),
 ])
 def test_a_malformed_conf_string_names_the_key_and_the_fix(text, words):
     with pytest.raises(settings.SettingsError) as caught:

@@ -236,14 +236,9 @@ def _cap(value: Any) -> Union[int, str, None]:
     """A cap for the wire, checked here by the one parser (cotenant._core.Cap):
     bytes stay an int, a fraction travels as its text and the coordinator
     resolves it on the job's GPU, none is null."""
-    from cotenant import _core
+    from cotenant.api import to_cap  # imports no torch
 
-    if isinstance(value, bool) or not isinstance(value, (int, float, str, type(None), _core.Cap)):
-        raise TypeError(f"a memory cap must be bytes, a size string, a fraction or None; got {type(value).__name__}")
-    try:
-        cap = _core.Cap(value)
-    except _core.Error as error:
-        raise ValueError(str(error)) from None
+    cap = to_cap(value)
     if cap.is_none:
         return None
     return cap.bytes if cap.bytes is not None else cap.text

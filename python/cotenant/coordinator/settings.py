@@ -41,6 +41,8 @@ def _size(value: Any) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError("a size cannot be negative")
+        if value >= 2**64:
+            raise ValueError("a size is at most 2**64-1 bytes; give one such as \"512MiB\"")
         return value
     if not isinstance(value, str):
         raise ValueError("give a size such as \"512MiB\"")
@@ -229,6 +231,8 @@ def load_file(path: str) -> Dict[Tuple[str, str], Any]:
         raise SettingsError(f"--config {path}: cannot read it ({error.strerror or error})") from None
     except toml.TOMLDecodeError as error:
         raise SettingsError(f"--config {path}: not a TOML file: {error}") from None
+    except UnicodeDecodeError:
+        raise SettingsError(f"--config {path}: not a TOML file: it is not UTF-8 text") from None
     tables = sorted({s.table for s in SETTINGS})
     values: Dict[Tuple[str, str], Any] = {}
     for table, body in document.items():
