@@ -299,6 +299,7 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
             return True
         _refuse_if_torch_already_allocated()
         settings.warn_ignored_pytorch_options()
+        settings.warn_unknown_variables()
         settings.export_for_extension()  # the allocator reads its two options with getenv
         _C = _extension()
         available, reason = _C.gpu_available()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -54,6 +55,17 @@ def _gpu_list(text: str) -> List[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--gpus takes GPU indices separated by commas, like 0,1; not {text!r}") from None
+
+
+def _interval(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 86400:  # also nan
+        raise argparse.ArgumentTypeError(f"seconds between refreshes: a number more than 0 (such as 1 or 0.5), "
+                                         f"not {text!r}")
+    return seconds
 
 
 # --- status ------------------------------------------------------------------
@@ -216,6 +228,9 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
 
     env = dict(os.environ if base is None else base)
     settings.check_all(env)  # a malformed COTENANT_CONF fails here, before the program starts
+    for variable in settings.unknown_variables(env):  # a misspelled one would leave the job uncapped
+        print(f"cotenant run: warning: cotenant reads no variable named {variable}; it has no effect",
+              file=sys.stderr)
     env["COTENANT_ENABLE"] = "1"
     if args.allow_uncapped:
         env["COTENANT_ALLOW_UNCAPPED"] = "1"
@@ -386,11 +401,22 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reads an argument such as "-1G" or "-0.5" as a value, not as an
+    unknown option (Python 3.13's rule, here on every version), so that a
+    negative size reaches the size parser, whose error names it, instead of
+    argparse's "expected one argument". Every subcommand's parser is one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-\.?\d")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cotenant import __version__
     from cotenant.queue_commands import add_queue_arguments, add_queue_commands, add_scheduler_arguments
 
-    parser = argparse.ArgumentParser(prog="cotenant", description="Share NVIDIA GPUs between PyTorch jobs.")
+    parser = _Parser(prog="cotenant", description="Share NVIDIA GPUs between PyTorch jobs.")
     parser.add_argument("--version", action="version", version=f"cotenant {__version__}")
     sub = parser.add_subparsers(dest="subcommand", required=True)
 
@@ -418,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_socket(sub.add_parser("status", help="show the jobs, their memory and shares"))
     p.add_argument("--json", action="store_true", help="print the coordinator's view as JSON")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    p.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes with --watch")
     p.set_defaults(func=cmd_status)
 
     p = with_socket(sub.add_parser("set-cap", help="bound a job's device memory"))

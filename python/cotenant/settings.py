@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional
 
 __all__ = ["SETTINGS", "SettingsError", "get", "value", "flag", "parse_conf", "check_all", "warn_ignored_pytorch_options",
-           "CONF_VARIABLE"]
+           "unknown_variables", "warn_unknown_variables", "CONF_VARIABLE"]
 
 CONF_VARIABLE = "COTENANT_CONF"
 _TRUE_WORDS = ("1", "true", "yes", "on")
@@ -304,6 +304,47 @@ def export_for_extension(environ=None) -> None:
 def describe() -> List[str]:
     """One line per setting: key, variable, meaning (for docs and --help)."""
     return [f"{s.key:<20} {s.variable:<28} {s.meaning}" for s in SETTINGS]
+
+
+# ---- variables that are no setting ------------------------------------------------------
+
+# COTENANT_* variables that are no setting of a job: what `cotenant run`, its
+# queue and the cluster hand a job besides its settings, and what the build,
+# the tests and the benchmarks read. tests/python/test_settings.py checks that
+# every COTENANT_ variable the project reads is a setting's or one of these.
+HANDED_TO_JOBS = ("COTENANT_JOB_PID", "COTENANT_QUEUE_GPUS", "COTENANT_CLUSTER_JOB")
+BUILD_AND_TEST_VARIABLES = (
+    "COTENANT_VENV", "COTENANT_SKIP_APT", "COTENANT_BUILD_ROOT", "COTENANT_CMAKE_ARGS", "COTENANT_CMAKE_BUILD_DIR",
+    "COTENANT_SANITIZE", "COTENANT_REQUIRE_TORCH_EXTENSION", "COTENANT_TORCH_CMAKE_PREFIX", "COTENANT_TORCH_LIB_DIR",
+    "COTENANT_PYTHON_OUTPUT_DIR", "COTENANT_WHEEL", "COTENANT_SDIST", "COTENANT_PYTORCH_REPLAY", "COTENANT_SOAK_S",
+    "COTENANT_TIRESIAS_TRACE", "COTENANT_BENCH_OVER_FAKE",
+)
+_warned_unknown: set = set()
+
+
+def unknown_variables(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """The COTENANT_* variables of the environment that cotenant does not
+    read (a misspelled COTENANT_MEMORY_CAP would leave the job uncapped), each
+    as "VARIABLE (did you mean ...?)" where a setting's variable is close."""
+    env = os.environ if environ is None else environ
+    known = {s.variable for s in SETTINGS} | {CONF_VARIABLE, *HANDED_TO_JOBS, *BUILD_AND_TEST_VARIABLES}
+    found = []
+    for variable in sorted(name for name in env if name.startswith("COTENANT_") and name not in known):
+        near = difflib.get_close_matches(variable, [s.variable for s in SETTINGS], n=1, cutoff=0.75)
+        found.append(f"{variable} (did you mean {near[0]}?)" if near else variable)
+    return found
+
+
+def warn_unknown_variables(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Logs, once per variable and process, the COTENANT_* variables cotenant does not read."""
+    unknown = unknown_variables(environ)
+    new = [item for item in unknown if item not in _warned_unknown]
+    if new:
+        _warned_unknown.update(new)
+        log.warning("cotenant reads no variable named %s, so it has no effect; the job's settings are %s "
+                    "(or their keys in COTENANT_CONF)", ", ".join(new),
+                    ", ".join(s.variable for s in SETTINGS))
+    return unknown
 
 
 # ---- PyTorch's allocator settings --------------------------------------------------------

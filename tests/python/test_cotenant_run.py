@@ -172,3 +172,30 @@ def test_run_help_describes_allow_uncapped():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert "--allow-uncapped" in sub.choices["run"].format_help()
+
+
+# ---- values that start with a minus sign -----------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [
+    ["set-cap", "trainer", "-1G"],
+    ["set-cap", "trainer", "-0.5"],
+    ["run", "--opportunistic", "--cap", "-1G", "--", "true"],
+    ["run", "--opportunistic", "--cap=-1G", "--", "true"],
+])
+def test_a_negative_cap_is_refused_as_negative_not_as_a_missing_argument(args, capsys):
+    # argparse used to read "-1G" as an unknown option: "expected one argument", or "the following
+    # arguments are required: size", with nothing about the sign.
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err
+    assert "a cap cannot be negative" in err and "required" not in err and "expected one argument" not in err
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan"])
+def test_status_watch_refuses_an_interval_that_is_not_positive(interval, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["status", "--watch", "--interval", interval])
+    assert exited.value.code == 2
+    assert f"seconds between refreshes: a number more than 0 (such as 1 or 0.5), not {interval!r}" in \
+        capsys.readouterr().err

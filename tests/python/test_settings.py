@@ -58,10 +58,54 @@ def test_every_job_side_variable_the_code_reads_is_a_conf_key():
     read = set()
     for path in list((ROOT / "python" / "cotenant").rglob("*.py")) + list((ROOT / "csrc").rglob("*.cpp")):
         read |= set(re.findall(r"\"(COTENANT_[A-Z_]+)\"", path.read_text()))
-    not_settings = {"COTENANT_CONF", "COTENANT_JOB_PID", "COTENANT_QUEUE_GPUS",  # the string; outputs to the program
-                    "COTENANT_CLUSTER_JOB"}
+    # The string, outputs to the program, and the names settings.py lists as no job's setting.
+    not_settings = {settings.CONF_VARIABLE, *settings.HANDED_TO_JOBS, *settings.BUILD_AND_TEST_VARIABLES}
     assert read - not_settings <= {s.variable for s in settings.SETTINGS}, read - not_settings
     assert {"COTENANT_HOST_PAGES", "COTENANT_SPILL_WITHOUT_CAP", "COTENANT_MEMORY_CAP"} <= read
+
+
+def test_every_cotenant_variable_the_project_reads_is_known_so_none_is_warned_about():
+    # Build, test and benchmark variables too: a user who builds and runs in one shell must not be told
+    # that a variable the build reads has no effect.
+    read = set()
+    for path in ROOT.rglob("*"):
+        if ".git" in path.parts or not path.is_file() or path == Path(__file__):  # this file names made-up ones
+            continue
+        if path.suffix in (".py", ".cpp", ".h"):
+            read |= set(re.findall(r"\"(COTENANT_[A-Z0-9_]*[A-Z0-9])\"", path.read_text(errors="replace")))
+        elif path.suffix == ".sh" or path.name == "run":
+            read |= set(re.findall(r"\$\{?(COTENANT_[A-Z0-9_]*[A-Z0-9])", path.read_text(errors="replace")))
+        elif path.name == "CMakeLists.txt" or path.suffix == ".cmake":  # ${COTENANT_...} there are CMake's own
+            read |= set(re.findall(r"ENV\{(COTENANT_[A-Z0-9_]*[A-Z0-9])\}", path.read_text(errors="replace")))
+    assert {"COTENANT_MEMORY_CAP", "COTENANT_VENV", "COTENANT_SKIP_APT"} <= read  # the scan finds each kind
+    assert settings.unknown_variables({name: "1" for name in read}) == []
+
+
+def test_a_misspelled_variable_is_named_with_the_setting_it_is_close_to(caplog, monkeypatch):
+    monkeypatch.setattr(settings, "_warned_unknown", set())
+    misspelled = "COTENANT_" + "CAP"  # built here, so that the scan above does not read it as a variable
+    env = {misspelled: "6GiB", "COTENANT_MEMORY_CAP" + "P": "1GiB", "COTENANT_" + "ZZZ": "1",
+           "COTENANT_MEMORY_CAP": "2GiB", "COTENANT_CONF": "cap:2GiB", "COTENANT_JOB_PID": "1"}
+    assert settings.unknown_variables(env) == [
+        "COTENANT_CAP (did you mean COTENANT_MEMORY_CAP?)", "COTENANT_MEMORY_CAPP (did you mean COTENANT_MEMORY_CAP?)",
+        "COTENANT_ZZZ"]
+    with caplog.at_level(logging.WARNING, logger="cotenant"):
+        settings.warn_unknown_variables(env)
+        settings.warn_unknown_variables(env)
+    warnings = [r.getMessage() for r in caplog.records if "reads no variable" in r.getMessage()]
+    assert len(warnings) == 1 and "COTENANT_CAP (did you mean COTENANT_MEMORY_CAP?)" in warnings[0]
+    assert settings.unknown_variables({"COTENANT_MEMORY_CAP": "2GiB", "PATH": "/bin"}) == []
+
+
+def test_cotenant_run_warns_of_a_misspelled_variable_before_the_program_starts():
+    from coordinator_harness import child_env
+
+    out = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", "--allow-uncapped", "--",
+                          sys.executable, "-c", "print('ran')"],
+                         env={**child_env(), "COTENANT_" + "CAP": "6GiB"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "cotenant reads no variable named COTENANT_CAP (did you mean COTENANT_MEMORY_CAP?)" in out.stderr
+    assert "ran" in out.stdout
 
 
 def test_conf_string_reaches_the_readers_of_socket_device_and_disable(monkeypatch):
