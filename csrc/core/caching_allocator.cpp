@@ -450,6 +450,7 @@ struct CachingAllocator::State {
     // Live before anything is released or mapped, so no cache release for
     // this allocation can take back a page of this same block.
     for (std::size_t i = first; i <= last; ++i) page_gains_live(segment, i);
+    bool marked_live = true;  // until undone, once: an error while undoing must not undo again
     try {
       std::size_t unmapped = 0;
       bool churns = false;  // a page the cold-cache rule released and a later step needs again
@@ -474,6 +475,7 @@ struct CachingAllocator::State {
         if (handle && handle.where == Residency::kDevice) own_device_bytes += page_bytes;
         if (!handle) {
           for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
+          marked_live = false;
           // The block was never handed out, so no work on any stream can
           // touch these pages: no synchronize before they go.
           for (std::size_t j : mapped_here) unmap_page(segment, j, /*synchronized=*/true);
@@ -488,7 +490,9 @@ struct CachingAllocator::State {
       if (churns) cold_rule_floor = std::max(cold_rule_floor, stats.reserved_bytes.all.current);
     } catch (...) {
       // A driver call failed: pages mapped so far stay, as cache.
-      for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
+      if (marked_live) {
+        for (std::size_t j = first; j <= last; ++j) page_loses_live(segment, j);
+      }
       throw;
     }
     for (std::size_t i = first; i <= last; ++i) segment.pages[i].last_use = tick;
@@ -1455,8 +1459,10 @@ void CachingAllocator::empty_cache() {
     if (std::any_of(segment.pages.begin(), segment.pages.end(), [](const Page& page) { return bool(page.handle); })) {
       continue;
     }
-    s.pool_erase(only);
+    // Given back first: a range the driver refuses to free stays a free
+    // arena in its pool, for a later empty_cache() or an allocation.
     s.backend.release(segment.base, segment.size);
+    s.pool_erase(only);
     s.delete_segment(segment);
   }
   s.mark_pending(pending_migrations_);  // released room may let host pages come back
