@@ -76,7 +76,7 @@ struct CachingAllocator::State {
   AllocatorStats stats;
   std::uint64_t cap = kNoCap;
   bool spill_everything = false;  // spill_all() in force until restore_all()
-  std::uint64_t tick = 0;         // counts allocations; a page's heat is the tick of its last use
+  std::uint64_t tick = 0;         // counts allocations and marks; a page's heat is the tick of its last use
   // Bytes of mapped pages no live block touches, by residency: lets the
   // allocation slow path skip a scan for cache when there is none.
   std::size_t cached_bytes[2] = {0, 0};
@@ -1488,7 +1488,9 @@ bool CachingAllocator::is_device_resident(DevicePtr address) const {
 void CachingAllocator::mark_iteration() {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
-  s.cold_before = s.tick + 1;
+  // A tick of its own: a free between this mark and the next allocation
+  // stamps its pages with it, so they are not cold.
+  s.cold_before = ++s.tick;
   s.last_iteration_peak = s.iteration_peak;
   s.iteration_peak = s.stats.allocated_bytes.all.current;
   const bool was_active = s.step_plan.active();

@@ -377,6 +377,36 @@ TEST_CASE("after_empty_cache_a_page_the_cold_cache_rule_released_before_does_not
   allocator.check_invariants();
 }
 
+TEST_CASE("a_page_freed_after_an_iteration_mark_is_not_cold_for_the_cold_cache_rule", "[allocator]") {
+  // The same program as above, but `x` is freed after the mark, before any
+  // allocation: a free is a use, so its pages are not cold in this
+  // iteration, and the 10 MiB block that fits no hole grows the arena
+  // instead of releasing them. (The free used to be stamped with the
+  // iteration before's time, so the rule released x's 4 pages.)
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr weights = allocator.allocate(2 * kMiB, 0);
+  const DevicePtr x = allocator.allocate(8 * kMiB, 0);
+  const DevicePtr carried = allocator.allocate(2 * kMiB, 0);
+  allocator.mark_iteration();
+  allocator.free(x);
+  const DevicePtr z = allocator.allocate(10 * kMiB, 0);
+  CHECK(z == carried + 2 * kMiB);
+  CHECK(device.calls().unmap == 0);
+  CHECK(allocator.stats().reserved_bytes.all.current == static_cast<std::int64_t>(22 * kMiB));
+  // At the next mark nothing has touched x's pages since: cold, and released
+  // when an allocation must grow past 1.05x the live peak (22 MiB).
+  allocator.free(z);
+  allocator.mark_iteration();
+  const DevicePtr big = allocator.allocate(18 * kMiB, 0);
+  CHECK(big == carried + 2 * kMiB);
+  CHECK(device.calls().unmap == 4);
+  allocator.free(big);
+  allocator.free(carried);
+  allocator.free(weights);
+  allocator.check_invariants();
+}
+
 TEST_CASE("a_loop_that_repeats_its_steps_places_each_request_where_it_went_in_the_step_before", "[allocator]") {
   // Two allocators run the same program; in `other` the steps differ, so it
   // has no plan and best fit decides.
