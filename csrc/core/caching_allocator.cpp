@@ -158,6 +158,20 @@ struct CachingAllocator::State {
     return options.spill_to_host && (effective_cap() != kNoCap || options.spill_without_cap);
   }
 
+  // More bytes of pages than one block could ever have: the device's, and
+  // where the block may spill, the host's too (what it has available, the
+  // kept pages, this allocator's host pages) when the backend knows them.
+  std::size_t most_one_block_could_hold() const {
+    const std::size_t device = backend.device_total_bytes();
+    if (!may_spill_allocation()) return device;
+    const std::optional<std::size_t> host = backend.host_available_bytes();
+    if (!host) return std::numeric_limits<std::size_t>::max();
+    const std::size_t quarter = std::numeric_limits<std::size_t>::max() / 4;  // no sum below wraps around
+    return std::min(device, quarter) + std::min(*host, quarter) +
+           std::min(static_cast<std::size_t>(host_pages->kept().current), quarter) +
+           std::min(static_cast<std::size_t>(stats.host_resident_bytes.current), quarter);
+  }
+
   void count_mapped(const Segment& segment, Residency where, bool mapped) {
     const auto bytes = static_cast<std::int64_t>(page_bytes);
     Stat& residency = where == Residency::kDevice ? stats.device_resident_bytes : stats.host_resident_bytes;
@@ -1356,6 +1370,9 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   // this close to 2**64 up to a block or page would wrap around to a small one.
   if (bytes > std::numeric_limits<std::size_t>::max() / 2) s.out_of_memory(bytes, stream);
   const std::size_t size = round_up(bytes, s.options.round_bytes);
+  // A block no residency could hold fails at once, before it maps the
+  // device full (and takes it from other processes) only to give it back.
+  if (round_up(size, s.page_bytes) > s.most_one_block_could_hold()) s.out_of_memory(bytes, stream);
   const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
   ++s.tick;
 

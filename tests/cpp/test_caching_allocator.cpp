@@ -182,21 +182,62 @@ TEST_CASE("out_of_memory_names_the_numbers_when_device_and_host_are_full", "[all
   allocator.free(live);
 }
 
-TEST_CASE("a_request_larger_than_the_device_leaves_nothing_mapped_for_itself", "[allocator]") {
+TEST_CASE("a_request_the_device_has_no_room_for_leaves_nothing_mapped_for_itself", "[allocator]") {
   SimulatedBackend device(device_config(16 * kMiB));
-  CachingAllocator allocator(device);
+  CachingAllocator other(device), allocator(device);
+  const DevicePtr others = other.allocate(8 * kMiB, 0);  // another process's memory
   const DevicePtr live = allocator.allocate(3 * kMiB, 0);
   fill(device, live, 5, 3 * kMiB);
   const std::int64_t reserved = allocator.stats().reserved_bytes.all.current;
-  CHECK_THROWS_AS(allocator.allocate(24 * kMiB, 0), OutOfMemoryError);
+  const auto maps = device.calls().map;
+  CHECK_THROWS_AS(allocator.allocate(12 * kMiB, 0), OutOfMemoryError);
+  CHECK(device.calls().map > maps);  // it tried: 4 MiB were free
   // The pages mapped while trying went back: the device is as free as before,
   // for another process or a request that fits.
   CHECK(allocator.stats().reserved_bytes.all.current == reserved);
-  CHECK(device.device_free_bytes() == 16 * kMiB - static_cast<std::size_t>(reserved));
+  CHECK(device.device_free_bytes() == 8 * kMiB - static_cast<std::size_t>(reserved));
   CHECK(allocator.stats().num_ooms == 1);
+  other.free(others);
+  other.empty_cache();
   const DevicePtr fits = allocator.allocate(12 * kMiB, 0);
   CHECK(holds(device, live, 5, 3 * kMiB));
   allocator.free(fits);
+  allocator.free(live);
+  allocator.check_invariants();
+}
+
+TEST_CASE("a_request_larger_than_any_residency_could_hold_fails_before_mapping_a_page", "[allocator]") {
+  // No cap: the device alone could hold the block. It used to map the whole
+  // free device (taking it from other processes meanwhile) and give it back.
+  SimulatedDeviceConfig config = device_config(16 * kMiB);
+  config.host_capacity = 64 * kMiB;
+  SimulatedBackend device(config);
+  CachingAllocator allocator(device);
+  const DevicePtr live = allocator.allocate(3 * kMiB, 0);
+  const auto maps = device.calls().map;
+  const auto reserves = device.calls().reserve;
+  try {
+    allocator.allocate(24 * kMiB, 0);
+    FAIL("a block larger than the device was allocated without a cap");
+  } catch (const OutOfMemoryError& e) {
+    CHECK(std::string(e.what()).rfind("CUDA out of memory. Tried to allocate 24.00 MiB.", 0) == 0);
+  }
+  CHECK(device.calls().map == maps);
+  CHECK(device.calls().reserve == reserves);
+  CHECK(allocator.stats().num_ooms == 1);
+  // A size no machine has (a typo) fails the same way, at once: its page
+  // table is never built.
+  CHECK_THROWS_AS(allocator.allocate(std::size_t{1} << 60, 0), OutOfMemoryError);
+  CHECK(device.calls().reserve == reserves);
+  // Under a cap the block may spill, so the host's room counts too: 24 MiB
+  // fits 16 + 64, and 96 MiB does not.
+  allocator.set_memory_cap(8 * kMiB);
+  const DevicePtr spilled = allocator.allocate(24 * kMiB, 0);
+  CHECK(allocator.stats().host_resident_bytes.current > 0);
+  const auto maps_under_cap = device.calls().map;
+  CHECK_THROWS_AS(allocator.allocate(96 * kMiB, 0), OutOfMemoryError);
+  CHECK(device.calls().map == maps_under_cap);
+  allocator.free(spilled);
   allocator.free(live);
   allocator.check_invariants();
 }

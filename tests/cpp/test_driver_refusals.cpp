@@ -64,18 +64,23 @@ class RefusingBackend final : public Backend {
 TEST_CASE("an_unmap_refused_while_a_failed_allocation_gives_back_its_pages_leaves_them_as_cache",
           "[allocator][driver]") {
   RefusingBackend backend(device_config(8 * kMiB));  // four pages
+  CachingAllocator other(backend.device);             // another process, on two of them
+  const DevicePtr others = other.allocate(4 * kMiB, 0);
   CachingAllocator allocator(backend);
   backend.unmaps_until_refusal = 1;
-  // Six pages on a four-page device, no cap: four are mapped, the fifth
-  // cannot be had, and giving back the first of the four is refused.
-  CHECK_THROWS_AS(allocator.allocate(12 * kMiB, 0), Error);
+  // Three pages where two are free, no cap: two are mapped, the third
+  // cannot be had, and giving back the first of the two is refused.
+  CHECK_THROWS_AS(allocator.allocate(6 * kMiB, 0), Error);
+  CHECK(backend.unmaps_until_refusal == 0);  // the refusal happened
   CHECK_NOTHROW(allocator.check_invariants());
   CHECK(allocator.stats().allocated_bytes.all.current == 0);
   // The pages mapped so far stay, as cache: empty_cache() gives them back.
   allocator.empty_cache();
   CHECK_NOTHROW(allocator.check_invariants());
   CHECK(allocator.stats().reserved_bytes.all.current == 0);
-  CHECK(backend.device.device_bytes_in_use() == 0);
+  CHECK(backend.device.device_bytes_in_use() == 4 * kMiB);  // the other process's
+  other.free(others);
+  other.empty_cache();
   const DevicePtr fits = allocator.allocate(8 * kMiB, 0);  // the whole device is usable again
   allocator.free(fits);
   allocator.empty_cache();
