@@ -32,10 +32,14 @@ void seqlock_write(JobBlock::Word& sequence, WriteFields write_fields) {
 // Reads one section; returns false (no throw) when `patience` passed while
 // the writer stayed mid-update. A live writer holds the section for
 // nanoseconds; only a descheduled or killed one (or a tampering job) takes
-// longer. Zero patience: a few tries, no waiting.
+// longer. Zero patience: a few tries, no waiting. `limit`, when given, bounds
+// the whole wait, however the sequence moves: a hostile writer that keeps it
+// odd and moving would otherwise restart the patience forever.
 template <typename ReadFields>
-bool seqlock_try_read(const JobBlock::Word& sequence, std::chrono::milliseconds patience, ReadFields read_fields) {
+bool seqlock_try_read(const JobBlock::Word& sequence, std::chrono::milliseconds patience, ReadFields read_fields,
+                      std::optional<std::chrono::milliseconds> limit = std::nullopt) {
   std::chrono::steady_clock::time_point deadline{};
+  std::chrono::steady_clock::time_point first_wait{};  // the first yielding try: `limit` counts from here
   std::uint64_t waiting_on = 0;  // the sequence value the patience is counting on
   for (unsigned attempt = 0;; ++attempt) {
     std::uint64_t before = sequence.load(std::memory_order_acquire);
@@ -52,6 +56,8 @@ bool seqlock_try_read(const JobBlock::Word& sequence, std::chrono::milliseconds 
     // It counts while the sequence stays where it is, a writer stopped mid-
     // update; a writer that moves it on is alive, and the count starts again.
     const auto now = std::chrono::steady_clock::now();
+    if (first_wait == std::chrono::steady_clock::time_point{}) first_wait = now;
+    if (limit && now - first_wait > *limit) return false;
     if (deadline == std::chrono::steady_clock::time_point{} || before != waiting_on) {
       deadline = now + patience;
       waiting_on = before;
@@ -248,13 +254,14 @@ void write_report(JobBlock& block, const JobReport& r) {
 }
 
 namespace {
-bool read_report_fields(const JobBlock& block, std::chrono::milliseconds patience, JobReport& r) {
+bool read_report_fields(const JobBlock& block, std::chrono::milliseconds patience, JobReport& r,
+                        std::optional<std::chrono::milliseconds> limit = std::nullopt) {
   const auto& b = block.report;
   const bool ok = seqlock_try_read(b.sequence, patience, [&] {
 #define COTENANT_LOAD(type, name, initial) r.name = from_word<type>(b.name.load(kRelaxed));
     COTENANT_JOB_REPORT_FIELDS(COTENANT_LOAD)
 #undef COTENANT_LOAD
-  });
+  }, limit);
   r.heartbeat_ns = block.heartbeat_ns.load(std::memory_order_acquire);
   return ok;
 }
@@ -271,7 +278,9 @@ JobReport read_report(const JobBlock& block, std::chrono::milliseconds patience)
 
 std::optional<JobReport> try_read_report(const JobBlock& block) {
   JobReport r;
-  if (!read_report_fields(block, kCoordinatorPatience, r)) return std::nullopt;
+  // The job is untrusted: its writer may keep the sequence moving forever, so
+  // the patience bounds the whole read, not only a stall.
+  if (!read_report_fields(block, kCoordinatorPatience, r, kCoordinatorPatience)) return std::nullopt;
   return r;
 }
 

@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -283,6 +285,41 @@ TEST_CASE("a_job_that_leaves_its_report_mid_update_does_not_hold_the_coordinator
   control.memory_cap = 8 * MiB;
   shm::write_control(coordinator.block(), control);
   CHECK(shm::read_control(coordinator.block()).memory_cap == 8 * MiB);
+}
+
+TEST_CASE("a_job_that_keeps_its_report_sequence_moving_but_never_even_does_not_hold_the_coordinator_up",
+          "[job_channel]") {
+  // A hostile job needs no stopped writer to look alive: it keeps its report's
+  // sequence odd and moving. The coordinator's read must still give up within
+  // its patience, not for as long as the job keeps spinning. Reader and
+  // spinner share one CPU, so the reader sees the sequence move at every try
+  // whatever else the machine runs.
+  cpu_set_t allowed;
+  REQUIRE(::sched_getaffinity(0, sizeof allowed, &allowed) == 0);
+  int cpu = 0;
+  while (!CPU_ISSET(cpu, &allowed)) ++cpu;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  REQUIRE(::pthread_setaffinity_np(::pthread_self(), sizeof one, &one) == 0);
+  CoordinatorBlock coordinator("spinning");
+  std::atomic<bool> stop{false};
+  coordinator.block().report.sequence.fetch_add(1);  // odd
+  std::thread spinner([&] {
+    ::pthread_setaffinity_np(::pthread_self(), sizeof one, &one);
+    const auto until = std::chrono::steady_clock::now() + 5s;  // never longer than this, even unfixed
+    while (!stop.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < until) {
+      for (int i = 0; i < 1000; ++i) coordinator.block().report.sequence.fetch_add(2);  // stays odd
+    }
+  });
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i) CHECK_FALSE(shm::try_read_report(coordinator.block()).has_value());
+  const auto took = std::chrono::steady_clock::now() - start;
+  stop = true;
+  spinner.join();
+  ::pthread_setaffinity_np(::pthread_self(), sizeof allowed, &allowed);
+  // 20 reads of 2 ms each, with room for a loaded machine; the spinner runs 5 s.
+  CHECK(took < 20 * shm::kCoordinatorPatience + 1s);
 }
 
 TEST_CASE("polling_thread_applies_a_cap_within_milliseconds_and_heartbeats", "[job_channel]") {

@@ -264,6 +264,27 @@ def test_killed_coordinator_leaves_jobs_running_with_last_cap_and_share_and_rest
     assert '"job re-adopted"' in node.read_log()
 
 
+def test_a_restart_on_the_same_socket_reached_through_a_symbolic_link_readopts_the_jobs(node):
+    # /var/run is a link to /run on most systems: the same socket, state file
+    # and lock, spelled another way, must not lose the running jobs.
+    link = node.directory + "-link"
+    os.symlink(node.directory, link)
+    real = node.socket
+    try:
+        node.start_coordinator()
+        node.start_job("opportunistic", "o", hold_mib=32)
+        client.set_cap("o", 64 * MiB, node.socket)
+        node.kill_coordinator()
+        node.socket = os.path.join(link, os.path.basename(real))
+        node.start_coordinator()
+        view = node.job("o")
+        assert view is not None, node.read_log()
+        assert view["adopted"] and view["user_cap"] == 64 * MiB
+    finally:
+        node.socket = real
+        os.unlink(link)
+
+
 def test_job_killed_with_sigkill_is_reclaimed_within_one_second(node):
     node.start_coordinator()
     node.start_job("guaranteed", "g", hold_mib=128)

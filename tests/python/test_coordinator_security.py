@@ -180,6 +180,54 @@ def test_a_job_reporting_inf_or_nan_breaks_neither_status_nor_history(node):
     assert len(warned) == 1  # once per job, however many reports
 
 
+_SPINNING_JOB = r"""
+import ctypes, json, mmap, os, socket, struct, sys
+from cotenant import _core
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(json.dumps({"v": 1, "id": 1, "op": "register", "role": "opportunistic", "device": 0,
+                      "name": "spin"}).encode() + b"\n")
+name = json.loads(s.makefile("rb").readline())["block"]
+block = _core.JobBlock.open(name)
+with open("/dev/shm" + name, "r+b") as f:
+    words = mmap.mmap(f.fileno(), 0)
+# The report's sequence: the one word that, made odd, hides the report.
+for offset in range(0, len(words), 8):
+    (saved,) = struct.unpack_from("<Q", words, offset)
+    struct.pack_into("<Q", words, offset, saved | 1)
+    hidden = block.report() is None
+    struct.pack_into("<Q", words, offset, saved)
+    if hidden and saved % 2 == 0:
+        break
+word = ctypes.c_uint64.from_buffer(words, offset)  # one 8-byte store per write (struct zeroes first)
+word.value = saved | 1
+print("spinning", flush=True)
+while True:  # odd and moving: a writer that never finishes but never stalls either
+    word.value += 2
+"""
+
+
+def test_a_job_that_keeps_its_report_mid_update_and_moving_cannot_wedge_the_coordinator(node):
+    # The coordinator and the hostile job share one CPU, so at every try the
+    # coordinator's read sees the sequence has moved on: it must still give up
+    # after its 2 ms and serve everyone else.
+    cpu = min(os.sched_getaffinity(0))
+    node.start_coordinator(prefix=("taskset", "-c", str(cpu)))
+    node.start_job("guaranteed", "g", hold_mib=32)
+    spinner = subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", _SPINNING_JOB, node.socket],
+                               env=child_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert spinner.stdout.readline().strip() == "spinning"
+        time.sleep(0.5)  # many ticks
+        started = time.monotonic()
+        view = client.status(node.socket)  # gives up after 5 s
+        assert {j["name"] for j in view["jobs"]} == {"g", "spin"}
+        assert time.monotonic() - started < 2
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def test_report_check_keeps_the_last_valid_value_of_each_refused_field():
     from cotenant.coordinator import report
 
@@ -214,6 +262,22 @@ def test_a_duplicate_name_is_renamed_within_63_bytes_and_stored_whole(node):
     assert first.name == name and second.name != name
     assert len(second.name.encode()) <= 63 and second.name.endswith(f"-{second.job_id}")
     assert _core.JobBlock.open(second.block_name).identity()["name"] == second.name
+
+
+def test_a_renamed_duplicate_never_takes_the_name_another_job_already_holds(node):
+    # Renaming a duplicate "a" to "a-<id>" must not hand out a name someone
+    # registered first: a command by that name would reach the other job.
+    node.start_coordinator()
+    squatter = client.register("opportunistic", 0, name="a-3", socket=node.socket)  # job 1
+    first = client.register("opportunistic", 1, name="a", socket=node.socket)        # job 2
+    second = client.register("opportunistic", 2, name="a", socket=node.socket)       # job 3
+    assert second.job_id == 3
+    names = [job["name"] for job in client.status(node.socket)["jobs"]]
+    assert len(names) == len(set(names)) == 3, names
+    assert second.name not in (squatter.name, first.name) and len(second.name.encode()) <= 63
+    client.set_cap(second.name, 64 * MiB, node.socket)
+    caps = {job["job_id"]: job["user_cap"] for job in client.status(node.socket)["jobs"]}
+    assert caps == {squatter.job_id: None, first.job_id: None, second.job_id: 64 * MiB}
 
 
 def test_a_name_that_is_a_number_is_refused_so_a_number_always_means_a_job_id(node):

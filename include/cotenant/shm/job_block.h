@@ -208,8 +208,9 @@ JobControl read_control(const JobBlock& block, std::chrono::milliseconds patienc
 
 void write_report(JobBlock& block, const JobReport& report);  // also stores heartbeat_ns
 JobReport read_report(const JobBlock& block, std::chrono::milliseconds patience = kWriterPatience);
-// The coordinator's read: waits at most kCoordinatorPatience; nullopt while
-// the job's writer is mid-update (or has left the section odd).
+// The coordinator's read: waits at most kCoordinatorPatience in all, even
+// for a job that keeps its sequence odd and moving; nullopt while the job's
+// writer is mid-update (or has left the section odd).
 std::optional<JobReport> try_read_report(const JobBlock& block);
 
 std::uint64_t read_heartbeat_ns(const JobBlock& block);

@@ -82,8 +82,13 @@ def _is_socket(path: str) -> bool:
 
 def node_key(socket_path: str) -> str:
     """A short key that names this coordinator's shared-memory blocks, so two
-    coordinators (different sockets) on one machine never adopt each other's jobs."""
-    return hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:10]
+    coordinators (different sockets) on one machine never adopt each other's jobs.
+    Keyed by the socket's directory as it really is (links resolved): one socket
+    reached by two spellings (/var/run is a link to /run) has one state file and
+    one lock, so it must name its blocks one way too, or a restart adopts none."""
+    path = os.path.abspath(socket_path)
+    directory, base = os.path.split(path)
+    return hashlib.sha1(os.path.join(os.path.realpath(directory), base).encode()).hexdigest()[:10]
 
 
 def job_block_prefix(socket_path: str) -> str:
