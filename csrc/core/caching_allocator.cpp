@@ -41,6 +41,7 @@ struct CachingAllocator::State {
       : backend(backend),
         options(options),
         page_bytes(backend.granularity()),
+        device_total(backend.device_total_bytes()),
         host_pages(shared_host_pages ? std::move(shared_host_pages) : std::make_shared<HostPagePool>(backend)) {
     if (&host_pages->backend() != &backend) {
       throw Error("an allocator's host page pool must be of the allocator's own backend (one pool per device)");
@@ -54,6 +55,9 @@ struct CachingAllocator::State {
   Backend& backend;
   const AllocatorOptions options;
   const std::size_t page_bytes;
+  // The device's size, read once: it does not change, and every allocation
+  // compares with it (on the CUDA backend the query is a cudaMemGetInfo).
+  const std::size_t device_total;
 
   mutable std::mutex mutex;
   std::map<DevicePtr, std::unique_ptr<Segment>> segments;  // by base address
@@ -162,7 +166,7 @@ struct CachingAllocator::State {
   // where the block may spill, the host's too (what it has available, the
   // kept pages, this allocator's host pages) when the backend knows them.
   std::size_t most_one_block_could_hold() const {
-    const std::size_t device = backend.device_total_bytes();
+    const std::size_t device = device_total;
     if (!may_spill_allocation()) return device;
     const std::optional<std::size_t> host = backend.host_available_bytes();
     if (!host) return std::numeric_limits<std::size_t>::max();
@@ -1372,7 +1376,11 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   const std::size_t size = round_up(bytes, s.options.round_bytes);
   // A block no residency could hold fails at once, before it maps the
   // device full (and takes it from other processes) only to give it back.
-  if (round_up(size, s.page_bytes) > s.most_one_block_could_hold()) s.out_of_memory(bytes, stream);
+  // Only a block larger than the device asks for the host's room (a read of
+  // /proc/meminfo and the cgroup's files on the CUDA backend): the warm path
+  // makes no query.
+  const std::size_t pages_bytes = round_up(size, s.page_bytes);
+  if (pages_bytes > s.device_total && pages_bytes > s.most_one_block_could_hold()) s.out_of_memory(bytes, stream);
   const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
   ++s.tick;
 

@@ -351,8 +351,15 @@ std::size_t SimulatedBackend::device_bytes_in_use() const {
   return device_used_;
 }
 
+std::size_t SimulatedBackend::device_total_bytes() const {
+  std::lock_guard lock(mutex_);
+  ++calls_.device_total;
+  return config_.device_capacity;
+}
+
 std::optional<std::size_t> SimulatedBackend::host_available_bytes() const {
   std::lock_guard lock(mutex_);
+  ++calls_.host_available;
   return config_.host_capacity > host_used_ ? config_.host_capacity - host_used_ : 0;
 }
 

@@ -42,6 +42,7 @@ struct SimulatedCallCounts {
   std::uint64_t map = 0, unmap = 0, copy_into = 0, copy_out = 0, zero = 0, failed_create_page = 0;
   std::uint64_t allocate_pinned_host = 0, free_pinned_host = 0;
   std::uint64_t record_event = 0, synchronize_device = 0, refused_synchronization = 0;
+  std::uint64_t device_total = 0, host_available = 0;  // size queries: device_total_bytes(), host_available_bytes()
 };
 
 class SimulatedBackend final : public Backend {
@@ -50,7 +51,7 @@ class SimulatedBackend final : public Backend {
   ~SimulatedBackend() override;
 
   std::size_t granularity() const override { return config_.granularity; }
-  std::size_t device_total_bytes() const override { return config_.device_capacity; }
+  std::size_t device_total_bytes() const override;
   std::size_t device_free_bytes() const override;
   bool host_pages_mappable() const override { return config_.host_pages_mappable; }
   // host_capacity less the host pages and pinned memory in use.
@@ -124,7 +125,7 @@ class SimulatedBackend final : public Backend {
   std::unordered_map<std::uint64_t, EventState> events_;
   std::unordered_map<StreamId, std::uint64_t> stream_completed_ticket_;
   std::uint64_t next_ticket_ = 1;
-  SimulatedCallCounts calls_;
+  mutable SimulatedCallCounts calls_;  // mutable: the size queries, const, are counted too
 };
 
 }  // namespace cotenant

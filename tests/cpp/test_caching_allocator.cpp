@@ -242,6 +242,26 @@ TEST_CASE("a_request_larger_than_any_residency_could_hold_fails_before_mapping_a
   allocator.check_invariants();
 }
 
+TEST_CASE("a_warm_allocation_asks_the_backend_for_neither_the_device_size_nor_the_hosts_room", "[allocator]") {
+  // The size check of a request runs on every allocation. On the CUDA
+  // backend the device's size is a cudaMemGetInfo and the host's room reads
+  // /proc/meminfo and the cgroup's files: a block the device could hold
+  // needs neither (PyTorch's warm path makes no such call).
+  SimulatedDeviceConfig config = device_config(64 * kMiB);
+  config.host_capacity = 64 * kMiB;
+  SimulatedBackend device(config);
+  CachingAllocator allocator(device);
+  allocator.free(allocator.allocate(4 * kMiB, 0));  // warm: the cache holds a block of this size
+  for (const bool capped : {false, true}) {
+    if (capped) allocator.set_memory_cap(32 * kMiB);  // under a cap a block may spill
+    const SimulatedCallCounts before = device.calls();
+    for (int i = 0; i < 10; ++i) allocator.free(allocator.allocate(4 * kMiB, 0));
+    CHECK(device.calls().device_total == before.device_total);
+    CHECK(device.calls().host_available == before.host_available);
+  }
+  allocator.check_invariants();
+}
+
 TEST_CASE("statistics_use_torch_key_names", "[allocator]") {
   SimulatedBackend device(device_config(64 * kMiB));
   CachingAllocator allocator(device);
