@@ -1,6 +1,7 @@
 #include "cuda_allocator.h"
 
 #include <c10/core/Allocator.h>
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -90,6 +91,43 @@ void add_stats(c10::CachingDeviceAllocator::DeviceStats& to, const AllocatorStat
 }
 
 PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
+
+// What PyTorch's allocator tells the rest of torch about each allocation and
+// free, outside its lock: torch.profiler.profile(profile_memory=True) gets
+// the bytes (as allocated, rounded; negative for a free) with the device's
+// allocated and reserved totals after the change, and the GPU trace hooks
+// (torch.cuda._sanitizer, torch.cuda._gpu_trace) the address. Each costs a
+// flag test while neither listens; the totals, which walk every allocator of
+// the device, are gathered only while the profiler records memory.
+void report_to_profiler(c10::DeviceIndex device, void* ptr, std::int64_t bytes) {
+  const auto stats = CotenantCudaAllocator::instance().getDeviceStats(device);
+  const auto all = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  c10::reportMemoryUsageToProfiler(ptr, bytes, static_cast<std::size_t>(stats.allocated_bytes[all].current),
+                                   static_cast<std::size_t>(stats.reserved_bytes[all].current),
+                                   c10::Device(c10::DeviceType::CUDA, device));
+}
+
+void report_out_of_memory_to_profiler(c10::DeviceIndex device, std::size_t bytes) {
+  if (!c10::memoryProfilingEnabled()) return;
+  const auto stats = CotenantCudaAllocator::instance().getDeviceStats(device);
+  const auto all = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  c10::reportOutOfMemoryToProfiler(static_cast<std::int64_t>(bytes),
+                                   static_cast<std::size_t>(stats.allocated_bytes[all].current),
+                                   static_cast<std::size_t>(stats.reserved_bytes[all].current),
+                                   c10::Device(c10::DeviceType::CUDA, device));
+}
+
+void trace_allocation(void* ptr) {
+  if (const c10::impl::PyInterpreter* trace = c10::impl::GPUTrace::get_trace()) {
+    (*trace)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<std::uintptr_t>(ptr));
+  }
+}
+
+void trace_deallocation(void* ptr) {
+  if (const c10::impl::PyInterpreter* trace = c10::impl::GPUTrace::get_trace()) {
+    (*trace)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<std::uintptr_t>(ptr));
+  }
+}
 
 // The capped allocator's options: COTENANT_SPILL_WITHOUT_CAP=1 spills to the
 // host when the device is full with no cap set (else that is an
@@ -279,7 +317,13 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
     PoolId routed{};
     if (CachingAllocator* pool =
             d.pools->route_for(static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)), &routed)) {
-      if (std::optional<void*> ptr = allocate_foreign(d, routed, nbytes, stream)) return *ptr;
+      if (std::optional<void*> ptr = allocate_foreign(d, routed, nbytes, stream)) {
+        if (*ptr != nullptr) {
+          if (c10::memoryProfilingEnabled()) report_to_profiler(device, *ptr, static_cast<std::int64_t>(nbytes));
+          trace_allocation(*ptr);
+        }
+        return *ptr;
+      }
       target = pool;
       graph_pool = true;
     }
@@ -309,14 +353,21 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
       std::size_t free = d.backend->device_free_bytes();
       for (auto& observer : observers) observer(device, nbytes, total, free);
     }
+    report_out_of_memory_to_profiler(device, nbytes);
     TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
   } catch (const Error& e) {
     TORCH_CHECK(false, e.what());
   }
   void* ptr = reinterpret_cast<void*>(address);
   if (ptr != nullptr) {
-    std::lock_guard<std::mutex> lock(owners_mutex_);
-    owners_[ptr] = Owner{target, device, graph_pool};
+    {
+      std::lock_guard<std::mutex> lock(owners_mutex_);
+      owners_[ptr] = Owner{target, device, graph_pool};
+    }
+    if (c10::memoryProfilingEnabled()) {
+      report_to_profiler(device, ptr, static_cast<std::int64_t>(target->allocation_size(address)));
+    }
+    trace_allocation(ptr);
   }
   return ptr;
 }
@@ -374,17 +425,35 @@ void CotenantCudaAllocator::free_owned(void* ptr) {
     owner = it->second;
     owners_.erase(it);
   }
+  // As PyTorch's allocator: the trace hooks hear of the free before it
+  // happens. A hook that throws does not keep the memory.
+  try {
+    trace_deallocation(ptr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cotenant: a GPU trace hook failed on the free of %p: %s\n", ptr, e.what());
+  }
+  // The bytes the profiler hears of are the allocation's as allocated
+  // (rounded), read while it is live.
+  const bool profiling = c10::memoryProfilingEnabled();
+  std::int64_t freed_bytes = 0;
   try {
     DeviceAllocators* d = existing(owner.device);
     std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
     if (d != nullptr && d->pools->routing()) relaxed.emplace(cudaStreamCaptureModeRelaxed);
     if (owner.foreign) {
+      if (profiling) {
+        std::lock_guard<std::mutex> lock(d->foreign_mutex);
+        auto it = d->foreign_blocks.find(ptr);
+        if (it != d->foreign_blocks.end()) freed_bytes = static_cast<std::int64_t>(it->second.bytes);
+      }
       free_foreign(*d, ptr);
-      return;
+    } else {
+      const auto address = reinterpret_cast<DevicePtr>(ptr);
+      if (profiling) freed_bytes = static_cast<std::int64_t>(owner.allocator->allocation_size(address));
+      const HistoryContext context = d != nullptr ? d->history->gather(ContextLevel::kAll) : HistoryContext{};
+      MemoryHistory::ContextScope lend_context(context);
+      owner.allocator->free(address);
     }
-    const HistoryContext context = d != nullptr ? d->history->gather(ContextLevel::kAll) : HistoryContext{};
-    MemoryHistory::ContextScope lend_context(context);
-    owner.allocator->free(reinterpret_cast<DevicePtr>(ptr));
   } catch (...) {
     // The block is still allocated (CachingAllocator::free changes nothing
     // when it throws), so no allocation can have reused the address.
@@ -392,6 +461,7 @@ void CotenantCudaAllocator::free_owned(void* ptr) {
     owners_.emplace(ptr, owner);
     throw;
   }
+  if (profiling) report_to_profiler(owner.device, ptr, -freed_bytes);
 }
 
 void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {

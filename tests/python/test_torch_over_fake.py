@@ -895,6 +895,45 @@ def test_enable_after_a_cuda_allocation_says_how_to_fix_it(library):
     assert "before" in out["error"] and "enable" in out["error"]
 
 
+# What torch.profiler.profile(profile_memory=True) and the GPU trace hooks
+# (torch.cuda._sanitizer's, torch.cuda._gpu_trace's callbacks) see of CUDA
+# memory: PyTorch's allocator reports each allocation and free to both.
+PROFILED_AND_TRACED = """
+    import torch.cuda._gpu_trace as gpu_trace
+    from torch.profiler import profile, ProfilerActivity
+    traced = {"alloc": [], "free": []}
+    gpu_trace.register_callback_for_memory_allocation(traced["alloc"].append)
+    gpu_trace.register_callback_for_memory_deallocation(traced["free"].append)
+    torch._C._activate_gpu_trace()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        x = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+        x_ptr = x.data_ptr()
+        del x
+        raw = torch.cuda.caching_allocator_alloc(1 << 20)
+        torch.cuda.caching_allocator_delete(raw)
+        try:
+            torch.empty(900 << 20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+    events = prof.key_averages()
+    out["empty_device_bytes"] = sum(e.device_memory_usage for e in events if e.key == "aten::empty")
+    # Outside any op: the raw buffer's allocation (+1 MiB) and the frees of both (-2 MiB, -1 MiB).
+    out["device_bytes_outside_ops"] = sum(e.device_memory_usage for e in events if e.key == "[memory]")
+    out["out_of_memory_events"] = sum(e.count for e in events if e.key == "[OutOfMemory]")
+    out["traced_alloc"] = [x_ptr in traced["alloc"], raw in traced["alloc"]]
+    out["traced_free"] = [x_ptr in traced["free"], raw in traced["free"]]
+"""
+
+
+def test_the_profiler_and_the_gpu_trace_see_cuda_memory_as_under_pytorch(library):
+    native = run(library, PROFILED_AND_TRACED, capacity=512 * MIB)
+    ours = run(library, "cotenant.enable()\n" + textwrap.dedent(PROFILED_AND_TRACED), capacity=512 * MIB)
+    expected = {"empty_device_bytes": 2 * MIB, "device_bytes_outside_ops": -2 * MIB, "out_of_memory_events": 1,
+                "traced_alloc": [True, True], "traced_free": [True, True]}
+    assert native == expected
+    assert ours == expected
+
+
 def test_memory_history_records_cotenants_allocations(library):
     out = run(library, """
         cotenant.enable()
