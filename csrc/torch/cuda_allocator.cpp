@@ -540,7 +540,7 @@ c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c
     std::lock_guard<std::mutex> lock(d->foreign_mutex);
     add_stats(out, d->foreign_stats);
   }
-  out.max_split_size = std::numeric_limits<int64_t>::max();  // blocks of any size may split
+  out.max_split_size = -1;  // blocks of any size may split: PyTorch's default, SIZE_MAX as int64
   return out;
 }
 

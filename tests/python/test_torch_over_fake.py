@@ -934,6 +934,14 @@ def test_the_profiler_and_the_gpu_trace_see_cuda_memory_as_under_pytorch(library
     assert ours == expected
 
 
+def test_the_max_split_size_statistic_reads_as_pytorchs_default(library):
+    # Blocks of any size may split, as with PyTorch's default (max_split_size_mb unset): -1.
+    script = 'torch.empty(1, device="cuda")\nout["max_split_size"] = torch.cuda.memory_stats()["max_split_size"]\n'
+    native = run(library, script)
+    ours = run(library, "cotenant.enable()\n" + script)
+    assert native == ours == {"max_split_size": -1}
+
+
 def test_memory_history_records_cotenants_allocations(library):
     out = run(library, """
         cotenant.enable()
