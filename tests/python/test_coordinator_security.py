@@ -264,6 +264,20 @@ def test_a_duplicate_name_is_renamed_within_63_bytes_and_stored_whole(node):
     assert _core.JobBlock.open(second.block_name).identity()["name"] == second.name
 
 
+def test_a_unique_name_skips_every_name_taken_and_fits_63_bytes():
+    # One rule for registered and queued jobs (the queue renamed to name[:50]-ticket, unchecked).
+    from cotenant.coordinator.protocol import MAX_NAME_BYTES, unique_name
+
+    assert unique_name("a", set(), 3) == "a"
+    assert unique_name("a", {"a"}, 3) == "a-3"
+    assert unique_name("a", {"a", "a-3"}, 3) == "a-3.2"
+    assert unique_name("a", {"a", "a-3", "a-3.2"}, 3) == "a-3.3"
+    long = "é" * 31 + "x"  # 63 bytes
+    renamed = unique_name(long, {long, long[:-2] + "-7"}, 7)
+    assert renamed not in (long, long[:-2] + "-7") and len(renamed.encode()) <= MAX_NAME_BYTES
+    assert renamed.endswith("-7.2")
+
+
 def test_a_renamed_duplicate_never_takes_the_name_another_job_already_holds(node):
     # Renaming a duplicate "a" to "a-<id>" must not hand out a name someone
     # registered first: a command by that name would reach the other job.

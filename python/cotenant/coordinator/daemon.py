@@ -1090,7 +1090,7 @@ class Coordinator:
                 admitted, reason = False, decision.reason
         job_id = self.next_job_id
         self.next_job_id += 1
-        name = self._unique_name(args.get("name") or f"job{job_id}", job_id)
+        name = protocol.unique_name(args.get("name") or f"job{job_id}", {j.name for j in self.jobs.values()}, job_id)
         user_cap = self._resolve_cap(args.get("memory_cap"), device, req.id)
         guaranteed_exists = any(j.gpu == device and j.role == policy.GUARANTEED for j in self.jobs.values())
         # Opportunistic jobs start slow (or paused) and climb; guaranteed jobs run unthrottled.
@@ -1125,20 +1125,6 @@ class Coordinator:
         return protocol.reply_ok(req.id, job_id=job_id, name=name, block=block_name, memory_cap=job.cap,
                                  share=job.share, admitted=admitted, queue_reason=reason,
                                  host_headroom_bytes=self.config.memory.host_headroom_bytes)
-
-    def _unique_name(self, name: str, job_id: int) -> str:
-        """`name`, or, when a job holds it, `name-<id>` (then `name-<id>.2`, ...):
-        never a name another job holds, which another user may have registered
-        first so that commands by that name would reach their job. The whole
-        name fits the block's 63 bytes."""
-        taken = {j.name for j in self.jobs.values()}
-        candidate, attempt = name, 1
-        while candidate in taken:
-            suffix = f"-{job_id}" if attempt == 1 else f"-{job_id}.{attempt}"
-            room = protocol.MAX_NAME_BYTES - len(suffix)
-            candidate = name.encode()[:room].decode(errors="ignore") + suffix
-            attempt += 1
-        return candidate
 
     def _give_block_to(self, block_name: str, uid: int) -> None:
         """A job of another uid must be able to open its block (mode 0660): it

@@ -21,7 +21,7 @@ import math
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Container, Dict, Optional, Tuple
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -96,6 +96,20 @@ def job_name_problem(name: Any) -> Optional[str]:
     if name.isdigit():
         return f"the job name {name!r} is a number, which would be taken for a job id; use e.g. 'job-{name}'"
     return None
+
+
+def unique_name(name: str, taken: Container[str], tag: int) -> str:
+    """`name`, or, when it is taken, `name-<tag>` (then `name-<tag>.2`, ...):
+    never a name another job holds, which another user may have registered
+    first so that commands by that name would reach their job. The whole
+    name fits MAX_NAME_BYTES."""
+    candidate, attempt = name, 1
+    while candidate in taken:
+        suffix = f"-{tag}" if attempt == 1 else f"-{tag}.{attempt}"
+        room = MAX_NAME_BYTES - len(suffix)
+        candidate = name.encode()[:room].decode(errors="ignore") + suffix
+        attempt += 1
+    return candidate
 
 
 def _job_name(value: Any) -> bool:

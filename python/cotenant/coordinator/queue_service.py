@@ -48,9 +48,8 @@ class QueueService:
 
             if self.queue.by_pid(pid) is not None:
                 raise ProtocolError(protocol.OUT_OF_ORDER, f"process {pid} already waits in the queue", req.id)
-            name = args.get("name") or f"queued{self.queue.next_ticket}"
-            if self.queue.find(name) is not None:
-                name = f"{name[:50]}-{self.queue.next_ticket}"
+            name = protocol.unique_name(args.get("name") or f"queued{self.queue.next_ticket}",
+                                        {j.name for j in self.queue.jobs.values()}, self.queue.next_ticket)
             job = self.queue.submit(now, name, pid, uid, args.get("role"), args.get("gpus", 1),
                                     args.get("persistent_bytes", 0), args.get("peak_bytes", 0),
                                     process_start_ticks(pid))
