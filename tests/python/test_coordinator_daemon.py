@@ -285,6 +285,27 @@ def test_a_restart_on_the_same_socket_reached_through_a_symbolic_link_readopts_t
         os.unlink(link)
 
 
+def test_an_unreadable_state_file_is_kept_aside_named_and_no_running_job_block_is_removed(node):
+    # A disk error or a hand edit: the coordinator cannot tell its jobs' blocks
+    # from leftovers, so it removes none, says so, and keeps the file for
+    # reading by hand instead of overwriting it with its next save.
+    node.start_coordinator()
+    o = node.start_job("opportunistic", "o", hold_mib=32)
+    node.kill_coordinator()
+    state = node.socket + ".state.json"
+    with open(state, "wb") as f:
+        f.write(b'{"1": {"name": "o", "blo')  # cut short
+    node.start_coordinator()
+    assert node.status()["jobs"] == []
+    assert o.registration["block_name"].lstrip("/") in [b.lstrip("/") for b in node.blocks()]
+    log = node.read_log()
+    assert '"state file unreadable"' in log and "is not JSON" in log
+    kept = [n for n in os.listdir(node.directory) if ".state.json.unreadable-" in n]
+    assert len(kept) == 1
+    with open(os.path.join(node.directory, kept[0]), "rb") as f:
+        assert f.read() == b'{"1": {"name": "o", "blo'
+
+
 def test_job_killed_with_sigkill_is_reclaimed_within_one_second(node):
     node.start_coordinator()
     node.start_job("guaranteed", "g", hold_mib=128)

@@ -40,7 +40,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 from cotenant.coordinator import gpus, host_memory, paths, policy, protocol, report
 from cotenant.coordinator.protocol import ProtocolError
 from cotenant.coordinator.queue_service import QueueService
-from cotenant.coordinator.rundir import AlreadyRunning, RunDirectory, UnsafeRunDirectory
+from cotenant.coordinator.rundir import AlreadyRunning, RunDirectory, UnreadableJson, UnsafeRunDirectory
 
 log = logging.getLogger("cotenant.coordinator")
 
@@ -490,6 +490,8 @@ class Coordinator:
         coordinator's prefix are not read: its own leftovers (a registration cut
         short) are removed, anyone else's are left alone."""
         saved = self._load_state()
+        readable = saved is not None
+        saved = saved or {}
         named = set()
         for key, entry in saved.items():
             if key.startswith("_") or not isinstance(entry, dict):
@@ -505,7 +507,8 @@ class Coordinator:
                 self.next_job_id = max(self.next_job_id, job.job_id + 1)
                 _event("job re-adopted", job=job.name, job_id=job.job_id, pid=job.pid, role=job.role, cap=job.cap,
                        share=job.share)
-        self._remove_own_leftovers(named)
+        if readable:
+            self._remove_own_leftovers(named)
         self.next_job_id = max(self.next_job_id, saved.get("_next_job_id", 1))
         try:
             self.queue.restore(saved.get("_queue") or {})
@@ -599,9 +602,25 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - a name we cannot remove is not worth stopping for
             pass
 
-    def _load_state(self) -> Dict[str, Any]:
+    def _load_state(self) -> Optional[Dict[str, Any]]:
+        """The saved state; {} when there is none, None when there is one that
+        cannot be read (then nothing is adopted, and no block is taken for a
+        leftover: the jobs it named may be running)."""
         try:
             return self._run_dir.read_json(paths.STATE_SUFFIX)
+        except UnreadableJson as error:
+            # Kept aside, not overwritten by the next save: what it held may be read by hand.
+            kept = paths.STATE_SUFFIX + f".unreadable-{int(time.time())}"
+            try:
+                self._run_dir.rename(paths.STATE_SUFFIX, kept)
+            except OSError as rename_error:
+                kept = f"not kept aside: {rename_error}"
+            else:
+                kept = self._run_dir.name(kept)
+            _event("state file unreadable", logging.ERROR, reason=str(error), kept=kept,
+                   consequence="no job is re-adopted and no job block is removed; jobs that were running go on "
+                               "without the coordinator until they are restarted")
+            return None
         except (UnsafeRunDirectory, OSError) as error:
             _event("state file not read", logging.WARNING, reason=str(error))
             return {}

@@ -44,6 +44,11 @@ class UnsafeRunDirectory(Exception):
     another user; the message says which and what to do."""
 
 
+class UnreadableJson(ValueError):
+    """A file of the run directory holds no JSON object (a disk error, a hand
+    edit); the message names it and why."""
+
+
 class AlreadyRunning(Exception):
     """Another coordinator holds this socket's lock."""
 
@@ -220,8 +225,9 @@ class RunDirectory:
     # --- files -----------------------------------------------------------------
 
     def read_json(self, suffix: str) -> Dict[str, Any]:
-        """The JSON object in `<socket><suffix>`; {} when there is none or it is
-        not an object. A link there raises UnsafeRunDirectory."""
+        """The JSON object in `<socket><suffix>`; {} when there is none. A file
+        that holds no JSON object raises UnreadableJson, a link there
+        UnsafeRunDirectory."""
         try:
             fd = os.open(self.name(suffix), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         except FileNotFoundError:
@@ -231,9 +237,11 @@ class RunDirectory:
         with io.open(fd, "rb") as f:
             try:
                 value = json.loads(f.read())
-            except ValueError:
-                return {}
-        return value if isinstance(value, dict) else {}
+            except ValueError as error:  # UnicodeDecodeError too
+                raise UnreadableJson(f"{self.name(suffix)} is not JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise UnreadableJson(f"{self.name(suffix)} holds a JSON {type(value).__name__}, not an object")
+        return value
 
     def write_durably(self, suffix: str, data: bytes) -> None:
         """Replaces `<socket><suffix>` with `data`: when this returns, the new
