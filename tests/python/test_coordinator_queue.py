@@ -342,3 +342,24 @@ def test_a_suspended_job_resumes_on_the_gpu_its_process_stays_on():
     assert [(x.kind, x.job.name) for x in queue.decide(4.0, [0, 1], None)] == [(RESUME, victim.name)]
     assert victim.gpus == held
 
+
+
+def test_a_queued_job_whose_pid_now_names_another_process_has_ended():
+    # The kernel reuses pids: the queue names a process by its pid and start time, as the coordinator's
+    # jobs are named, so a queued job whose process exited ends even when its pid runs something else.
+    from cotenant.coordinator.daemon import process_start_ticks
+    from cotenant.coordinator.queue_service import QueueService
+
+    from types import SimpleNamespace
+
+    coordinator = SimpleNamespace(jobs={}, config=SimpleNamespace(gpus=[0]), gpu_memory={},
+                                  _device_total=lambda gpu: 16 << 30)  # what the queue reads of the daemon
+    service = QueueService(coordinator, Fifo())
+    me = os.getpid()
+    same = service.queue.submit(0.0, "same", me, os.getuid(), "guaranteed", 1, 0, 0, process_start_ticks(me))
+    reused = service.queue.submit(0.0, "reused", me, os.getuid(), "guaranteed", 1, 0, 0,
+                                  process_start_ticks(me) + 1)  # started at another time: another process
+    service.tick(1.0)
+    assert same.ticket in service.queue.jobs
+    assert reused.ticket not in service.queue.jobs
+    assert service.outcomes[reused.ticket] == ("finished", "its process exited")

@@ -124,7 +124,7 @@ class QueueService:
         if not self.queue.jobs:
             return
         for job in list(self.queue.jobs.values()):
-            if not process_alive(job.pid):
+            if not process_alive(job.pid, job.pid_start_ticks):  # a reused pid is another process
                 self._end(job.ticket, "finished", "its process exited")
                 self._log("queued job ended", job=job.name, ticket=job.ticket, attained_gpu_s=job.attained_service)
             elif job.status == STOPPING:
