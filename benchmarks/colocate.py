@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_file import gpu_environment, result_base, write_json  # noqa: E402
@@ -92,6 +92,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--mode", default="solo", help=argparse.SUPPRESS)
     parser.add_argument("--gap-s", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--beside", action="store_true", help=argparse.SUPPRESS)  # another job runs too
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
@@ -199,10 +200,27 @@ def overhead_figures(plain_guaranteed: Dict[str, float], tracked_guaranteed: Dic
 
 
 def worker_command(workload: str, role: str, mode: str, args: argparse.Namespace, gap_s: float,
-                   sync_dir: str) -> List[str]:
+                   sync_dir: str, beside: bool = False) -> List[str]:
     return [sys.executable, os.path.abspath(__file__), "--worker", workload, "--role", role, "--mode", mode,
             "--seconds", str(args.seconds), "--warmup-steps", str(args.warmup_steps), "--gap-s", str(gap_s),
-            "--sync-dir", sync_dir]
+            "--sync-dir", sync_dir] + (["--beside"] if beside else [])
+
+
+def wait_for_go(go: str, keep_running: Optional[Callable[[], None]] = None) -> int:
+    """Waits until the driver's file `go` exists. A guaranteed job beside
+    another runs `keep_running` (one iteration, its gap included) meanwhile,
+    as a running job does when another joins: under cotenant-auto the
+    coordinator measures its solo baseline then, holding the opportunistic
+    job at share 0 until it has, and sees no pause in its iterations. Returns
+    the iterations run."""
+    iterations = 0
+    while not os.path.exists(go):
+        if keep_running is None:
+            time.sleep(0.01)
+        else:
+            keep_running()
+            iterations += 1
+    return iterations
 
 
 # ---- workloads (worker processes) ------------------------------------------------------------
@@ -319,9 +337,14 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
     ready = os.path.join(args.sync_dir, f"{role}.ready")
     with open(ready, "w") as f:
         json.dump({"compute_p50_s": percentile(compute_s, 50)}, f)
-    go = os.path.join(args.sync_dir, "go")
-    while not os.path.exists(go):
-        time.sleep(0.01)
+    def one_iteration() -> None:
+        step()
+        torch.cuda.synchronize()
+        if args.gap_s > 0:
+            time.sleep(args.gap_s)
+
+    keep_running = one_iteration if role == "guaranteed" and args.beside else None
+    iterations_before_go = wait_for_go(os.path.join(args.sync_dir, "go"), keep_running)
 
     iteration_s: List[float] = []
     compute_s = []
@@ -337,6 +360,7 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
     summary = summarize_iterations(iteration_s)
     summary["compute_p50_s"] = percentile(compute_s, 50)
     summary["mode"], summary["role"], summary["workload"] = mode, role, args.worker
+    summary["iterations_before_go"] = iterations_before_go
     if mode.startswith("cotenant"):
         import cotenant
 
@@ -391,7 +415,8 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float,
     for role, workload in roles.items():
         out = open(os.path.join(sync_dir, f"{role}.json"), "w")
         processes[role] = (subprocess.Popen(
-            worker_command(workload, role, mode, args, gap_s if role == "guaranteed" else 0.0, sync_dir),
+            worker_command(workload, role, mode, args, gap_s if role == "guaranteed" else 0.0, sync_dir,
+                           beside=len(roles) > 1),
             env=env, stdout=out), out)
     try:
         deadline = time.monotonic() + WORKER_START_S
@@ -453,6 +478,18 @@ def _dump_stacks_of(processes) -> None:
     time.sleep(1.0)
 
 
+def result_document(env: Dict[str, Any], args: argparse.Namespace, pair: Dict[str, str], gap_s: float,
+                    figures: Dict[str, float], solo: Dict[str, Any], runs: Dict[str, Dict[str, Any]],
+                    complete: bool) -> Dict[str, Any]:
+    """The result file's content; `complete` is false while modes (or the
+    gate's overhead runs) are still to come."""
+    return {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair, "complete": complete,
+            "seconds_per_run": args.seconds, "guaranteed_gap_s": gap_s, "figures": figures,
+            "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},
+            "skipped": {m: r["skipped"] for m, r in runs.items() if "skipped" in r},
+            "solo": solo, "runs": {m: r for m, r in runs.items() if "skipped" not in r}}
+
+
 def start_coordinator(directory: str, timeout_s: float = 30.0):
     """Starts the product's coordinator (`python -m cotenant.cli coordinator`) on a
     private socket in `directory`; returns (process, socket path) once it serves."""
@@ -507,6 +544,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     pair = {"guaranteed": guaranteed_workload, "opportunistic": opportunistic_workload}
     runs: Dict[str, Dict[str, Any]] = {}
+    env = gpu_environment()
+    base = result_base(args.out, f"colocate-{args.pair.replace('+', '-')}", env["device"])
+
+    def save(figures: Dict[str, float], complete: bool) -> None:
+        # After every mode too: a run stopped part-way (a device call's time
+        # limit) keeps the modes it measured.
+        write_json(result_document(env, args, pair, gap_s, figures, solo, runs, complete), base + ".json")
+
     for mode in args.modes:
         print(f"colocate: {mode} ...", file=sys.stderr, flush=True)
         mps = Mps() if mode == "mps" else None
@@ -520,6 +565,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finally:
             if mps is not None:
                 mps.stop()
+        save(compute_figures(solo, runs), complete=False)
 
     figures = compute_figures(solo, runs)
     print("colocate: the gate's overhead ...", file=sys.stderr, flush=True)
@@ -533,14 +579,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figures.update(overhead_figures(solo["guaranteed"], tracked, plain_tiny, gated_tiny))
     except RuntimeError as error:
         runs["overhead"] = {"skipped": str(error)}
-    env = gpu_environment()
-    result = {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair,
-              "seconds_per_run": args.seconds, "guaranteed_gap_s": gap_s, "figures": figures,
-              "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},
-              "skipped": {m: r["skipped"] for m, r in runs.items() if "skipped" in r},
-              "solo": solo, "runs": {m: r for m, r in runs.items() if "skipped" not in r}}
-    base = result_base(args.out, f"colocate-{args.pair.replace('+', '-')}", env["device"])
-    write_json(result, base + ".json")
+    save(figures, complete=True)
     _plot(figures, args.modes, base + ".png", f"{args.pair} on {env['device']}")
     print(json.dumps(figures, indent=2, sort_keys=True))
     print(f"wrote {base}.json and {base}.png")

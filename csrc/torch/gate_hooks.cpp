@@ -202,6 +202,7 @@ void opportunistic_entry(const OpEntry& op, void* context) {
   auto* state = static_cast<ProcessGate*>(context);
   if (explicit_depth > 0 || admitted_op) return;  // inside admitted work
   if (launches_no_kernel(op.name)) return;        // nothing for the GPU: nothing to wait for or mark
+  if (!may_use_cuda(op)) return;                  // CPU work (model set-up, data): never waits for the GPU
   if (in_forked_child.load(std::memory_order_relaxed)) return;
   try {
     if (capturing(state->activation.device)) return;
@@ -359,7 +360,7 @@ void activate_gate(const GateActivation& activation) {
           .needsOutputs(false)
           .needsIds(false)
           .scopes({at::RecordScope::FUNCTION}));
-  if (opportunistic) raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw);
+  if (opportunistic) raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw, OpInputs::kNeeded);
   set_explicit_op_exit_hook(&launched_at_explicit_op_exit, raw);
   raw->pulse = std::thread(pulse_loop, raw);
 }

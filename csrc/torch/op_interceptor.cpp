@@ -2,6 +2,7 @@
 
 #include "op_interceptor.h"
 
+#include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 
 #include <array>
@@ -22,9 +23,13 @@ struct HookSlot {
 // Registered hooks. A slot is live when its hook is non-null; slots are
 // filled and cleared under registration_mutex, read lock-free at op entry.
 std::array<HookSlot, kMaxOpEntryHooks> hook_slots;
+std::array<bool, kMaxOpEntryHooks> slot_needs_inputs{};  // under registration_mutex
 std::atomic<int> highest_slot_plus_one{0};
 std::mutex registration_mutex;
-std::once_flag callback_installed;
+// The installed callback, and whether it takes the ops' inputs; under
+// registration_mutex.
+at::CallbackHandle callback_handle = at::INVALID_CALLBACK_HANDLE;
+bool callback_takes_inputs = false;
 
 // Outermost ops currently running, all threads.
 std::atomic<std::int64_t> outermost_ops{0};
@@ -44,10 +49,10 @@ thread_local int op_depth = 0;
 // synchronize through ATen) must not re-enter the hooks.
 thread_local bool running_hooks = false;
 
-void run_hooks(const char* name) {
+void run_hooks(const char* name, const at::RecordFunction* record) {
   const int slots = highest_slot_plus_one.load(std::memory_order_acquire);
   if (slots == 0) return;
-  OpEntry entry{name};
+  OpEntry entry{name, record};
   running_hooks = true;
   for (int i = 0; i < slots; ++i) {
     OpEntryHook hook = hook_slots[i].hook.load(std::memory_order_acquire);
@@ -78,9 +83,9 @@ std::atomic<void*> explicit_exit_context{nullptr};
 
 // Entry and exit of any op, ATen's or an explicit one: only a thread's
 // outermost op runs the hooks and counts as in flight.
-void enter_op(const char* name) {
+void enter_op(const char* name, const at::RecordFunction* record) {
   if (op_depth++ > 0 || running_hooks) return;
-  run_hooks(name);
+  run_hooks(name, record);
   // Count the op before re-checking the pause, so a pausing thread either
   // sees this op in flight or this thread sees the pause (both are seq_cst).
   for (;;) {
@@ -103,18 +108,54 @@ void exit_op() {
 }
 
 std::unique_ptr<at::ObserverContext> on_op_entry(const at::RecordFunction& fn) {
-  enter_op(fn.name());
+  enter_op(fn.name(), &fn);
   return nullptr;
 }
 
 void on_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) { exit_op(); }
 
-void install_callback() {
-  at::addGlobalCallback(at::RecordFunctionCallback(&on_op_entry, &on_op_exit)
-                            .needsInputs(false)
-                            .needsOutputs(false)
-                            .needsIds(false)
-                            .scopes({at::RecordScope::FUNCTION}));
+// Installs the callback, or replaces it by one that does or does not take
+// the ops' inputs. The new one is added before the old one goes, so no op
+// goes unseen: an op that starts in between is seen by both, the second as
+// nested in the first, and leaves through both (a record keeps the callbacks
+// it started with). Under registration_mutex.
+void install_callback(bool takes_inputs) {
+  if (callback_handle != at::INVALID_CALLBACK_HANDLE && callback_takes_inputs == takes_inputs) return;
+  const at::CallbackHandle previous = callback_handle;
+  callback_handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_op_entry, &on_op_exit)
+                                              .needsInputs(takes_inputs)
+                                              .needsOutputs(false)
+                                              .needsIds(false)
+                                              .scopes({at::RecordScope::FUNCTION}));
+  callback_takes_inputs = takes_inputs;
+  if (previous != at::INVALID_CALLBACK_HANDLE) at::removeCallback(previous);
+}
+
+bool any_hook_needs_inputs() {
+  for (std::size_t i = 0; i < kMaxOpEntryHooks; ++i) {
+    if (slot_needs_inputs[i] && hook_slots[i].hook.load(std::memory_order_relaxed) != nullptr) return true;
+  }
+  return false;
+}
+
+bool names_cuda(const c10::IValue& value) {
+  if (value.isTensor()) {
+    const at::Tensor& tensor = value.toTensor();
+    return tensor.defined() && tensor.is_cuda();
+  }
+  if (value.isDevice()) return value.toDevice().is_cuda();
+  if (value.isList()) {
+    for (const c10::IValue& element : value.toListRef()) {
+      if (names_cuda(element)) return true;
+    }
+    return false;
+  }
+  if (value.isTuple()) {
+    for (const c10::IValue& element : value.toTupleRef().elements()) {
+      if (names_cuda(element)) return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace
@@ -126,12 +167,25 @@ GilReleasedForWait::~GilReleasedForWait() {
   if (state_ != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state_));
 }
 
-int add_op_entry_hook(OpEntryHook hook, void* context) {
+bool may_use_cuda(const OpEntry& op) {
+  const at::RecordFunction* record = op.record;
+  if (record == nullptr || !record->needsInputs()) return true;
+  const c10::ArrayRef<const c10::IValue> inputs = record->inputs();
+  if (inputs.empty()) return true;
+  for (const c10::IValue& input : inputs) {
+    if (names_cuda(input)) return true;
+  }
+  return false;
+}
+
+int add_op_entry_hook(OpEntryHook hook, void* context, OpInputs inputs) {
   if (hook == nullptr) throw std::invalid_argument("add_op_entry_hook: hook must not be null");
-  std::call_once(callback_installed, install_callback);
   std::lock_guard<std::mutex> lock(registration_mutex);
   for (std::size_t i = 0; i < kMaxOpEntryHooks; ++i) {
     if (hook_slots[i].hook.load(std::memory_order_relaxed) != nullptr) continue;
+    slot_needs_inputs[i] = inputs == OpInputs::kNeeded;
+    // Inputs first: the hook may read them from its first op on.
+    install_callback(slot_needs_inputs[i] || any_hook_needs_inputs());
     hook_slots[i].context.store(context, std::memory_order_release);
     hook_slots[i].hook.store(hook, std::memory_order_release);
     if (static_cast<int>(i) + 1 > highest_slot_plus_one.load(std::memory_order_relaxed)) {
@@ -147,9 +201,13 @@ void remove_op_entry_hook(int id) {
   if (id < 0 || id >= static_cast<int>(kMaxOpEntryHooks)) return;
   std::lock_guard<std::mutex> lock(registration_mutex);
   hook_slots[id].hook.store(nullptr, std::memory_order_release);
+  if (slot_needs_inputs[id]) {
+    slot_needs_inputs[id] = false;
+    install_callback(any_hook_needs_inputs());
+  }
 }
 
-void begin_explicit_op(const char* name) { enter_op(name); }
+void begin_explicit_op(const char* name) { enter_op(name, nullptr); }
 
 void end_explicit_op() {
   const bool outermost = op_depth == 1 && !running_hooks;

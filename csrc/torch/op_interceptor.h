@@ -1,7 +1,7 @@
 // The one interception point at ATen op entry, on every thread.
 //
-// A single global at::RecordFunction callback (scope FUNCTION, no inputs, so
-// its cost is one callback per op) observes every ATen operator a process
+// A single global at::RecordFunction callback (scope FUNCTION, no inputs
+// unless a hook asks for them, so its cost is one callback per op) observes every ATen operator a process
 // runs: from Python, from C++ and from autograd's backward threads. Features
 // that must act before an op launches work register here instead of adding
 // their own RecordFunction callbacks:
@@ -27,12 +27,28 @@
 #include <cstddef>
 #include <cstdint>
 
+namespace at {
+struct RecordFunction;
+}
+
 namespace cotenant::torch_ext {
 
 // What a hook learns about the op being entered.
 struct OpEntry {
   const char* name;  // e.g. "aten::mm"; valid only during the hook call
+  // The ATen op's record, its inputs boxed when a registered hook asked for
+  // them (OpInputs::kNeeded); null for an explicit op.
+  const at::RecordFunction* record = nullptr;
 };
+
+// True when the op may put work on a CUDA device, false only for an ATen op
+// whose boxed inputs name no CUDA tensor (alone, in a list or a tuple) and
+// no CUDA device: model set-up and data preparation on the CPU. An explicit
+// op, an op seen without its inputs and an op with none (a record named by
+// a string may carry none) may: the answer errs towards the device. A
+// factory op's device is among its inputs (torch.zeros(3, device="cuda")
+// names it; torch.set_default_device passes it explicitly).
+bool may_use_cuda(const OpEntry& op);
 
 // Lets the GIL go for a blocking wait at op entry, where this thread holds
 // it. Some ops begin with the GIL held (tensor indexing and assignment, C++
@@ -62,8 +78,14 @@ using OpEntryHook = void (*)(const OpEntry& op, void* context);
 // RecordFunction callback on first use. Returns an id for
 // remove_op_entry_hook(). At most kMaxOpEntryHooks hooks at once; throws
 // std::runtime_error beyond that. Thread-safe.
+//
+// A hook registered with OpInputs::kNeeded sees each op's inputs (for
+// may_use_cuda): while one is registered, the dispatcher boxes every op's
+// arguments for the callback (into storage on the stack, no heap), a cost the
+// process pays per op, so only the opportunistic gate asks for it.
 inline constexpr std::size_t kMaxOpEntryHooks = 8;
-int add_op_entry_hook(OpEntryHook hook, void* context);
+enum class OpInputs { kNotNeeded, kNeeded };
+int add_op_entry_hook(OpEntryHook hook, void* context, OpInputs inputs = OpInputs::kNotNeeded);
 // Unregisters; a hook already running on another thread finishes its call.
 void remove_op_entry_hook(int id);
 

@@ -1,6 +1,7 @@
 """The co-location benchmark's parts that need no GPU: arguments, summaries of
 iteration times, the figures (names and arithmetic) and the auto share step."""
 
+import json
 import math
 import os
 import py_compile
@@ -124,6 +125,44 @@ def test_workers_are_started_with_their_role_mode_and_gap(colocate):
     assert command[command.index("--seconds") + 1] == "7.0"
 
 
+def test_a_guaranteed_job_beside_another_keeps_iterating_until_both_are_ready(colocate, tmp_path):
+    # Under cotenant-auto the coordinator holds the opportunistic job at share
+    # 0 until the guaranteed job's solo baseline is measured: a guaranteed job
+    # that waited idle for the other to get ready left it waiting for ever
+    # (H200, 2026-11-27). Beside another job it runs on until the go.
+    go = tmp_path / "go"
+    calls = []
+
+    def one_iteration():
+        calls.append(1)
+        if len(calls) == 3:
+            go.touch()
+
+    assert colocate.wait_for_go(str(go), one_iteration) == 3
+    assert colocate.wait_for_go(str(go)) == 0  # the go already given: nothing run
+
+    args = colocate.parse_args(["--seconds", "1"])
+    beside = colocate.worker_command("resnet50-train", "guaranteed", "cotenant-auto", args, 0.03, "/x", beside=True)
+    alone = colocate.worker_command("resnet50-train", "guaranteed", "solo", args, 0.03, "/x")
+    assert colocate.parse_args(beside[2:]).beside is True
+    assert colocate.parse_args(alone[2:]).beside is False
+
+
+def test_the_driver_tells_workers_whether_another_job_runs_beside_them(colocate, monkeypatch):
+    seen = {}
+
+    def command(workload, role, mode, args, gap_s, sync_dir, beside=False):
+        seen[(mode, role)] = beside
+        return [colocate.sys.executable, "-c", "import sys; sys.exit(3)"]
+
+    monkeypatch.setattr(colocate, "worker_command", command)
+    args = colocate.parse_args(["--seconds", "0.1"])
+    for mode, roles in (("naive", {"guaranteed": "a", "opportunistic": "b"}), ("solo", {"guaranteed": "a"})):
+        with pytest.raises(RuntimeError, match="exited with 3 before starting"):
+            colocate._run(args, mode, roles, 0.0)
+    assert seen == {("naive", "guaranteed"): True, ("naive", "opportunistic"): True, ("solo", "guaranteed"): False}
+
+
 def test_overhead_figures_compare_each_job_with_and_without_the_gate(colocate):
     figures = colocate.overhead_figures({"compute_p50_s": 0.100}, {"compute_p50_s": 0.1004},
                                         {"compute_p50_s": 0.010}, {"compute_p50_s": 0.0105})
@@ -151,7 +190,7 @@ def test_a_worker_that_hangs_is_given_up_with_its_stacks_and_killed(colocate, mo
             "time.sleep(600)\n")
     started = []
 
-    def command(workload, role, mode, args, gap_s, sync_dir):
+    def command(workload, role, mode, args, gap_s, sync_dir, beside=False):
         started.append(role)
         return [colocate.sys.executable, "-c", hang, sync_dir, role]
 
@@ -162,3 +201,29 @@ def test_a_worker_that_hangs_is_given_up_with_its_stacks_and_killed(colocate, mo
         colocate._run(args, "naive", {"guaranteed": "resnet50"}, 0.0)
     assert started == ["guaranteed"]
     assert 'File "<string>", line 5 in <module>' in capfd.readouterr().err  # where it hung: the sleep
+
+
+def test_a_run_stopped_part_way_keeps_the_modes_it_measured(colocate, monkeypatch, tmp_path):
+    # A device call's time limit once stopped the benchmark in its last
+    # runs, and the five modes it had measured were lost with it.
+    summary = {"iterations": 10, "throughput": 10.0, "p50_s": 0.1, "p99_s": 0.1, "compute_p50_s": 0.05}
+    ran = []
+
+    def fake_run(args, mode, roles, gap_s, extra_env=None):
+        ran.append(mode)
+        if mode == "priority":
+            raise KeyboardInterrupt  # what a kill leaves the driver
+        return {role: dict(summary) for role in roles}
+
+    monkeypatch.setattr(colocate, "_run", fake_run)
+    monkeypatch.setattr(colocate, "gpu_environment", lambda: {"device": "Test GPU", "torch": "t", "driver": "d",
+                                                               "cuda": "c"})
+    with pytest.raises(KeyboardInterrupt):
+        colocate.main(["--modes", "naive,cotenant-0.5,priority,cotenant-auto", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("colocate-*.json")
+    with open(path) as f:
+        result = json.load(f)
+    assert result["complete"] is False
+    assert sorted(result["runs"]) == ["cotenant-0.5", "naive"]
+    assert result["figures"]["naive.guaranteed_throughput_ratio"] == 1.0
+    assert "cotenant-auto.guaranteed_throughput_ratio" not in result["figures"]

@@ -571,6 +571,36 @@ def test_a_safe_point_at_op_entry_lets_the_other_python_threads_run_while_pages_
     assert out["same"]
 
 
+def test_an_op_waiting_at_the_gate_lets_the_other_python_threads_run(library):
+    """An op held at the gate may have begun with the GIL held (assignment
+    through an index does); waiting with it would stop every Python thread
+    of the job, the one that raises the share among them (a deadlock). Over
+    the fake: the assignment's copy into a CUDA tensor is a copy, no kernel."""
+    out = run(library, """
+        import threading, time
+        from cotenant import _C
+        cotenant.enable(role="opportunistic")
+        x = torch.arange(4.0).to("cuda")
+        done = threading.Event()
+
+        def worker():
+            x[1:3] = torch.tensor([5.0, 6.0])  # enters its ops holding the GIL
+            done.set()
+
+        cotenant.gate.set_share(0)
+        thread = threading.Thread(target=worker)
+        thread.start()
+        time.sleep(0.3)  # needs the GIL back
+        out["held"] = not done.is_set()
+        out["waiting"] = _C.gate_stats()["waiting"]
+        cotenant.gate.set_share(1)
+        thread.join(10)
+        out["done"] = done.is_set()
+        out["values"] = x.to("cpu").tolist()
+    """)
+    assert out == {"held": True, "waiting": 1, "done": True, "values": [0.0, 5.0, 6.0, 3.0]}
+
+
 def test_work_launched_outside_aten_lets_the_gil_go_while_it_waits_at_the_gate(library):
     """Hand-launched kernels in cotenant.gate(), CUDA graph replays and
     Triton launches enter as one op each, with the GIL held (as an ATen op's
@@ -1358,6 +1388,61 @@ def test_a_paused_opportunistic_job_runs_views_and_holds_its_copies(library):
     assert out["views_ran_while_paused"]
     assert out["events_for_views"] == 0
     assert out["copy_held"] and out["copy_resumed"] and out["same"]
+
+
+def test_a_paused_opportunistic_job_runs_its_cpu_work_and_holds_every_op_that_names_the_gpu(library):
+    """Share 0 (the coordinator pauses opportunistic jobs while a guaranteed
+    job measures its solo baseline) must not stop a job's CPU work: building
+    a model on the CPU initializes its weights with ATen ops, and a job that
+    waited there never got ready (H200, 2026-11-27). Every op that names the
+    GPU, by a CUDA tensor, a list of them or a device argument, is held."""
+    out = run(library, """
+        import threading, time
+        cotenant.enable(role="opportunistic")
+        x = pattern(1 << 12, seed=5).to("cuda")
+        cotenant.gate.set_share(0)
+        records_before = fake.calls("cudaEventRecord")
+        cpu_done = threading.Event()
+
+        def cpu_work():
+            torch.manual_seed(0)
+            layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+            a = torch.randn(64, 64)
+            out["cpu_sum"] = float((layer(a.unsqueeze(0)).sum() + torch.cat([a, a]).sum()).item())
+            cpu_done.set()
+
+        threading.Thread(target=cpu_work, daemon=True).start()
+        out["cpu_work_ran_while_paused"] = cpu_done.wait(60)
+        out["events_for_cpu_work"] = fake.calls("cudaEventRecord") - records_before
+        # Each launches no kernel once let through (over the fake a kernel
+        # launch is a violation): copies and views.
+        gpu_ops = {
+            "factory with a device": lambda: torch.tensor([1.0, 2.0], device="cuda"),
+            "copy to the device": lambda: torch.ones(8).to("cuda"),
+            "op on a cuda tensor": lambda: x.to("cpu"),
+            "list of cuda tensors": lambda: torch.broadcast_tensors(x, x.view(1, -1)),
+        }
+        done = {name: threading.Event() for name in gpu_ops}
+        results = {}
+
+        def launch(name):
+            results[name] = gpu_ops[name]()
+            done[name].set()
+
+        for name in gpu_ops:
+            threading.Thread(target=launch, args=(name,), daemon=True).start()
+        time.sleep(1.0)
+        out["held"] = sorted(name for name, event in done.items() if not event.is_set())
+        cotenant.gate.set_share(1)
+        out["resumed"] = sorted(name for name, event in done.items() if event.wait(30))
+        out["copied"] = same(results["copy to the device"], torch.ones(8)) if "copy to the device" in results else None
+    """)
+    names = ["copy to the device", "factory with a device", "list of cuda tensors", "op on a cuda tensor"]
+    assert out["cpu_work_ran_while_paused"]
+    assert out["events_for_cpu_work"] == 0
+    assert out["held"] == names
+    assert out["resumed"] == names
+    assert out["copied"] is True
 
 
 def test_threads_streams_and_a_moving_cap_keep_every_value(library):
