@@ -30,9 +30,13 @@
 #
 # Measured on one H100 (2026-11-24): build 1 min; the gpu tests 110 s with -n 4;
 # bench_allocator.py --quick 3 min; colocate.py with 6 s runs more than
-# 280 s (its six modes and two solo runs); the snapshots 40 s. So `build
-# tests` fits one device call, and `allocator snapshots` and `colocate` one
-# each (bench in one call runs past the 10-minute limit of one call).
+# 280 s (its six modes and two solo runs); the snapshots 40 s. On one H200
+# (2026-11-27): build 40 s, the gpu tests 135 s with -n 4, bench_allocator.py
+# --quick 150 s, the snapshots 40 s: `build tests allocator snapshots` took
+# 6.2 minutes in one call. colocate.py with 5 s runs took more than 6 minutes
+# there, 3 of them a hung worker since fixed. So two calls: `build tests
+# allocator snapshots`, then `colocate` (bench in one call runs past the
+# 10-minute limit of one call).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
