@@ -87,6 +87,9 @@ struct CachingAllocator::State {
   // The tick of the last iteration mark: a cached page last used before it
   // is cold. 0: no mark yet.
   std::uint64_t cold_before = 0;
+  // The tick of the mark before that one (0 until two marks): a cached page
+  // used since then is part of the loop's layout (unused_before()).
+  std::uint64_t previous_mark = 0;
   // Reserved bytes the cold-cache rule lets the arena reach whatever the
   // live peak: where the rule's releases keep coming back, it stops at the
   // footprint the loop showed it needs (back_block). 0 until then, and
@@ -264,16 +267,28 @@ struct CachingAllocator::State {
     give_back_page(handle);
   }
 
+  // Cached pages last used before this tick are none of the loop's layout:
+  // no allocation or free has touched them through a whole step (since the
+  // mark before the last). A warm loop under a cap needs the rest again
+  // within a step: released, each comes back as a new page, and its release
+  // waits for the device (docs/allocator.md, "A warm loop under a cap keeps
+  // its layout").
+  // Before any mark no loop is known, and every cached page counts as unused.
+  static constexpr std::uint64_t kAnyCachedPage = std::numeric_limits<std::uint64_t>::max();
+  std::uint64_t unused_before() const { return cold_before == 0 ? kAnyCachedPage : previous_mark; }
+
   // Releases mapped pages no live block touches, on `where` (or both when
-  // null), at least `limit` bytes of them where there are (the coldest), all
-  // by default. Address ranges stay reserved. Returns the bytes released.
-  // One device synchronize covers the whole batch (none when the caller
-  // already ran it: `synchronized`); when the device cannot synchronize now
-  // (graph capture) nothing is released.
+  // null) and last used before `used_before` (any by default), at least
+  // `limit` bytes of them where there are (the coldest), all by default.
+  // Address ranges stay reserved. Returns the bytes released. One device
+  // synchronize covers the whole batch (none when the caller already ran it:
+  // `synchronized`, or when no page qualifies); when the device cannot
+  // synchronize now (graph capture) nothing is released.
   std::size_t release_cached_pages(const Residency* where, std::size_t limit = SIZE_MAX,
-                                   bool synchronized = false) {
+                                   bool synchronized = false, std::uint64_t used_before = kAnyCachedPage) {
     const std::size_t available = where ? cached_of(*where) : cached_bytes[0] + cached_bytes[1];
     if (available == 0 || limit == 0) return 0;
+    if (used_before != kAnyCachedPage) return release_unused_cached_pages(where, limit, synchronized, used_before);
     if (!synchronized && !backend.synchronize_for_unmap()) return 0;
     std::size_t released = 0;
     if (limit >= available) {
@@ -300,6 +315,30 @@ struct CachingAllocator::State {
     }
     std::sort(cached.begin(), cached.end(), [](const Cached& a, const Cached& b) { return a.last_use < b.last_use; });
     for (const Cached& page : cached) {
+      if (released >= limit) break;
+      unmap_page(*page.segment, page.index, /*synchronized=*/true);
+      released += page_bytes;
+    }
+    return released;
+  }
+  // release_cached_pages() of the pages last used before `used_before`:
+  // waits for the device only when it has a page to release.
+  std::size_t release_unused_cached_pages(const Residency* where, std::size_t limit, bool synchronized,
+                                          std::uint64_t used_before) {
+    struct Cached { std::uint64_t last_use; Segment* segment; std::size_t index; };
+    std::vector<Cached> unused;
+    for (auto& [base, segment] : segments) {
+      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
+        const Page& page = segment->pages[i];
+        if (!page.handle || page.live_blocks != 0 || page.last_use >= used_before) continue;
+        if (where && page.handle.where != *where) continue;
+        unused.push_back({page.last_use, segment.get(), i});
+      }
+    }
+    if (unused.empty() || (!synchronized && !backend.synchronize_for_unmap())) return 0;
+    std::sort(unused.begin(), unused.end(), [](const Cached& a, const Cached& b) { return a.last_use < b.last_use; });
+    std::size_t released = 0;
+    for (const Cached& page : unused) {
       if (released >= limit) break;
       unmap_page(*page.segment, page.index, /*synchronized=*/true);
       released += page_bytes;
@@ -336,18 +375,27 @@ struct CachingAllocator::State {
   void update_host_keeping() { host_pages->set_keeping(this, keeping_host_pages()); }
 
   // A new page for an allocation that has `own_device_bytes` on the device
-  // so far: on the device if it fits
-  // under the cap (after releasing cached device pages if need be), or if a
-  // colder live device page can move out at the next safe point in its
-  // place; else on the host. Returns an empty handle when the allocation
-  // cannot be placed here: the host is exhausted too, spilling is off, or
-  // (pinned fallback mode) the caller must take pinned memory instead.
+  // so far: on the device if it fits under the cap (after releasing cached
+  // device pages the loop no longer uses if need be), or if a colder live
+  // device page can move out at the next safe point in its place; else,
+  // after releasing the loop's own cached device pages, on the device if it
+  // then fits, or on the host. The loop's cache goes last: released, a warm
+  // loop maps it again in the same or the next step, every step (see
+  // unused_before()), where a colder page moved out once settles.
+  // Returns an empty handle when the allocation cannot be placed here: the
+  // host is exhausted too, spilling is off, or (pinned fallback mode) the
+  // caller must take pinned memory instead.
   PageHandle create_page_for_allocation(std::size_t own_device_bytes, std::size_t needed_bytes,
                                         bool* released_cache) {
     const Residency device = Residency::kDevice;
-    if (!device_has_room_for_a_page()) {
-      // Enough cache for the rest of this allocation, in one batch.
-      if (release_cached_pages(&device, needed_bytes) > 0) *released_cache = true;
+    // Enough cache for the rest of this allocation, in one batch each.
+    if (!device_has_room_for_a_page() &&
+        release_cached_pages(&device, needed_bytes, /*synchronized=*/false, unused_before()) > 0) {
+      *released_cache = true;
+    }
+    if (!device_has_room_for_a_page() && !colder_page_can_make_room(own_device_bytes) &&
+        release_cached_pages(&device, needed_bytes) > 0) {
+      *released_cache = true;
     }
     if (device_has_room_for_a_page()) {
       if (PageHandle page = backend.create_page(Residency::kDevice)) return page;
@@ -1162,11 +1210,27 @@ struct CachingAllocator::State {
         }
       }
     } release_targets{*this};
-    // Cached pages hold no data: release instead of moving them. Host cache
-    // goes always (a block reusing it would run on the host needlessly).
+    // Cached pages hold no data: release instead of moving them, those the
+    // loop no longer uses (unused_before()). Host cache goes as far as the
+    // device has room for it (a block reusing it would run on the host
+    // needlessly), that the loop no longer uses always; the rest of the
+    // loop's stays mapped: a block placed there runs on the host, where
+    // released it would come back as a new page, and under the cap a colder
+    // page's spill, in every step. Over the cap, the loop's device cache goes
+    // only for what the live device pages cannot spill.
     const Residency host = Residency::kHost, device = Residency::kDevice;
-    release_cached_pages(&host);
-    if (device_bytes() > effective_cap()) release_cached_pages(&device, device_bytes() - effective_cap());
+    release_cached_pages(&host, SIZE_MAX, /*synchronized=*/false, unused_before());
+    const std::uint64_t room = effective_cap() == kNoCap ? kNoCap
+                             : device_bytes() + spill_ahead() < effective_cap()
+                             ? effective_cap() - device_bytes() - spill_ahead() : 0;
+    if (room >= page_bytes) release_cached_pages(&host, room);
+    if (device_bytes() > effective_cap()) {
+      release_cached_pages(&device, device_bytes() - effective_cap(), /*synchronized=*/false, unused_before());
+    }
+    const std::uint64_t live_device = device_bytes() - cached_of(device);
+    if (device_bytes() > effective_cap() && device_bytes() - effective_cap() > live_device) {
+      release_cached_pages(&device, device_bytes() - effective_cap() - live_device);
+    }
     std::vector<LivePage> pages;
     const MigrationPlan moves = plan(&pages);
     if (moves.empty()) return 0;
@@ -1189,6 +1253,8 @@ struct CachingAllocator::State {
       }
     } given_up{*this, {}};
     const std::size_t spilled = spill_pages(moves.to_host, pages, given_up.pages);
+    // Spills the host could not take (its headroom): the loop's cache goes instead.
+    if (device_bytes() > effective_cap()) release_cached_pages(&device, device_bytes() - effective_cap());
     return spilled + restore_pages(moves.to_device, pages, given_up.pages);
   }
 
@@ -1515,6 +1581,7 @@ void CachingAllocator::mark_iteration() {
   std::lock_guard lock(s.mutex);
   // A tick of its own: a free between this mark and the next allocation
   // stamps its pages with it, so they are not cold.
+  s.previous_mark = s.cold_before;
   s.cold_before = ++s.tick;
   s.last_iteration_peak = s.iteration_peak;
   s.iteration_peak = s.stats.allocated_bytes.all.current;

@@ -103,6 +103,74 @@ TEST_CASE("a_repeated_step_under_a_cap_moves_pages_in_its_first_step_only", "[ca
   CHECK(moved == std::vector<std::int64_t>{8 * static_cast<std::int64_t>(kMiB), 0, 0, 0});
 }
 
+// A step whose layout holds more pages than its peak of live bytes (a 6 MiB
+// block that fits in no hole the step left), warm and uncapped, then capped
+// at two thirds of its peak, as bench_allocator's spilled steps do. Under the
+// cap the device's free pages are the step's own layout: releasing them to
+// map the next block's pages released, in every step, the pages the next
+// block of another phase maps again (6 pages created and released a step,
+// each release behind a device synchronize, no page moved). A colder live
+// page (the weights) moves out instead, so the layout fills with host pages
+// once and a warm step asks the driver for no page and releases none. The
+// cap holds after every safe point, and the bytes stay intact. Lifted, the
+// cap leaves no page of the loop's on the host.
+TEST_CASE("a_warm_loop_under_a_cap_keeps_its_layout_instead_of_releasing_and_creating_pages_each_step", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  const std::int64_t cap = 12 * kMiB;
+  bool capped = false;
+  auto safe_point = [&] {
+    if (allocator.has_pending_migrations()) allocator.apply_pending_migrations();
+    if (capped) CHECK(allocator.stats().device_resident_bytes.current <= cap);
+  };
+  const DevicePtr weights = allocator.allocate(8 * kMiB, 0);
+  fill(device, weights, 1, 8 * kMiB);
+  struct Counts { std::uint64_t create, release, synchronize; };
+  std::vector<Counts> steps;
+  for (int step = 0; step < 14; ++step) {
+    if (step == 3) {
+      allocator.set_memory_cap(cap);
+      capped = true;
+      safe_point();
+    }
+    if (step == 12) {
+      allocator.set_memory_cap(kNoCap);
+      capped = false;
+    }
+    const SimulatedCallCounts before = device.calls();
+    safe_point();
+    const DevicePtr first = allocator.allocate(4 * kMiB, 0);
+    safe_point();
+    const DevicePtr second = allocator.allocate(4 * kMiB, 0);
+    fill(device, second, 2, 4 * kMiB);
+    safe_point();
+    allocator.free(first);
+    safe_point();
+    const DevicePtr wide = allocator.allocate(6 * kMiB, 0);  // fits in no hole: pages of its own
+    safe_point();
+    allocator.free(wide);
+    safe_point();
+    CHECK(holds(device, second, 2, 4 * kMiB));
+    allocator.free(second);
+    safe_point();
+    allocator.mark_iteration();
+    const SimulatedCallCounts after = device.calls();
+    steps.push_back({after.create_page - before.create_page, after.release_page - before.release_page,
+                     after.synchronize_device - before.synchronize_device});
+  }
+  CHECK(steps[0].create > 0);
+  for (std::size_t step = 6; step < 12; ++step) {  // three capped steps to settle
+    INFO("step " << step);
+    CHECK(steps[step].create == 0);
+    CHECK(steps[step].release == 0);
+    CHECK(steps[step].synchronize == 0);
+  }
+  CHECK(allocator.stats().num_ooms == 0);
+  CHECK(allocator.stats().host_resident_bytes.current == 0);
+  CHECK(holds(device, weights, 1, 8 * kMiB));
+  allocator.check_invariants();
+}
+
 // Once a step has shown its peak (an iteration mark), a safe point that must
 // spill also spills a quarter of what the step still allocates, at most an
 // eighth of the cap: the next allocations then find room without a safe
