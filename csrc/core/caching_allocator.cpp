@@ -288,62 +288,41 @@ struct CachingAllocator::State {
                                    bool synchronized = false, std::uint64_t used_before = kAnyCachedPage) {
     const std::size_t available = where ? cached_of(*where) : cached_bytes[0] + cached_bytes[1];
     if (available == 0 || limit == 0) return 0;
-    if (used_before != kAnyCachedPage) return release_unused_cached_pages(where, limit, synchronized, used_before);
-    if (!synchronized && !backend.synchronize_for_unmap()) return 0;
-    std::size_t released = 0;
-    if (limit >= available) {
-      for (auto& [base, segment] : segments) {
-        for (std::size_t i = 0; i < segment->pages.size(); ++i) {
-          const Page& page = segment->pages[i];
-          if (!page.handle || page.live_blocks != 0) continue;
-          if (where && page.handle.where != *where) continue;
-          unmap_page(*segment, i, /*synchronized=*/true);
-          released += page_bytes;
-        }
-      }
-      return released;
-    }
     // Part of the cache: the coldest pages, so what a loop reuses soonest stays.
-    struct Cached { std::uint64_t last_use; Segment* segment; std::size_t index; };
-    std::vector<Cached> cached;
-    for (auto& [base, segment] : segments) {
-      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
-        const Page& page = segment->pages[i];
-        if (!page.handle || page.live_blocks != 0 || (where && page.handle.where != *where)) continue;
-        cached.push_back({page.last_use, segment.get(), i});
-      }
+    std::vector<CachedPage> pages = cached_pages(where, used_before);
+    if (pages.empty() || (!synchronized && !backend.synchronize_for_unmap())) return 0;
+    if (limit < available || used_before != kAnyCachedPage) {
+      std::sort(pages.begin(), pages.end(),
+                [](const CachedPage& a, const CachedPage& b) { return a.page().last_use < b.page().last_use; });
     }
-    std::sort(cached.begin(), cached.end(), [](const Cached& a, const Cached& b) { return a.last_use < b.last_use; });
-    for (const Cached& page : cached) {
+    std::size_t released = 0;
+    for (const CachedPage& page : pages) {
       if (released >= limit) break;
       unmap_page(*page.segment, page.index, /*synchronized=*/true);
       released += page_bytes;
     }
     return released;
   }
-  // release_cached_pages() of the pages last used before `used_before`:
-  // waits for the device only when it has a page to release.
-  std::size_t release_unused_cached_pages(const Residency* where, std::size_t limit, bool synchronized,
-                                          std::uint64_t used_before) {
-    struct Cached { std::uint64_t last_use; Segment* segment; std::size_t index; };
-    std::vector<Cached> unused;
+
+  // A mapped page no live block touches.
+  struct CachedPage {
+    Segment* segment;
+    std::size_t index;
+    const Page& page() const { return segment->pages[index]; }
+  };
+  // The cached pages on `where` (or both when null) last used before
+  // `used_before`, in address order.
+  std::vector<CachedPage> cached_pages(const Residency* where, std::uint64_t used_before) {
+    std::vector<CachedPage> pages;
     for (auto& [base, segment] : segments) {
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
         const Page& page = segment->pages[i];
         if (!page.handle || page.live_blocks != 0 || page.last_use >= used_before) continue;
         if (where && page.handle.where != *where) continue;
-        unused.push_back({page.last_use, segment.get(), i});
+        pages.push_back({segment.get(), i});
       }
     }
-    if (unused.empty() || (!synchronized && !backend.synchronize_for_unmap())) return 0;
-    std::sort(unused.begin(), unused.end(), [](const Cached& a, const Cached& b) { return a.last_use < b.last_use; });
-    std::size_t released = 0;
-    for (const Cached& page : unused) {
-      if (released >= limit) break;
-      unmap_page(*page.segment, page.index, /*synchronized=*/true);
-      released += page_bytes;
-    }
-    return released;
+    return pages;
   }
 
   // A new page on `where`: a kept host page when there is one, else the
@@ -482,18 +461,14 @@ struct CachingAllocator::State {
                  static_cast<double>(cold_rule_floor));
     double excess = static_cast<double>(stats.reserved_bytes.all.current) + static_cast<double>(new_bytes) - allowed;
     if (excess <= 0) return;
-    struct Cold { std::uint64_t order; Segment* segment; std::size_t index; };
-    std::vector<Cold> cold;
-    for (auto& [base, segment] : segments) {
-      for (std::size_t i = 0; i < segment->pages.size(); ++i) {
-        const Page& page = segment->pages[i];
-        if (!page.handle || page.live_blocks != 0 || page.last_use >= cold_before) continue;
-        cold.push_back({page.handle.where == Residency::kHost ? 0 : page.last_use + 1, segment.get(), i});
-      }
-    }
+    std::vector<CachedPage> cold = cached_pages(nullptr, cold_before);
     if (cold.empty() || !backend.synchronize_for_unmap()) return;  // one synchronize for the batch
-    std::sort(cold.begin(), cold.end(), [](const Cold& a, const Cold& b) { return a.order < b.order; });
-    for (const Cold& page : cold) {
+    const auto order = [](const CachedPage& cached) {  // host pages first, then the coldest
+      const Page& page = cached.page();
+      return page.handle.where == Residency::kHost ? 0 : page.last_use + 1;
+    };
+    std::sort(cold.begin(), cold.end(), [&](const CachedPage& a, const CachedPage& b) { return order(a) < order(b); });
+    for (const CachedPage& page : cold) {
       if (excess <= 0) break;
       unmap_page(*page.segment, page.index, /*synchronized=*/true);
       page.segment->pages[page.index].released_cold = cold_before;
