@@ -99,21 +99,27 @@ PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
 // (torch.cuda._sanitizer, torch.cuda._gpu_trace) the address. Each costs a
 // flag test while neither listens; the totals, which walk every allocator of
 // the device, are gathered only while the profiler records memory.
-void report_to_profiler(c10::DeviceIndex device, void* ptr, std::int64_t bytes) {
+struct DeviceTotals {
+  std::size_t allocated, reserved;
+};
+
+DeviceTotals device_totals(c10::DeviceIndex device) {
   const auto stats = CotenantCudaAllocator::instance().getDeviceStats(device);
   const auto all = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  c10::reportMemoryUsageToProfiler(ptr, bytes, static_cast<std::size_t>(stats.allocated_bytes[all].current),
-                                   static_cast<std::size_t>(stats.reserved_bytes[all].current),
+  return {static_cast<std::size_t>(stats.allocated_bytes[all].current),
+          static_cast<std::size_t>(stats.reserved_bytes[all].current)};
+}
+
+void report_to_profiler(c10::DeviceIndex device, void* ptr, std::int64_t bytes) {
+  const DeviceTotals totals = device_totals(device);
+  c10::reportMemoryUsageToProfiler(ptr, bytes, totals.allocated, totals.reserved,
                                    c10::Device(c10::DeviceType::CUDA, device));
 }
 
 void report_out_of_memory_to_profiler(c10::DeviceIndex device, std::size_t bytes) {
   if (!c10::memoryProfilingEnabled()) return;
-  const auto stats = CotenantCudaAllocator::instance().getDeviceStats(device);
-  const auto all = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  c10::reportOutOfMemoryToProfiler(static_cast<std::int64_t>(bytes),
-                                   static_cast<std::size_t>(stats.allocated_bytes[all].current),
-                                   static_cast<std::size_t>(stats.reserved_bytes[all].current),
+  const DeviceTotals totals = device_totals(device);
+  c10::reportOutOfMemoryToProfiler(static_cast<std::int64_t>(bytes), totals.allocated, totals.reserved,
                                    c10::Device(c10::DeviceType::CUDA, device));
 }
 
