@@ -779,3 +779,48 @@ def test_a_job_that_exits_while_no_coordinator_runs_leaves_no_block(node):
     channel.close()  # the job ends
     assert not os.path.exists("/dev/shm" + registration.block_name)
     assert node.blocks() == []
+
+
+def test_jobs_beyond_the_per_uid_limit_are_refused_and_the_others_go_on(node):
+    node.args += ["--max-jobs-per-uid", "2"]
+    node.start_coordinator()
+    client.register("opportunistic", 0, name="a", socket=node.socket)
+    client.register("opportunistic", 1, name="b", socket=node.socket)
+    with pytest.raises(client.CoordinatorError, match=r"uid \d+ already has 2 jobs registered.*--max-jobs-per-uid"):
+        client.register("opportunistic", 2, name="c", socket=node.socket)
+    reply = raw_request(node.socket, op="register", role="opportunistic", device=3, name="d")
+    assert reply["error"]["code"] == protocol.RESOURCE_EXHAUSTED
+    assert sorted(job["name"] for job in node.status()["jobs"]) == ["a", "b"]  # nothing lost, nothing half made
+    blocks = [name for name in os.listdir("/dev/shm") if name.startswith(paths.job_block_prefix(node.socket))]
+    assert len(blocks) == 2, blocks
+    client.set_cap("a", 64 * MiB, node.socket)  # the jobs held go on being served
+    assert raw_request(node.socket, op="unregister")["ok"]  # this process's two jobs end
+    assert client.register("opportunistic", 2, name="c", socket=node.socket).name == "c"
+
+
+_HOLD_A_TICKET = """
+import json, socket, sys
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+sock.sendall(json.dumps({"v": 1, "id": 1, "op": "submit", "name": sys.argv[2], "gpus": 1}).encode() + b"\\n")
+print(sock.makefile("rb").readline().decode().strip(), flush=True)
+sys.stdin.read()  # holds the ticket while the test runs
+"""
+
+
+def test_queued_tickets_beyond_the_per_uid_limit_are_refused(node):
+    node.args += ["--max-jobs-per-uid", "1"]
+    node.start_coordinator()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_TICKET, node.socket, "held"], env=child_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(holder.stdout.readline())["ok"]
+        reply = raw_request(node.socket, op="submit", name="more", gpus=1)
+        assert reply["error"]["code"] == protocol.RESOURCE_EXHAUSTED
+        assert "already holds 1 tickets" in reply["error"]["message"] and "--max-jobs-per-uid" in reply["error"]["message"]
+        assert [q["name"] for q in node.status()["queue"]] == ["held"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert wait_until(lambda: not node.status()["queue"], timeout=30)  # its process gone: the ticket goes
+    assert raw_request(node.socket, op="submit", name="more", gpus=1)["ok"]

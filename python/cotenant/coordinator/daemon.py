@@ -393,6 +393,7 @@ class CoordinatorConfig:
     scheduler_options: Dict[str, Any] = field(default_factory=dict)
     idle_timeout_s: float = 30.0       # a connection (socket or metrics) silent this long is closed
     max_connections_per_uid: int = 64  # more from one uid are refused with "busy" (clients retry)
+    max_jobs_per_uid: int = 256        # registered jobs, and queued tickets, one uid may hold; more are refused
     listen_backlog: int = 4096         # connections waiting for accept (the kernel caps it at somaxconn)
     cgroup_root: str = host_memory.CGROUP_ROOT  # where the jobs' memory cgroups are read (the node's cgroup fs)
 
@@ -1092,6 +1093,14 @@ class Coordinator:
         if any(j.pid == pid and j.gpu == device for j in self.jobs.values()):
             raise ProtocolError(protocol.OUT_OF_ORDER,
                                 f"process {pid} already registered a job on GPU {device}", req.id)
+        held = sum(1 for j in self.jobs.values() if j.uid == uid)
+        if held >= self.config.max_jobs_per_uid:
+            _event("job refused", logging.WARNING, job=args.get("name"), pid=pid, uid=uid, jobs=held,
+                   reason="too many jobs registered by this uid")
+            raise ProtocolError(protocol.RESOURCE_EXHAUSTED,
+                                f"uid {uid} already has {held} jobs registered with the coordinator, the most it "
+                                "allows one user (--max-jobs-per-uid); let some end, or start the coordinator "
+                                "with a larger --max-jobs-per-uid", req.id)
         if "device_total_bytes" in args and device not in self.gpu_totals:
             self.gpu_totals[device] = args["device_total_bytes"]
             self._state_dirty = True

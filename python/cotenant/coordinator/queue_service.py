@@ -48,6 +48,15 @@ class QueueService:
 
             if self.queue.by_pid(pid) is not None:
                 raise ProtocolError(protocol.OUT_OF_ORDER, f"process {pid} already waits in the queue", req.id)
+            held = sum(1 for j in self.queue.jobs.values() if j.uid == uid)
+            limit = self.coordinator.config.max_jobs_per_uid
+            if held >= limit:
+                self._log("job not queued", logging.WARNING, pid=pid, uid=uid, tickets=held,
+                          reason="too many tickets held by this uid")
+                raise ProtocolError(protocol.RESOURCE_EXHAUSTED,
+                                    f"uid {uid} already holds {held} tickets in the coordinator's queue, the most "
+                                    "it allows one user (--max-jobs-per-uid); let some end or cancel them, or "
+                                    "start the coordinator with a larger --max-jobs-per-uid", req.id)
             name = protocol.unique_name(args.get("name") or f"queued{self.queue.next_ticket}",
                                         {j.name for j in self.queue.jobs.values()}, self.queue.next_ticket)
             job = self.queue.submit(now, name, pid, uid, args.get("role"), args.get("gpus", 1),

@@ -148,6 +148,8 @@ SETTINGS = (
             "a job silent this long is checked for death"),
     Setting("jobs", "attach_timeout_s", ("attach_timeout_s",), _POSITIVE_SECONDS,
             "a registered job must attach to its block within this"),
+    Setting("jobs", "max_per_uid", ("max_jobs_per_uid",), _whole(1),
+            "registered jobs one user may hold, and as many queued tickets; more are refused"),
     Setting("history", "interval_s", ("history_interval_s",), _POSITIVE_SECONDS, "seconds between history samples"),
     Setting("history", "max_size", ("history_max_bytes",), _size, "the history file rotates beyond this size"),
     Setting("connections", "idle_timeout_s", ("idle_timeout_s",), _POSITIVE_SECONDS,
@@ -191,13 +193,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         shown = _show(setting, default)
         group.add_argument(setting.flag, dest=setting.dest, metavar="VALUE",
                            help=f"{setting.meaning} (default {shown})")
-    # Shorter spellings of three settings.
+    # Shorter spellings of four settings.
     parser.add_argument("--headroom", dest="setting_memory_headroom", metavar="SIZE",
                         help="the same as --memory-headroom")
     parser.add_argument("--idle-timeout", dest="setting_connections_idle_timeout_s", metavar="SECONDS",
                         help="the same as --connections-idle-timeout-s")
     parser.add_argument("--max-connections-per-uid", dest="setting_connections_max_per_uid", metavar="N",
                         help="the same as --connections-max-per-uid")
+    parser.add_argument("--max-jobs-per-uid", dest="setting_jobs_max_per_uid", metavar="N",
+                        help="the same as --jobs-max-per-uid")
 
 
 def _show(setting: Setting, value: Any) -> str:
