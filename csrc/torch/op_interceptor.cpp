@@ -8,6 +8,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -138,6 +139,8 @@ bool any_hook_needs_inputs() {
   return false;
 }
 
+constexpr char kAtenPrefix[] = "aten::";
+
 bool names_cuda(const c10::IValue& value) {
   if (value.isTensor()) {
     const at::Tensor& tensor = value.toTensor();
@@ -170,6 +173,10 @@ GilReleasedForWait::~GilReleasedForWait() {
 bool may_use_cuda(const OpEntry& op) {
   const at::RecordFunction* record = op.record;
   if (record == nullptr || !record->needsInputs()) return true;
+  // Only ATen's ops keep the rule that an op's device is among its inputs. A
+  // custom op (torch.library), symm_mem::_barrier (a kernel; its one input a
+  // SymmetricMemory object) may launch on the current device naming none.
+  if (op.name == nullptr || std::strncmp(op.name, kAtenPrefix, sizeof(kAtenPrefix) - 1) != 0) return true;
   const c10::ArrayRef<const c10::IValue> inputs = record->inputs();
   if (inputs.empty()) return true;
   for (const c10::IValue& input : inputs) {

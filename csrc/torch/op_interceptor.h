@@ -42,12 +42,14 @@ struct OpEntry {
 };
 
 // True when the op may put work on a CUDA device, false only for an ATen op
-// whose boxed inputs name no CUDA tensor (alone, in a list or a tuple) and
-// no CUDA device: model set-up and data preparation on the CPU. An explicit
-// op, an op seen without its inputs and an op with none (a record named by
-// a string may carry none) may: the answer errs towards the device. A
-// factory op's device is among its inputs (torch.zeros(3, device="cuda")
-// names it; torch.set_default_device passes it explicitly).
+// (named aten::) whose boxed inputs name no CUDA tensor (alone, in a list or
+// a tuple) and no CUDA device: model set-up and data preparation on the CPU.
+// An explicit op, an op seen without its inputs, an op with none (a record
+// named by a string may carry none) and an op of another namespace may: the
+// answer errs towards the device. A factory op's device is among its inputs
+// (torch.zeros(3, device="cuda") names it; torch.set_default_device passes it
+// explicitly); a custom op's need not be (one may upload to, or launch on,
+// the current device from host inputs, as symm_mem::_barrier does).
 bool may_use_cuda(const OpEntry& op);
 
 // Lets the GIL go for a blocking wait at op entry, where this thread holds

@@ -1445,6 +1445,30 @@ def test_a_paused_opportunistic_job_runs_its_cpu_work_and_holds_every_op_that_na
     assert out["copied"] is True
 
 
+def test_a_paused_opportunistic_job_holds_a_custom_op_that_names_no_gpu(library):
+    """Only ATen's ops name the device they use among their inputs. A custom
+    op may launch on the current device from host inputs (in torch itself,
+    symm_mem::_barrier takes only a SymmetricMemory object): paused, it
+    waits. Over the fake, its work is an upload from an integer, a copy."""
+    out = run(library, """
+        import threading
+        lib = torch.library.Library("cotenant_fake_test", "DEF")
+        lib.define("upload(int n) -> Tensor")
+        lib.impl("upload", lambda n: torch.arange(n, dtype=torch.float32).to("cuda"), "CompositeExplicitAutograd")
+        cotenant.enable(role="opportunistic")
+        cotenant.gate.set_share(0)
+        done, result = threading.Event(), []
+        threading.Thread(target=lambda: (result.append(torch.ops.cotenant_fake_test.upload(4)), done.set()),
+                         daemon=True).start()
+        out["held"] = not done.wait(1.0)
+        out["cpu_op_ran"] = torch.ones(3).add_(1).tolist() == [2.0] * 3  # ATen on the CPU: not held
+        cotenant.gate.set_share(1)
+        out["resumed"] = done.wait(30)
+        out["uploaded"] = result[0].to("cpu").tolist() if result else None
+    """)
+    assert out == {"held": True, "cpu_op_ran": True, "resumed": True, "uploaded": [0.0, 1.0, 2.0, 3.0]}
+
+
 def test_threads_streams_and_a_moving_cap_keep_every_value(library):
     """Randomized, seeded: three threads allocate (on their own stream or the
     default one, some with record_stream), copy device to device, check and
