@@ -49,7 +49,9 @@ struct OpEntry {
 // answer errs towards the device. A factory op's device is among its inputs
 // (torch.zeros(3, device="cuda") names it; torch.set_default_device passes it
 // explicitly); a custom op's need not be (one may upload to, or launch on,
-// the current device from host inputs, as symm_mem::_barrier does).
+// the current device from host inputs, as symm_mem::_barrier does). A
+// tensor subclass with __torch_dispatch__ counts as naming the GPU: its
+// device is not asked (that runs Python, which may raise). Never throws.
 bool may_use_cuda(const OpEntry& op);
 
 // Lets the GIL go for a blocking wait at op entry, where this thread holds

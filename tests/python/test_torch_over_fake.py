@@ -1469,6 +1469,53 @@ def test_a_paused_opportunistic_job_holds_a_custom_op_that_names_no_gpu(library)
     assert out == {"held": True, "cpu_op_ran": True, "resumed": True, "uploaded": [0.0, 1.0, 2.0, 3.0]}
 
 
+def test_a_tensor_subclass_whose_device_query_raises_leaves_the_gate_on(library):
+    """A tensor subclass may answer its device in Python (FakeTensor does,
+    while torch.compile traces), and Python may raise there (a
+    KeyboardInterrupt). The gate must not ask it: an exception out of the
+    op-entry hook left the thread's hooks off for good, so its later ops,
+    those naming the GPU among them, ran while paused and uncounted by a
+    launch pause."""
+    out = run(library, """
+        import threading
+
+        class DeviceInPython(torch.Tensor):
+            @staticmethod
+            def __new__(cls, elem):
+                return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device,
+                                                           dispatch_device=True)
+
+            @classmethod
+            def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+                raise RuntimeError("DeviceInPython: " + str(func))
+
+        cotenant.enable(role="opportunistic")
+        x = torch.arange(4.0).to("cuda")
+        t = DeviceInPython(torch.ones(2))
+        subclass_op_done, paused, done = threading.Event(), threading.Event(), threading.Event()
+
+        def worker():
+            try:
+                torch.add(t, t)
+            except Exception as error:
+                out["subclass_error"] = type(error).__name__
+            subclass_op_done.set()
+            paused.wait()
+            out["copied"] = x.to("cpu").tolist()  # names the GPU
+            done.set()
+
+        threading.Thread(target=worker, daemon=True).start()
+        out["subclass_op_done"] = subclass_op_done.wait(30)
+        cotenant.gate.set_share(0)
+        paused.set()
+        out["held"] = not done.wait(1.0)
+        cotenant.gate.set_share(1)
+        out["resumed"] = done.wait(30)
+    """)
+    assert out == {"subclass_error": "RuntimeError", "subclass_op_done": True, "held": True, "resumed": True,
+                   "copied": [0.0, 1.0, 2.0, 3.0]}
+
+
 def test_threads_streams_and_a_moving_cap_keep_every_value(library):
     """Randomized, seeded: three threads allocate (on their own stream or the
     default one, some with record_stream), copy device to device, check and
