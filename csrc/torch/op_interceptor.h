@@ -85,8 +85,9 @@ using OpEntryHook = void (*)(const OpEntry& op, void* context);
 //
 // A hook registered with OpInputs::kNeeded sees each op's inputs (for
 // may_use_cuda): while one is registered, the dispatcher boxes every op's
-// arguments for the callback (into storage on the stack, no heap), a cost the
-// process pays per op, so only the opportunistic gate asks for it.
+// arguments for the callback, nested ops' too (on the stack, but a list
+// argument such as a shape is copied into a heap list), a cost the process
+// pays per op, so only the opportunistic gate asks for it.
 inline constexpr std::size_t kMaxOpEntryHooks = 8;
 enum class OpInputs { kNotNeeded, kNeeded };
 int add_op_entry_hook(OpEntryHook hook, void* context, OpInputs inputs = OpInputs::kNotNeeded);

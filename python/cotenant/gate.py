@@ -298,8 +298,9 @@ def stats() -> Dict[str, Any]:
 
 
 def suspend() -> None:
-    """Stops every thread of this opportunistic process at its next op and returns
-    once its in-flight GPU work has drained (the safe point for suspend)."""
+    """Stops every thread of this opportunistic process at its next op that may
+    use the GPU (CPU work goes on: docs/launch-gate.md) and returns once its
+    in-flight GPU work has drained (the safe point for suspend)."""
     if _state.role == "opportunistic":
         _extension().gate_close()
 
