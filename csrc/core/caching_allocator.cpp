@@ -388,7 +388,15 @@ struct CachingAllocator::State {
       // next safe point can always bring the device back under the cap.
       const bool have_target = spill_targets.size() * page_bytes >= device_bytes() + page_bytes - effective_cap();
       PageHandle target = have_target ? PageHandle{} : new_page(Residency::kHost);
-      if (!have_target && !target) return {};  // the host is exhausted: no spill, no host page either
+      if (!have_target && !target) {
+        // The host is exhausted: no colder page can move out, and no host
+        // page can hold this one. The loop's cached device pages make room
+        // instead, where there are.
+        if (release_cached_pages(&device, needed_bytes) == 0) return {};
+        *released_cache = true;
+        if (!device_has_room_for_a_page()) return {};
+        return backend.create_page(Residency::kDevice);
+      }
       PageHandle page;
       try {
         page = backend.create_page(Residency::kDevice);

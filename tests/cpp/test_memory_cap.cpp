@@ -171,6 +171,43 @@ TEST_CASE("a_warm_loop_under_a_cap_keeps_its_layout_instead_of_releasing_and_cre
   allocator.check_invariants();
 }
 
+// The loop's cached device pages go last, after a colder live page's spill;
+// but a spill needs a host page. With the host exhausted no colder page can
+// move out, and the loop's cache is what makes room: a block that fits under
+// the cap once that cache is released is placed, where taking the colder
+// page's way it found no host page and failed.
+TEST_CASE("an_allocation_with_the_host_exhausted_releases_the_loops_cache_instead_of_failing", "[cap]") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 0;
+  SimulatedBackend device(config);
+  CachingAllocator allocator(device);
+  const DevicePtr weights = allocator.allocate(4 * kMiB, 0);
+  fill(device, weights, 1, 4 * kMiB);
+  const DevicePtr hole = allocator.allocate(4 * kMiB, 0);
+  const DevicePtr pinned = allocator.allocate(2 * kMiB, 0);  // keeps the hole a hole
+  allocator.free(hole);
+  for (int step = 0; step < 3; ++step) {  // the hole's pages are the loop's layout
+    allocator.free(allocator.allocate(4 * kMiB, 0));
+    allocator.mark_iteration();
+  }
+  allocator.free(allocator.allocate(4 * kMiB, 0));
+  allocator.set_memory_cap(12 * kMiB);
+  REQUIRE(allocator.stats().device_resident_bytes.current == 10 * kMiB);  // 4 MiB of it cached
+
+  const DevicePtr wide = allocator.allocate(5 * kMiB, 0);  // fits in no hole: 3 pages of its own
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.num_ooms == 0);
+  CHECK(stats.device_resident_bytes.current == 12 * kMiB);
+  CHECK(stats.host_resident_bytes.current == 0);
+  CHECK(allocator.is_device_resident(wide));
+  CHECK_FALSE(allocator.has_pending_migrations());
+  CHECK(holds(device, weights, 1, 4 * kMiB));
+  allocator.check_invariants();
+  allocator.free(wide);
+  allocator.free(pinned);
+  allocator.free(weights);
+}
+
 // Once a step has shown its peak (an iteration mark), a safe point that must
 // spill also spills a quarter of what the step still allocates, at most an
 // eighth of the cap: the next allocations then find room without a safe
