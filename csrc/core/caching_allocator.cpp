@@ -1091,6 +1091,21 @@ struct CachingAllocator::State {
     return moved;
   }
 
+  // A host page for a spill: one taken at allocation, else a new one. Where
+  // the host has none left and the spill is owed to the cap (`for_the_cap`),
+  // a cached host page is given up for it: the loop's host cache stays
+  // mapped under the cap (apply_migrations), and a live page over the cap
+  // outranks a free page's place in the loop's layout. Its release asks
+  // synchronize_for_unmap() (none during a graph capture; on a GPU the safe
+  // point's own synchronize covers it).
+  PageHandle spill_target(bool for_the_cap) {
+    if (!spill_targets.empty()) return take_spill_target();
+    if (PageHandle page = new_page(Residency::kHost)) return page;
+    const Residency host = Residency::kHost;
+    if (!for_the_cap || release_cached_pages(&host, page_bytes) == 0) return {};
+    return new_page(Residency::kHost);
+  }
+
   // Moves live pages to the host, keeping their addresses and bytes; stops
   // early when the host has no page left. Copies first, then remaps: the
   // host page a spill fills is reachable without a mapping of ours, so the
@@ -1114,8 +1129,9 @@ struct CachingAllocator::State {
     // After every kPagesPerWait copies: how many were issued, and the mark to wait for.
     std::vector<std::pair<std::size_t, Backend::CopyMark>> marks;
     std::exception_ptr failed_copy;
+    const std::uint64_t over = device_bytes() > effective_cap() ? device_bytes() - effective_cap() : 0;
     for (std::size_t id : ids) {
-      const PageHandle target = !spill_targets.empty() ? take_spill_target() : new_page(Residency::kHost);
+      const PageHandle target = spill_target(targets.copied.size() * page_bytes < over);
       if (!target) break;  // the host is exhausted: the device stays over the cap
       targets.copied.push_back({&pages[id], target});
       try {

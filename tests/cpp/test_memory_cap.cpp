@@ -208,6 +208,38 @@ TEST_CASE("an_allocation_with_the_host_exhausted_releases_the_loops_cache_instea
   allocator.free(weights);
 }
 
+// The loop's cached host pages stay mapped under the cap while the device
+// has no room for them, but they hold host memory. With the host short, a
+// cap lowered mid-step must spill live device pages into what those pages
+// hold: a safe point that kept them found no host page for the spill and
+// left the device over the cap, although the host could take it.
+TEST_CASE("a_safe_point_gives_up_the_loops_host_cache_when_the_spill_needs_its_memory", "[cap]") {
+  SimulatedDeviceConfig config = device_config(1 * kGiB);
+  config.host_capacity = 4 * kMiB;
+  SimulatedBackend device(config);
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(8 * kMiB);
+  for (int step = 0; step < 3; ++step) {  // 8 MiB on the device, 4 MiB on the host: the loop's layout
+    allocator.free(allocator.allocate(12 * kMiB, 0));
+    allocator.mark_iteration();
+  }
+  REQUIRE(allocator.stats().host_resident_bytes.current == 4 * kMiB);
+  const DevicePtr live = allocator.allocate(8 * kMiB, 0);
+  REQUIRE(allocator.is_device_resident(live));
+  fill(device, live, 3, 8 * kMiB);
+
+  allocator.set_memory_cap(4 * kMiB);
+  REQUIRE(allocator.has_pending_migrations());
+  CHECK(allocator.apply_pending_migrations() >= 4 * kMiB);
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.device_resident_bytes.current <= 4 * kMiB);
+  CHECK(stats.host_resident_bytes.current == 4 * kMiB);
+  CHECK(device.device_bytes_in_use() == static_cast<std::size_t>(stats.device_resident_bytes.current));
+  CHECK(holds(device, live, 3, 8 * kMiB));
+  CHECK_FALSE(allocator.has_pending_migrations());
+  allocator.check_invariants();
+}
+
 // Once a step has shown its peak (an iteration mark), a safe point that must
 // spill also spills a quarter of what the step still allocates, at most an
 // eighth of the cap: the next allocations then find room without a safe
