@@ -1195,6 +1195,18 @@ struct CachingAllocator::State {
     }
   }
 
+  // Releases the cached host pages, coldest first, as far as the device has
+  // room for them under the cap (less what a safe point spills ahead), all
+  // of them without a cap: a block reusing one would run on the host where
+  // the device could hold it. The rest stays mapped (see apply_migrations).
+  void release_host_cache_the_device_has_room_for() {
+    const Residency host = Residency::kHost;
+    const std::uint64_t limit = effective_cap();
+    const std::uint64_t room = limit == kNoCap ? kNoCap
+                             : device_bytes() + spill_ahead() < limit ? limit - device_bytes() - spill_ahead() : 0;
+    if (room >= page_bytes) release_cached_pages(&host, room);
+  }
+
   // Moves what the plan says and returns the bytes moved; `*planned` is the
   // bytes the plan would move.
   std::size_t apply_migrations(std::size_t* planned) {
@@ -1219,10 +1231,7 @@ struct CachingAllocator::State {
     // only for what the live device pages cannot spill.
     const Residency host = Residency::kHost, device = Residency::kDevice;
     release_cached_pages(&host, SIZE_MAX, /*synchronized=*/false, unused_before());
-    const std::uint64_t room = effective_cap() == kNoCap ? kNoCap
-                             : device_bytes() + spill_ahead() < effective_cap()
-                             ? effective_cap() - device_bytes() - spill_ahead() : 0;
-    if (room >= page_bytes) release_cached_pages(&host, room);
+    release_host_cache_the_device_has_room_for();
     if (device_bytes() > effective_cap()) {
       release_cached_pages(&device, device_bytes() - effective_cap(), /*synchronized=*/false, unused_before());
     }
@@ -1629,6 +1638,11 @@ void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
     const Residency device = Residency::kDevice;
     s.release_cached_pages(&device, s.device_bytes() - bytes);  // cache goes first: it costs no copy
   }
+  // A cap raised or lifted gives the device room for the loop's host cache,
+  // which safe points under the lower cap kept mapped: released now, the
+  // blocks placed there come back on the device. No safe point may follow:
+  // with no live page on the host, nothing is pending.
+  s.release_host_cache_the_device_has_room_for();
   s.trim_spill_targets();
   s.update_host_keeping();
   s.mark_pending(pending_migrations_);

@@ -240,6 +240,37 @@ TEST_CASE("a_safe_point_gives_up_the_loops_host_cache_when_the_spill_needs_its_m
   allocator.check_invariants();
 }
 
+// Under the cap the loop's cached host pages stay mapped (safe points keep
+// them while the device has no room), and a block of the loop lands on them
+// again every step. Lifting the cap makes nothing pending when no live page
+// is on the host, so no safe point releases them: the loop went on running
+// that block on host pages, step after step, with the device free.
+TEST_CASE("lifting_the_cap_brings_the_loops_blocks_on_host_cache_back_to_the_device", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(8 * kMiB);
+  for (int step = 0; step < 3; ++step) {  // 8 MiB on the device, 4 MiB on host pages: the loop's layout
+    const DevicePtr block = allocator.allocate(12 * kMiB, 0);
+    CHECK(allocator.host_bytes_of(block) == 4 * kMiB);
+    allocator.free(block);
+    allocator.mark_iteration();
+  }
+  REQUIRE(allocator.stats().host_resident_bytes.current == 4 * kMiB);
+
+  allocator.set_memory_cap(kNoCap);
+  CHECK_FALSE(allocator.has_pending_migrations());
+  for (int step = 0; step < 2; ++step) {
+    const DevicePtr block = allocator.allocate(12 * kMiB, 0);
+    CHECK(allocator.host_bytes_of(block) == 0);
+    allocator.free(block);
+    allocator.mark_iteration();
+  }
+  const AllocatorStats stats = allocator.stats();
+  CHECK(stats.host_resident_bytes.current == 0);
+  CHECK(stats.device_resident_bytes.current == 12 * kMiB);
+  allocator.check_invariants();
+}
+
 // Once a step has shown its peak (an iteration mark), a safe point that must
 // spill also spills a quarter of what the step still allocates, at most an
 // eighth of the cap: the next allocations then find room without a safe
