@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -65,7 +66,15 @@ int counting_hook_id = -1;
 
 // This thread is between Triton's launch enter and exit hooks.
 thread_local bool triton_launch_open = false;
-void count_op_entry(const OpEntry&, void*) { counted_op_entries.fetch_add(1, std::memory_order_relaxed); }
+// Entries still to fail after being counted, for tests of a hook that throws.
+std::atomic<std::int64_t> failing_op_entries{0};
+void count_op_entry(const OpEntry&, void*) {
+  counted_op_entries.fetch_add(1, std::memory_order_relaxed);
+  if (failing_op_entries.load(std::memory_order_relaxed) > 0 &&
+      failing_op_entries.fetch_sub(1, std::memory_order_relaxed) > 0) {
+    throw std::runtime_error("cotenant test hook: this op entry fails on purpose");
+  }
+}
 
 std::mutex channel_mutex;
 std::unique_ptr<TorchJobProcess> job_process;  // outlives job_channel
@@ -251,7 +260,8 @@ COTENANT_TORCH_BINDINGS(allocator) {
     triton_launch_open = false;
     end_explicit_op();
   }, py::arg("metadata") = py::none(), "Triton's launch exit hook: the launch is enqueued.");
-  m.def("_count_op_entries", [](bool on) {
+  m.def("_count_op_entries", [](bool on, std::int64_t failing) {
+    failing_op_entries.store(failing);
     if (on && counting_hook_id < 0) {
       counted_op_entries.store(0);
       counting_hook_id = add_op_entry_hook(&count_op_entry, nullptr);
@@ -259,7 +269,8 @@ COTENANT_TORCH_BINDINGS(allocator) {
       remove_op_entry_hook(counting_hook_id);
       counting_hook_id = -1;
     }
-  }, py::arg("on"));
+  }, py::arg("on"), py::arg("failing") = 0,
+     "For tests: counts outermost op entries; the next `failing` entries throw after being counted.");
   m.def("_counted_op_entries", [] { return counted_op_entries.load(); });
   m.def("_pause_launches", [](double timeout_s) {  // lets the GIL go itself while it waits
     return pause_launches(std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6)));

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -54,12 +55,16 @@ void run_hooks(const char* name, const at::RecordFunction* record) {
   const int slots = highest_slot_plus_one.load(std::memory_order_acquire);
   if (slots == 0) return;
   OpEntry entry{name, record};
-  running_hooks = true;
+  // Reset however the hooks end: a hook that throws (RecordFunction catches
+  // and logs it) must not leave this thread's hooks off for good.
+  struct Running {
+    Running() { running_hooks = true; }
+    ~Running() { running_hooks = false; }
+  } running;
   for (int i = 0; i < slots; ++i) {
     OpEntryHook hook = hook_slots[i].hook.load(std::memory_order_acquire);
     if (hook != nullptr) hook(entry, hook_slots[i].context.load(std::memory_order_acquire));
   }
-  running_hooks = false;
 }
 
 void wait_while_paused() {
@@ -86,7 +91,14 @@ std::atomic<void*> explicit_exit_context{nullptr};
 // outermost op runs the hooks and counts as in flight.
 void enter_op(const char* name, const at::RecordFunction* record) {
   if (op_depth++ > 0 || running_hooks) return;
-  run_hooks(name, record);
+  // A hook that throws: the op still counts as in flight (its exit uncounts
+  // it) and waits out a pause; then the error goes on to the caller.
+  std::exception_ptr hook_failed;
+  try {
+    run_hooks(name, record);
+  } catch (...) {
+    hook_failed = std::current_exception();
+  }
   // Count the op before re-checking the pause, so a pausing thread either
   // sees this op in flight or this thread sees the pause (both are seq_cst).
   for (;;) {
@@ -99,6 +111,7 @@ void enter_op(const char* name, const at::RecordFunction* record) {
     notify_drain_waiter();
     wait_while_paused();
   }
+  if (hook_failed) std::rethrow_exception(hook_failed);
 }
 
 void exit_op() {

@@ -332,6 +332,28 @@ def test_op_entry_hooks_run_once_per_outermost_op():
     assert _C.ops_in_flight() == 0
 
 
+def test_a_hook_that_throws_leaves_the_op_entry_hooks_on():
+    # torch logs an exception from a RecordFunction callback and runs the op;
+    # this thread's hooks must go on running for the next ops (the gate and
+    # the allocator's safe points are such hooks), and the op still counts.
+    _C = _extension_or_skip()
+    import torch
+
+    x = torch.randn(4)
+    _C._count_op_entries(True, 1)  # the next entry throws after it is counted
+    try:
+        before = _C._counted_op_entries()
+        added = torch.add(x, 1.0)  # its entry's hook throws
+        torch.mul(x, 2.0)
+        torch.sub(x, 1.0)
+        counted = _C._counted_op_entries() - before
+    finally:
+        _C._count_op_entries(False)
+    assert counted == 3
+    assert torch.equal(added, x + 1.0)  # the failing entry's op ran
+    assert _C.ops_in_flight() == 0
+
+
 def test_op_entry_hooks_see_ops_from_other_threads_and_backward():
     _C = _extension_or_skip()
     import torch
