@@ -160,8 +160,8 @@ bool names_cuda(const c10::IValue& value) {
     if (!tensor.defined()) return false;
     // A subclass with __torch_dispatch__ may answer its device in Python
     // (FakeTensor does): asking would take the GIL at each op entry, and
-    // Python may raise there (a KeyboardInterrupt), which would leave this
-    // thread's hooks off for good. Its work may be on any device.
+    // Python may raise there (a KeyboardInterrupt), failing the hook. Its
+    // work may be on any device.
     if (tensor.key_set().has(c10::DispatchKey::Python)) return true;
     return tensor.is_cuda();
   }
