@@ -268,6 +268,20 @@ def test_a_lost_node_leaves_its_jobs_alone_and_the_rest_is_scheduled_until_it_re
     assert s.status()["nodes"][2]["live"]
 
 
+def test_a_job_that_needs_a_lost_nodes_gpus_waits_for_it_instead_of_failing():
+    s = cluster(policy=Fifo())
+    gpus_c = s.nodes["c"]
+    assert s.node_lost("c")  # its agent is being started again
+    wide = s.submit(JobSpec("wide", CMD, min_gpus=6, max_gpus=6), 0.0)
+    assert s.decide(0.0) == [] and wide.status == WAITING and wide.reason == ""
+    s.node_reported("c", gpus_c)
+    assert kinds(s.decide(1.0)) == [(START, "wide")]
+    too_wide = s.submit(JobSpec("too_wide", CMD, min_gpus=7, max_gpus=7), 2.0)
+    assert s.node_lost("c")
+    s.decide(2.0)
+    assert too_wide.status == FAILED  # more than the cluster has even with the node back
+
+
 def test_a_running_job_whose_gpu_left_its_node_is_left_alone_and_the_rest_is_scheduled():
     s = cluster(policy=Fifo())
     s.submit(JobSpec("running", CMD), 0.0)

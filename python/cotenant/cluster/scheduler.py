@@ -35,6 +35,7 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set,
 
 from cotenant.cluster.elastic import WorkerRange, resize
 from cotenant.cluster.torchrun import LAUNCHERS, PLAIN
+from cotenant.scheduling.admission import refusal
 from cotenant.scheduling.state import (
     GUARANTEED, OPPORTUNISTIC, RUNNING, STOPPING, SUSPENDED, WAITING, GpuView, JobView, NodeState, TimeAccount,
 )
@@ -307,6 +308,16 @@ class ClusterScheduler:
                 "submit it again (from its checkpoint)"))
         return stranded
 
+    def _fits_with_lost_nodes(self, view: JobView) -> bool:
+        """Whether a job the live nodes cannot hold fits once the lost nodes are back (their agents
+        are started again): it waits rather than failing."""
+        if not self.lost:
+            return False
+        every = [g for gpus in list(self.nodes.values()) + list(self.lost.values()) for g in gpus]
+        memories = [g.memory_bytes for g in every]
+        memory = max(memories) if all(m is not None for m in memories) else None
+        return refusal(view, len(every), memory) is None
+
     def _view(self, job: ClusterJob, slot: Dict[GpuKey, int]) -> JobView:
         s = job.spec
         running = job.status in (RUNNING, STOPPING)
@@ -336,8 +347,9 @@ class ClusterScheduler:
             return actions
         plan = self.policy.plan(state)
         for job_id, reason in plan.refused.items():
-            job = self.jobs[job_id]
-            self.ended(job, now, failed=True, reason=reason)
+            if self._fits_with_lost_nodes(state.job(job_id)):
+                continue  # the policy sees only the live nodes: it waits for a lost one to report again
+            self.ended(self.jobs[job_id], now, failed=True, reason=reason)
         for job_id, marks in plan.marks.items():
             self.jobs[job_id].marks = dict(marks)
         for view in state.jobs:
