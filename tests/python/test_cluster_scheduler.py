@@ -501,3 +501,25 @@ def test_cluster_up_starts_the_scheduler_with_its_timeouts_and_says_when_one_run
     out = capsys.readouterr()
     assert "1 node(s), 2 GPU(s)" in out.out
     assert ("runs on this Ray cluster already" in out.err) == running
+
+
+# ---- the global scheduler's requests, without Ray ------------------------------------------------
+
+
+@pytest.fixture
+def global_scheduler(monkeypatch):
+    """A GlobalScheduler with no saved state, no loop and no saving: its requests alone."""
+    from cotenant.cluster import runtime
+
+    for method in ("_load", "_loop", "_save"):
+        monkeypatch.setattr(runtime.GlobalScheduler, method, lambda self: None)
+    return runtime.GlobalScheduler(policy="fifo")
+
+
+def test_cancelling_a_job_that_has_ended_is_refused_and_keeps_how_it_ended(global_scheduler):
+    core = global_scheduler.core
+    job = core.submit(JobSpec("crashed", CMD), 0.0)
+    core.ended(job, 1.0, failed=True, reason="exit status 3")
+    with pytest.raises(ValueError, match="job 'crashed' has already failed .exit status 3.; nothing to cancel"):
+        global_scheduler.cancel("crashed")
+    assert (job.status, job.reason, job.finished_at) == (FAILED, "exit status 3", 1.0)

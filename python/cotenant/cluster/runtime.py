@@ -423,6 +423,9 @@ class GlobalScheduler:
     def cancel(self, ref: str) -> Dict[str, Any]:
         with self.lock:
             job = self._find(ref)
+            if job.status in (FINISHED, FAILED):  # cancelling it again would make a failure read as finished
+                how = f"{job.status} ({job.reason})" if job.reason else job.status
+                raise ValueError(f"job {job.name!r} has already {how}; nothing to cancel")
             self._stop_workers(job)
             self.core.ended(job, self._now(), reason="cancelled")
             self._release_group(job)
