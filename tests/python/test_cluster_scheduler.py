@@ -523,3 +523,11 @@ def test_cancelling_a_job_that_has_ended_is_refused_and_keeps_how_it_ended(globa
     with pytest.raises(ValueError, match="job 'crashed' has already failed .exit status 3.; nothing to cancel"):
         global_scheduler.cancel("crashed")
     assert (job.status, job.reason, job.finished_at) == (FAILED, "exit status 3", 1.0)
+
+
+def test_a_submission_with_a_name_taken_submits_none_of_its_jobs(global_scheduler):
+    global_scheduler.submit([JobSpec("taken", CMD)])
+    for batch in ([JobSpec("fresh", CMD), JobSpec("taken", CMD)], [JobSpec("twice", CMD), JobSpec("twice", CMD)]):
+        with pytest.raises(ValueError, match="a job named .(taken|twice). is already in the cluster"):
+            global_scheduler.submit(batch)
+    assert [job.name for job in global_scheduler.core.jobs.values()] == ["taken"]

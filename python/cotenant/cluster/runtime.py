@@ -399,10 +399,11 @@ class GlobalScheduler:
     # --- requests ---------------------------------------------------------------------
 
     def submit(self, specs: Sequence[JobSpec]) -> List[Dict[str, Any]]:
-        """Submits several jobs at once (they are matched together); returns their ids and names."""
+        """Submits several jobs at once (they are matched together), all or none; returns their ids and
+        names."""
         with self.lock:
             now = self._now()
-            jobs = [self.core.submit(spec, now) for spec in specs]
+            jobs = self.core.submit_all(specs, now)
             for job in jobs:
                 self._event("job submitted", job=job.name, tenant=job.spec.tenant,
                             gpus=f"{job.spec.min_gpus}-{job.spec.max_gpus}", role=job.spec.role)

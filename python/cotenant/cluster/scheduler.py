@@ -175,13 +175,23 @@ class ClusterScheduler:
     # --- jobs ----------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, now: float) -> ClusterJob:
-        if any(j.name == spec.name for j in self.jobs.values() if j.status not in (FINISHED, FAILED)):
-            raise ValueError(f"a job named {spec.name!r} is already in the cluster; choose another --name")
+        return self.submit_all([spec], now)[0]
+
+    def submit_all(self, specs: Sequence[JobSpec], now: float) -> List[ClusterJob]:
+        """Submits the jobs together, all or none: a name an unfinished job has, or one given twice
+        among them, refuses every one."""
+        taken = {j.name for j in self.jobs.values() if j.status not in (FINISHED, FAILED)}
+        for spec in specs:
+            if spec.name in taken:
+                raise ValueError(f"a job named {spec.name!r} is already in the cluster; choose another --name")
+            taken.add(spec.name)
         self.advance(now)
-        job = ClusterJob(self.next_id, spec, now)
-        self.next_id += 1
-        self.jobs[job.job_id] = job
-        return job
+        jobs = []
+        for spec in specs:
+            jobs.append(ClusterJob(self.next_id, spec, now))
+            self.next_id += 1
+            self.jobs[jobs[-1].job_id] = jobs[-1]
+        return jobs
 
     def find(self, ref: str) -> Optional[ClusterJob]:
         for job in sorted(self.jobs.values(), key=lambda j: -j.job_id):
