@@ -531,3 +531,15 @@ def test_a_submission_with_a_name_taken_submits_none_of_its_jobs(global_schedule
         with pytest.raises(ValueError, match="a job named .(taken|twice). is already in the cluster"):
             global_scheduler.submit(batch)
     assert [job.name for job in global_scheduler.core.jobs.values()] == ["taken"]
+
+
+def test_a_leaving_worker_whose_node_has_not_reported_is_unknown_not_gone(global_scheduler):
+    # As after a restart: the scheduler follows a shrink's leaving worker, and the agent of its
+    # node has not answered yet (or its node is lost). Its GPU stays held and the tick goes on.
+    core = global_scheduler.core
+    core.node_reported("a", [Gpu("a", 0, "a0", "fast", GiB)])
+    job = core.submit(JobSpec("elastic", CMD, min_gpus=1, max_gpus=2), 0.0)
+    job.status, job.gpus, job.stopping = RUNNING, (("a", 0),), (("b", 0),)
+    global_scheduler.leaving = {job.job_id: {"elastic-w1": (("b", 0), True)}}
+    global_scheduler._follow_workers(1.0)
+    assert job.stopping == (("b", 0),) and "elastic-w1" in global_scheduler.leaving[job.job_id]

@@ -675,7 +675,13 @@ class GlobalScheduler:
         for job_id, leaving in list(self.leaving.items()):
             job = self.core.jobs[job_id]
             for worker, (key, _) in list(leaving.items()):
-                state = (self.reports.get(key[0]) or {}).get("workers", {}).get(worker, {"state": "gone"})
+                report = self.reports.get(key[0])
+                if key[0] not in self.core.nodes or report is None or key[0] not in self.agents:
+                    continue  # its node's agent has not answered: unknown, not gone (its GPU stays held)
+                state = report["workers"].get(worker)
+                if state is None and report.get("coordinator") != "up":
+                    continue  # the coordinator that lists the node's workers did not answer
+                state = state or {"state": "gone"}
                 if state["state"] == "suspended" or state["state"] in ("exited", "gone"):
                     self.agents[key[0]].stop.remote(worker, state.get("pid"))
                     del leaving[worker]
