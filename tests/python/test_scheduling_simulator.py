@@ -196,6 +196,19 @@ def test_a_bad_trace_line_names_the_file_the_line_and_the_column(tmp_path, heade
         read_trace(path)
 
 
+@pytest.mark.parametrize("content", [
+    b"\x1f\x8b\x08\x00 a gzip file \xff\xfe",  # not UTF-8 text
+    b"job_id,num_gpu,submit_time,iterations,model_name,duration\n0,1,0,1," + b"x" * 200_000 + b",10\n",
+])
+def test_a_trace_that_is_not_a_csv_text_file_is_refused_naming_the_file(tmp_path, capsys, content):
+    path = tmp_path / "not-a-trace.csv"
+    path.write_bytes(content)
+    with pytest.raises(TraceError, match="the trace .*not-a-trace.csv is not a CSV text file"):
+        read_trace(str(path))
+    assert cli.main(["simulate", "--trace", str(path), "--gpus", "4"]) == 2
+    assert "not-a-trace.csv is not a CSV text file" in capsys.readouterr().err
+
+
 def test_generated_trace_offers_the_load_asked_for_and_fits_the_node(tmp_path):
     rows = tracegen.generate(jobs=400, gpus=4, load=1.5, seed=3)
     assert max(r["num_gpu"] for r in rows) <= 4

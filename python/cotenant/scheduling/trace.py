@@ -73,6 +73,9 @@ def read_trace(path: str) -> List[TraceJob]:
             fields = rows and list(rows[0].keys()) or []
     except OSError as error:
         raise TraceError(f"cannot read the trace {path}: {error.strerror}") from None
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise TraceError(f"the trace {path} is not a CSV text file ({error}); give a trace in Tiresias' format, "
+                         f"a header line ({','.join(REQUIRED)}) and one line per job") from None
     if not rows:
         raise TraceError(f"the trace {path} has no jobs: it needs a header line ({','.join(REQUIRED)}) and one "
                          "line per job")
