@@ -241,3 +241,10 @@ def test_cotenant_simulate_writes_a_table_json_and_plot(tmp_path, capsys):
 def test_cotenant_simulate_refuses_a_missing_trace_with_a_sentence(tmp_path, capsys):
     assert cli.main(["simulate", "--trace", str(tmp_path / "none.csv"), "--gpus", "4"]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_cotenant_simulate_refuses_a_cluster_of_zero_nodes_instead_of_simulating_one_node(tmp_path, capsys):
+    trace = str(tmp_path / "g.csv")
+    tracegen.write(tracegen.generate(jobs=3, gpus=2, load=1.0, seed=1), trace)
+    assert cli.main(["simulate", "--trace", trace, "--gpus", "2", "--nodes", "0", "--policy", "fifo"]) == 2
+    assert "a cluster needs at least 1 node of at least 1 GPU, not 0 x 2" in capsys.readouterr().err

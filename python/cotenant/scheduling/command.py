@@ -150,11 +150,11 @@ def cluster_shape(args: argparse.Namespace):
     """The simulated cluster (--cluster FILE or --nodes N with --gpus M), or None for one node."""
     from cotenant.cluster.topology import ClusterShape, read_cluster
 
-    if args.cluster and args.nodes:
+    if args.cluster and args.nodes is not None:
         raise ValueError("give the cluster either as --cluster FILE or as --nodes N --gpus M, not both")
     if args.cluster:
         return read_cluster(args.cluster, args.slow_nodes)
-    if args.nodes:
+    if args.nodes is not None:  # 0 is refused by ClusterShape, not taken for "no --nodes"
         if args.gpus is None:
             raise ValueError("--nodes needs --gpus: the GPUs of each node")
         return ClusterShape(args.nodes, args.gpus, args.slow_nodes)
