@@ -164,6 +164,18 @@ def test_las_rejects_thresholds_out_of_order():
         DiscretizedLas(thresholds_gpu_s=(100.0, 50.0))
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"thresholds_gpu_s": (float("nan"),)}, "thresholds must be positive and increasing"),
+    ({"thresholds_gpu_s": (600.0, float("nan"))}, "thresholds must be positive and increasing"),
+    ({"starvation_factor": float("nan")}, "starvation factor must be 0 .off. or positive"),
+])
+def test_las_rejects_a_threshold_or_starvation_factor_that_is_not_a_number(options, message):
+    # NaN compares false with everything: a NaN threshold was never reached (one queue, FIFO by
+    # submission) and a NaN factor never starved anyone (promotion off), without a word.
+    with pytest.raises(ValueError, match=message):
+        DiscretizedLas(**options)
+
+
 # --- Gandiva's time-slicing -----------------------------------------------------------
 
 

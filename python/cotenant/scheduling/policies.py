@@ -146,9 +146,11 @@ class DiscretizedLas:
     name: str = "las"
 
     def __post_init__(self) -> None:
-        if list(self.thresholds_gpu_s) != sorted(self.thresholds_gpu_s) or any(t <= 0 for t in self.thresholds_gpu_s):
-            raise ValueError(f"queue thresholds must be positive and increasing, not {list(self.thresholds_gpu_s)}")
-        if self.starvation_factor < 0:
+        # Written so that NaN, which compares false with everything, fails each test.
+        ts = self.thresholds_gpu_s
+        if not all(t > 0 for t in ts) or not all(b >= a for a, b in zip(ts, ts[1:])):
+            raise ValueError(f"queue thresholds must be positive and increasing, not {list(ts)}")
+        if not self.starvation_factor >= 0:
             raise ValueError(f"the starvation factor must be 0 (off) or positive, not {self.starvation_factor}")
 
     def service_since_promotion(self, job: JobView) -> float:
