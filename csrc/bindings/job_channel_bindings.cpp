@@ -142,13 +142,23 @@ class PyJobBlock {
   // from its own state); from then on this handle owns them.
   static std::unique_ptr<PyJobBlock> open(const std::string& name) {
     ShmRegion region = ShmRegion::open(name, 0);
-    shm::check_job_block(*static_cast<JobBlock*>(region.data()), region.size());
+    auto handle = std::make_unique<PyJobBlock>(std::move(region), JobControl{});
+    JobBlock copy;
+    handle->copy(copy);  // checks the size before touching the block
     JobControl control;
     try {
-      control = shm::read_control(*static_cast<JobBlock*>(region.data()), std::chrono::milliseconds(0));
+      control = shm::read_control(copy, std::chrono::milliseconds(0));
     } catch (const Error&) {
     }
-    return std::make_unique<PyJobBlock>(std::move(region), control);
+    handle->control_ = control;
+    return handle;
+  }
+
+  // Every word of the block, checked, read where its job cannot shrink it
+  // away under the reader (job_block.h, try_copy_job_block).
+  void copy(JobBlock& copy) {
+    if (region_.size() >= shm::kJobBlockBytes && !shm::try_copy_job_block(block(), copy)) throw lost_pages();
+    shm::check_job_block(copy, region_.size());  // a short region fails on its size, before any read
   }
 
   JobBlock& block() {
@@ -167,16 +177,14 @@ class PyJobBlock {
     JobControl control = control_;
     if (!memory_cap.is(py::ellipsis())) control.memory_cap = cap_from_python(memory_cap);
     if (!share.is(py::ellipsis())) control.share = share_from_python(share.cast<double>());
-    shm::write_control(block(), control);
-    control_ = control;
+    write(control);
   }
 
   std::uint64_t send_command(const std::string& name) {
     JobControl control = control_;
     control.command = command_from_name(name);
     ++control.command_sequence;
-    shm::write_control(block(), control);
-    control_ = control;
+    write(control);
     return control.command_sequence;
   }
 
@@ -191,6 +199,16 @@ class PyJobBlock {
   }
 
  private:
+  void write(const JobControl& control) {
+    if (!shm::try_write_control(block(), control)) throw lost_pages();
+    control_ = control;
+  }
+  Error lost_pages() {
+    return Error("the job block '" + name() +
+                 "' lost its pages: a process that may write it shrank it (ftruncate), so it can be neither "
+                 "read nor written");
+  }
+
   ShmRegion region_;
   JobControl control_;
   std::string name_;
@@ -277,7 +295,12 @@ COTENANT_CORE_BINDINGS(job_channel) {
       .def_static("open", &PyJobBlock::open, py::arg("name"),
                   "Opens an existing block; raises Error if it is not a block of this version.")
       .def_property_readonly("name", &PyJobBlock::name)
-      .def("identity", [](PyJobBlock& self) { return identity_dict(shm::read_identity(self.block())); })
+      .def("identity",
+           [](PyJobBlock& self) {
+             JobBlock copy;
+             self.copy(copy);
+             return identity_dict(shm::read_identity(copy));
+           })
       .def("control", [](PyJobBlock& self) { return control_dict(self.control()); },
            "The control values this handle wrote (the coordinator's own copy).")
       .def("report", [](PyJobBlock& self) -> py::object {
@@ -285,9 +308,20 @@ COTENANT_CORE_BINDINGS(job_channel) {
              if (!report) return py::none();
              return report_dict(*report);
            },
-           "The job's report, or None while its writer is mid-update (never waits).")
-      .def("owner_token", [](PyJobBlock& self) { return shm::read_owner_token(self.block()); })
-      .def("heartbeat_ns", [](PyJobBlock& self) { return shm::read_heartbeat_ns(self.block()); })
+           "The job's report, or None while its writer is mid-update (never waits) or when the block lost its "
+           "pages (its job shrank it).")
+      .def("owner_token",
+           [](PyJobBlock& self) {
+             JobBlock copy;
+             self.copy(copy);
+             return shm::read_owner_token(copy);
+           })
+      .def("heartbeat_ns",
+           [](PyJobBlock& self) {
+             JobBlock copy;
+             self.copy(copy);
+             return shm::read_heartbeat_ns(copy);
+           })
       .def("set_control", &PyJobBlock::set_control, py::kw_only(), py::arg("memory_cap") = py::ellipsis(),
            py::arg("share") = py::ellipsis(),
            "Sets the cap (int bytes, None = no cap) and/or the share in [0, 1]; omitted ones stay.")

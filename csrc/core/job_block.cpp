@@ -10,6 +10,7 @@
 
 #include "cotenant/errors.h"
 #include "cotenant/shm/double_bits.h"
+#include "cotenant/shm/mapping_guard.h"
 
 namespace cotenant::shm {
 namespace {
@@ -278,10 +279,27 @@ JobReport read_report(const JobBlock& block, std::chrono::milliseconds patience)
 
 std::optional<JobReport> try_read_report(const JobBlock& block) {
   JobReport r;
+  bool complete = false;
   // The job is untrusted: its writer may keep the sequence moving forever, so
   // the patience bounds the whole read, not only a stall.
-  if (!read_report_fields(block, kCoordinatorPatience, r, kCoordinatorPatience)) return std::nullopt;
+  const bool mapped = access_guarded(&block, sizeof(JobBlock), [&] {
+    complete = read_report_fields(block, kCoordinatorPatience, r, kCoordinatorPatience);
+  });
+  if (!mapped || !complete) return std::nullopt;
   return r;
+}
+
+bool try_copy_job_block(const JobBlock& block, JobBlock& copy) {
+  constexpr std::size_t kWords = sizeof(JobBlock) / sizeof(JobBlock::Word);
+  const auto* from = reinterpret_cast<const JobBlock::Word*>(&block);
+  auto* to = reinterpret_cast<JobBlock::Word*>(&copy);
+  return access_guarded(&block, sizeof(JobBlock), [&] {
+    for (std::size_t word = 0; word < kWords; ++word) to[word].store(from[word].load(kRelaxed), kRelaxed);
+  });
+}
+
+bool try_write_control(JobBlock& block, const JobControl& control) {
+  return access_guarded(&block, sizeof(JobBlock), [&] { write_control(block, control); });
 }
 
 std::uint64_t read_heartbeat_ns(const JobBlock& block) {

@@ -287,6 +287,22 @@ TEST_CASE("a_job_that_leaves_its_report_mid_update_does_not_hold_the_coordinator
   CHECK(shm::read_control(coordinator.block()).memory_cap == 8 * MiB);
 }
 
+TEST_CASE("a_block_its_job_shrank_fails_the_coordinators_accesses_instead_of_raising_sigbus", "[job_channel]") {
+  CoordinatorBlock coordinator("shrunk");
+  REQUIRE(shm::try_read_report(coordinator.block()).has_value());
+  // The job may write its block, so it may also truncate it: every page of
+  // the coordinator's mapping is then gone (touching one raises SIGBUS).
+  REQUIRE(::truncate(("/dev/shm" + coordinator.region.name()).c_str(), 0) == 0);
+  CHECK_FALSE(shm::try_read_report(coordinator.block()).has_value());
+  shm::JobBlock copy;
+  CHECK_FALSE(shm::try_copy_job_block(coordinator.block(), copy));
+  CHECK_FALSE(shm::try_write_control(coordinator.block(), shm::JobControl{}));
+  // Whole again (zeroed pages), the block is read and written as before.
+  REQUIRE(::truncate(("/dev/shm" + coordinator.region.name()).c_str(), shm::kJobBlockBytes) == 0);
+  CHECK(shm::try_write_control(coordinator.block(), shm::JobControl{}));
+  CHECK(shm::try_copy_job_block(coordinator.block(), copy));
+}
+
 TEST_CASE("a_job_that_keeps_its_report_sequence_moving_but_never_even_does_not_hold_the_coordinator_up",
           "[job_channel]") {
   // A hostile job needs no stopped writer to look alive: it keeps its report's

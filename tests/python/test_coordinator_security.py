@@ -228,6 +228,29 @@ def test_a_job_that_keeps_its_report_mid_update_and_moving_cannot_wedge_the_coor
         spinner.wait()
 
 
+def test_a_job_that_shrinks_its_block_cannot_kill_the_coordinator(node):
+    # A job may write its block (it owns it under a root coordinator), so it
+    # may also ftruncate it; the coordinator's next touch of a lost page
+    # raised SIGBUS and took every job's coordinator down.
+    node.start_coordinator()
+    node.start_job("guaranteed", "g", hold_mib=32)
+    with connect_raw(node.socket) as sock:
+        sock.sendall(json.dumps({"v": 1, "id": 1, "op": "register", "role": "opportunistic", "device": 0,
+                                 "name": "shrinker"}).encode() + b"\n")
+        block = json.loads(sock.makefile("rb").readline())["block"]
+        os.truncate("/dev/shm" + block, 0)
+        time.sleep(0.5)  # ten ticks, each reading (and planning) the shrunk block
+        assert node.coordinator.poll() is None, "the coordinator died: " + node.read_log()
+        assert {j["name"] for j in node.status()["jobs"]} == {"g", "shrinker"}
+        client.set_share("shrinker", 0.5, socket=node.socket)  # recorded; the block cannot take it
+        with pytest.raises(client.CoordinatorError, match="lost its pages"):
+            client.send_command("shrinker", "suspend", socket=node.socket)
+        assert client.set_cap("g", "300MiB", socket=node.socket)["user_cap"] == 300 * MiB
+        assert wait_until(lambda: node.job("g")["applied_cap"] is not None
+                          and node.job("g")["applied_cap"] <= 300 * MiB)
+    assert node.coordinator.poll() is None
+
+
 def test_report_check_keeps_the_last_valid_value_of_each_refused_field():
     from cotenant.coordinator import report
 
@@ -824,3 +847,4 @@ def test_queued_tickets_beyond_the_per_uid_limit_are_refused(node):
         holder.wait(timeout=30)
     assert wait_until(lambda: not node.status()["queue"], timeout=30)  # its process gone: the ticket goes
     assert raw_request(node.socket, op="submit", name="more", gpus=1)["ok"]
+

@@ -210,8 +210,17 @@ void write_report(JobBlock& block, const JobReport& report);  // also stores hea
 JobReport read_report(const JobBlock& block, std::chrono::milliseconds patience = kWriterPatience);
 // The coordinator's read: waits at most kCoordinatorPatience in all, even
 // for a job that keeps its sequence odd and moving; nullopt while the job's
-// writer is mid-update (or has left the section odd).
+// writer is mid-update (or has left the section odd), or when the block lost
+// its pages (below).
 std::optional<JobReport> try_read_report(const JobBlock& block);
+
+// The coordinator's other accesses. A job may write its block, so it may also
+// shrink it (ftruncate); touching a page the object no longer backs raises
+// SIGBUS. These run under access_guarded (mapping_guard.h) and return false
+// instead of killing the coordinator. try_copy_job_block copies every word
+// (identity, owner token and the rest are then read from the copy).
+bool try_copy_job_block(const JobBlock& block, JobBlock& copy);
+bool try_write_control(JobBlock& block, const JobControl& control);
 
 std::uint64_t read_heartbeat_ns(const JobBlock& block);
 void write_heartbeat_ns(JobBlock& block, std::uint64_t ns);

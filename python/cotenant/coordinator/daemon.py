@@ -882,7 +882,11 @@ class Coordinator:
             changes["share"] = share
         if not changes:
             return
-        job.block.set_control(**changes)
+        try:
+            job.block.set_control(**changes)
+        except _core().Error as error:  # its job shrank its block away: that job only is not written
+            _event("job block not written", logging.WARNING, job=job.name, job_id=job.job_id, reason=str(error))
+            return
         if "memory_cap" in changes:
             job.cap = changes["memory_cap"]
         if "share" in changes:

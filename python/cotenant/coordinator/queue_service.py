@@ -187,7 +187,14 @@ class QueueService:
                                  "keeps its GPUs until it exits")
             return
         self._undelivered.pop(job.ticket, None)
-        sequence = registered.block.send_command(command)
+        from cotenant import _core
+
+        try:
+            sequence = registered.block.send_command(command)
+        except _core.Error as error:  # its job shrank its block away: the queue's other actions go on
+            self._log("queued job not sent its command", logging.WARNING, job=job.name, ticket=job.ticket,
+                      command=command, reason=str(error))
+            return
         self._log(_SENT[command], job=job.name, ticket=job.ticket, sequence=sequence)
 
     def _node(self) -> Tuple[List[int], Optional[int]]:
