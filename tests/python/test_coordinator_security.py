@@ -23,7 +23,7 @@ import pytest
 
 from cotenant import _core
 from cotenant.coordinator import client, paths, protocol
-from coordinator_harness import MiB, Node, child_env, connect_raw, wait_until
+from coordinator_harness import MiB, Node, child_env, connect_raw, read_json, wait_until
 
 
 @pytest.fixture
@@ -848,3 +848,27 @@ def test_queued_tickets_beyond_the_per_uid_limit_are_refused(node):
     assert wait_until(lambda: not node.status()["queue"], timeout=30)  # its process gone: the ticket goes
     assert raw_request(node.socket, op="submit", name="more", gpus=1)["ok"]
 
+
+def test_gpu_totals_reported_by_jobs_that_ended_are_not_kept_for_good(node):
+    # Without a GPU listing, a job's registration tells the coordinator its GPU's
+    # size. One user registering and leaving again under ever new GPU UUIDs made
+    # every one a lasting entry of the state file, rewritten (and fsynced) at
+    # every registration and administrator change: it grew without bound.
+    node.args = ["--headroom", "128MiB", "--memory-host-headroom", "0"]  # no --gpu-memory
+    node.start_coordinator()
+    for round in range(3):
+        for device in range(100):
+            reply = raw_request(node.socket, op="register", role="opportunistic", device=device,
+                                gpu_uuid=f"GPU-{round:04d}{device:04d}-fake", device_total_bytes=1 << 30)
+            assert reply["ok"], reply
+        assert raw_request(node.socket, op="unregister")["ok"]
+    def kept():
+        return (read_json(paths.state_path(node.socket)) or {}).get("_gpu_totals", {})
+
+    wait_until(lambda: len(kept()) < 10)  # the state is saved within a tick of the last job's end
+    assert len(kept()) < 10, f"{len(kept())} GPU totals kept for GPUs no job runs on"
+    # A GPU a job runs on keeps the size its job reported.
+    client.register("opportunistic", 0, name="later", socket=node.socket, gpu_uuid="GPU-real",
+                    device_total_bytes=2 << 30)
+    assert next(g for g in node.status()["gpus"] if g["gpu"] == "GPU-real")["total_bytes"] == 2 << 30
+    assert kept().get("GPU-real") == 2 << 30

@@ -407,6 +407,7 @@ class Coordinator:
         self.gpu_memory: Dict[int, int] = {}      # by the node's GPU index (the queue's GPUs)
         self.gpu_totals: Dict[str, int] = {}      # by GPU key (gpus.gpu_key): what the policy plans with
         self.node_gpus: List[gpus.NodeGpu] = []   # from NVML (or nvidia-smi); empty without either
+        self._listed_keys: set = set()            # gpu_totals' keys of the node's listed GPUs
         self.history: Deque[Dict[str, Any]] = collections.deque(maxlen=50000)
         self.metrics: Optional[Metrics] = Metrics() if config.metrics_port is not None else None
         self.admin_gid = grp.getgrnam(config.group).gr_gid if config.group else None
@@ -626,9 +627,21 @@ class Coordinator:
             _event("state file not read", logging.WARNING, reason=str(error))
             return {}
 
+    def _forget_unused_gpu_totals(self) -> None:
+        """Drops the sizes jobs reported for GPUs by UUID that no job runs on
+        any more (the node's listed GPUs and the index:N keys, at most one per
+        CUDA index, stay): a registration may name any UUID, so they would
+        otherwise pile up in memory and in every save of the state."""
+        used = {j.gpu for j in self.jobs.values()}
+        for key in [k for k in self.gpu_totals if k not in used and k not in self._listed_keys
+                    and not gpus.is_synthetic(k)]:
+            del self.gpu_totals[key]
+            self._last_share_decision.pop(key, None)
+
     def _save_state(self) -> None:
         """Writes the state durably: when this returns, a kill -9 or a power
         cut loses none of it (replies that acknowledge a change come after)."""
+        self._forget_unused_gpu_totals()
         state: Dict[str, Any] = {
             str(j.job_id): {
                 "name": j.name, "role": j.role, "device": j.device, "gpu": j.gpu, "pid": j.pid, "pid_start_ticks": j.pid_start_ticks,
@@ -742,6 +755,7 @@ class Coordinator:
             self.gpu_memory[gpu.index] = gpu.total_bytes
             self.gpu_totals[gpu.uuid] = gpu.total_bytes
             self.gpu_totals.setdefault(gpus.gpu_key(None, gpu.index), gpu.total_bytes)
+            self._listed_keys.add(gpu.uuid)
         if found:
             _event("gpus found", source=source, gpus=[{"index": g.index, "uuid": g.uuid} for g in found])
         else:
