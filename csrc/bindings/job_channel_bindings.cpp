@@ -137,20 +137,15 @@ class PyJobBlock {
     return block;
   }
 
-  // Adopts an existing block. The control values are read once, here (a
-  // section left mid-update gives the defaults; the caller rewrites them
-  // from its own state); from then on this handle owns them.
+  // Adopts an existing block. The control values are read once, here
+  // (shm::control_to_resume; the caller rewrites cap and share from its own
+  // state); from then on this handle owns them.
   static std::unique_ptr<PyJobBlock> open(const std::string& name) {
     ShmRegion region = ShmRegion::open(name, 0);
     auto handle = std::make_unique<PyJobBlock>(std::move(region), JobControl{});
     JobBlock copy;
     handle->copy(copy);  // checks the size before touching the block
-    JobControl control;
-    try {
-      control = shm::read_control(copy, std::chrono::milliseconds(0));
-    } catch (const Error&) {
-    }
-    handle->control_ = control;
+    handle->control_ = shm::control_to_resume(copy);
     return handle;
   }
 

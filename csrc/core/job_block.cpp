@@ -244,6 +244,21 @@ JobControl read_control(const JobBlock& block, std::chrono::milliseconds patienc
   return control;
 }
 
+JobControl control_to_resume(const JobBlock& block) {
+  const auto& c = block.control;
+  JobControl read;
+  const bool whole = seqlock_try_read(c.sequence, std::chrono::milliseconds(0), [&] {
+#define COTENANT_LOAD(type, name, initial) read.name = from_word<type>(c.name.load(kRelaxed));
+    COTENANT_JOB_CONTROL_FIELDS(COTENANT_LOAD)
+#undef COTENANT_LOAD
+  });
+  JobControl control = whole ? read : JobControl{};
+  // One word: whole whatever state the job left its report section in.
+  control.command_sequence =
+      std::max(control.command_sequence, block.report.applied_command_sequence.load(kRelaxed));
+  return control;
+}
+
 void write_report(JobBlock& block, const JobReport& r) {
   auto& b = block.report;
   seqlock_write(b.sequence, [&] {

@@ -287,6 +287,25 @@ TEST_CASE("a_job_that_leaves_its_report_mid_update_does_not_hold_the_coordinator
   CHECK(shm::read_control(coordinator.block()).memory_cap == 8 * MiB);
 }
 
+TEST_CASE("a_coordinator_resuming_a_control_section_left_mid_update_sends_commands_the_job_has_not_applied",
+          "[job_channel]") {
+  CoordinatorBlock coordinator("resume");
+  JobChannel channel(coordinator.region.name(), {});
+  coordinator.command(shm::JobCommand::kRestoreAll);
+  CHECK(channel.poll_once());
+  coordinator.command(shm::JobCommand::kRestoreAll);
+  CHECK(channel.poll_once());
+  REQUIRE(channel.report().applied_command_sequence == 2);
+  coordinator.block().control.sequence.fetch_add(1);  // the coordinator was killed inside a write
+  auto control = shm::control_to_resume(coordinator.block());
+  CHECK(control.command_sequence == 2);  // not the defaults' 0
+  control.command = shm::JobCommand::kRestoreAll;
+  ++control.command_sequence;
+  shm::write_control(coordinator.block(), control);
+  CHECK(channel.poll_once());
+  CHECK(channel.report().applied_command_sequence == 3);
+}
+
 TEST_CASE("a_block_its_job_shrank_fails_the_coordinators_accesses_instead_of_raising_sigbus", "[job_channel]") {
   CoordinatorBlock coordinator("shrunk");
   REQUIRE(shm::try_read_report(coordinator.block()).has_value());

@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -736,6 +737,44 @@ def test_identity_on_restart_comes_from_the_state_not_from_the_block_a_job_can_w
     node.start_coordinator()
     view = node.job("o")
     assert view is not None and view["adopted"] and view["role"] == "opportunistic" and view["uid"] == os.getuid()
+
+
+def test_commands_reach_the_job_after_a_restart_that_found_its_control_section_mid_update(node):
+    import mmap
+
+    node.start_coordinator()
+    node.start_job("opportunistic", "o", hold_mib=16)
+    for command, state in (("suspend", "suspended"), ("resume", "running")):
+        client.send_command("o", command, node.socket)
+        assert wait_until(lambda: node.job("o")["state"] == state), node.status()
+    block = node.job("o")["block"]
+    node.kill_coordinator()
+    # A coordinator killed inside a write of the control section leaves its
+    # sequence odd: the restarted one cannot read the section back. Its own
+    # command count then started over below the 2 commands the job had
+    # applied, and the job ignored every command until the count caught up.
+    with open("/dev/shm" + block, "r+b") as f:
+        words = mmap.mmap(f.fileno(), 0)
+    for offset in range(0, 512, 8):
+        (saved,) = struct.unpack_from("<Q", words, offset)
+        if saved % 2 or not saved:
+            continue
+        struct.pack_into("<Q", words, offset, saved | 1)
+        try:
+            probe = _core.JobBlock.open(block)
+        except _core.Error:  # a header word: not the one
+            hidden = False
+        else:
+            hidden = probe.control()["command_sequence"] != 2
+            probe.close()
+        if hidden:
+            break
+        struct.pack_into("<Q", words, offset, saved)
+    else:
+        pytest.fail("no word of the block hides its control section")
+    node.start_coordinator()
+    client.send_command("o", "suspend", node.socket)
+    assert wait_until(lambda: node.job("o")["state"] == "suspended"), node.status()
 
 
 def test_block_names_cannot_be_created_in_advance(node):

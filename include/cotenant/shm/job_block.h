@@ -205,6 +205,11 @@ inline constexpr std::chrono::milliseconds kCoordinatorPatience{2};
 
 void write_control(JobBlock& block, const JobControl& control);
 JobControl read_control(const JobBlock& block, std::chrono::milliseconds patience = kWriterPatience);
+// What a restarted coordinator resumes from: the control section as the block
+// holds it (the defaults where it was left mid-update, without waiting), its
+// command sequence raised to the last one the job applied, so that the next
+// command is new to the job however the section was left.
+JobControl control_to_resume(const JobBlock& block);
 
 void write_report(JobBlock& block, const JobReport& report);  // also stores heartbeat_ns
 JobReport read_report(const JobBlock& block, std::chrono::milliseconds patience = kWriterPatience);
