@@ -207,6 +207,27 @@ def test_a_guaranteed_job_that_only_marks_iterations_gets_a_baseline_and_protect
     assert g["slowdown"] is not None
 
 
+def test_a_guaranteed_job_whose_iterations_stop_during_its_baseline_does_not_pause_the_others_for_good(node):
+    # Its baseline needs 13 iterations; stopped after the first few (SIGSTOP,
+    # a hang, a long phase without steps), it held every opportunistic job of
+    # its GPU at share 0 for as long as it stayed stopped.
+    node.args += ["--baseline-timeout-s", "2"]
+    node.start_coordinator()
+    g = node.start_job("guaranteed", "g", hold_mib=16, iteration_us=100000)
+    node.start_job("opportunistic", "o", hold_mib=16)
+    assert wait_until(lambda: node.job("g")["iteration_count"] >= 1, timeout=10), node.status()
+    os.kill(g.pid, signal.SIGSTOP)
+    try:
+        assert node.job("g")["baseline_us"] is None and node.job("o")["share"] == 0.0
+        assert wait_until(lambda: node.job("o")["share"] > 0, timeout=8), node.status()
+    finally:
+        os.kill(g.pid, signal.SIGCONT)
+    # Iterating again, it pauses the others until its solo baseline is measured.
+    assert wait_until(lambda: node.job("g")["baseline_us"] is not None or node.job("o")["share"] == 0.0,
+                      timeout=10), node.status()
+    assert wait_until(lambda: node.job("g")["baseline_us"] is not None, timeout=15), node.status()
+
+
 def test_the_coordinator_share_reaches_the_job_through_its_block_only(node):
     node.start_coordinator()
     o = node.start_job("opportunistic", "o", hold_mib=32)

@@ -190,6 +190,7 @@ class Job:
     cap: Optional[int] = None
     share: float = 1.0
     registered_at: float = field(default_factory=time.monotonic)
+    iterated_at: Optional[float] = None  # time.monotonic() its iteration count last grew (None: not since it registered)
     adopted: bool = False
     invalid_reports: int = 0  # reads whose numbers report.check() refused
     pid_start_ticks: int = 0  # with pid, names the process for good (a reused pid starts later)
@@ -200,12 +201,15 @@ class Job:
     cgroup_rooms: Tuple[Tuple[str, int], ...] = ()  # its limited memory cgroups, own first: (path, room) as last read
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
-        """True while the solo baseline is being measured. A guaranteed job that
-        reports no iterations at all within timeout_s (no optimizer hook) gets
-        no baseline, and opportunistic jobs are not held paused for it."""
+        """True while the solo baseline is being measured. Opportunistic jobs are
+        held paused for it only while its iterations come: a guaranteed job that
+        reports none within timeout_s (no optimizer hook), or whose iterations
+        stop that long before the window is full (stopped, hung, a phase
+        without steps), holds no one until its next iteration."""
         if not self.baseline.warming_up:
             return False
-        return self.report.get("iteration_count", 0) > 0 or now - self.registered_at < timeout_s
+        since = self.registered_at if self.iterated_at is None else self.iterated_at
+        return now - since < timeout_s
 
     def iteration_ewma_us(self) -> float:
         """The job's iteration-time EWMA (its one measurement, reported in ns), in µs."""
@@ -699,7 +703,10 @@ class Coordinator:
         new = job.block.report()  # None while the job's writer is mid-update (gives up after 2 ms)
         if new is None:
             return
+        count = job.report.get("iteration_count", 0)
         job.report, refused = report.check(new, job.report)
+        if job.report.get("iteration_count", 0) != count:
+            job.iterated_at = time.monotonic()
         if refused:
             job.invalid_reports += 1
             if job.invalid_reports == 1:  # once per job: the count is in `status`

@@ -142,7 +142,8 @@ SETTINGS = (
     Setting("baseline", "window_iterations", ("baseline", "window_iterations"), _whole(1),
             "iterations averaged into the solo baseline"),
     Setting("baseline", "timeout_s", ("baseline_timeout_s",), _POSITIVE_SECONDS,
-            "seconds to wait for a guaranteed job's first iterations before deciding shares without them"),
+            "seconds a guaranteed job measuring its baseline may go without an iteration before shares are "
+            "decided without it"),
     Setting("jobs", "tick_s", ("tick_s",), _POSITIVE_SECONDS, "seconds between reads of the jobs' reports"),
     Setting("jobs", "stale_heartbeat_s", ("stale_heartbeat_s",), _POSITIVE_SECONDS,
             "a job silent this long is checked for death"),
