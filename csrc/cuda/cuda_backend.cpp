@@ -24,27 +24,34 @@ void check_runtime(cudaError_t err, const char* what) {
               ", error " + std::to_string(static_cast<int>(err)) + ")");
 }
 
-// Makes `device` current for the scope (runtime calls act on the current
-// device) and restores the caller's device after. One cudaGetDevice when the
-// device is current already (the usual case: a job on one GPU); nothing in
-// the scope sets another device, so there is nothing to restore then.
-class CurrentDevice {
+// Makes `context` (a device's primary context) current to the calling thread
+// for the scope and gives the thread back the context it had, none included.
+// Runtime calls act on the current context, and cuMemHostAlloc,
+// cuMemHostGetDevicePointer and cuMemFreeHost fail without one
+// (CUDA_ERROR_INVALID_CONTEXT): a thread that never made a runtime call has
+// none, whatever cudaGetDevice says. The context is switched, not the
+// runtime's device: cudaSetDevice initializes the primary context of the
+// device it names, so giving a fresh thread back its "device 0" that way
+// would put a context, and its device memory, on a GPU the job does not use.
+// One cuCtxGetCurrent when the context is current already (the usual case).
+class CurrentContext {
  public:
-  explicit CurrentDevice(int device) {
-    check_runtime(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) {
-      check_runtime(cudaSetDevice(device), "cudaSetDevice");
+  explicit CurrentContext(void* context) : context_(static_cast<CUcontext>(context)) {
+    check_driver(driver().cuCtxGetCurrent(&previous_), "cuCtxGetCurrent");
+    if (previous_ != context_) {
+      check_driver(driver().cuCtxSetCurrent(context_), "cuCtxSetCurrent");
       switched_ = true;
     }
   }
-  ~CurrentDevice() {
-    if (switched_) cudaSetDevice(previous_);
+  ~CurrentContext() {
+    if (switched_) driver().cuCtxSetCurrent(previous_);
   }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
+  CurrentContext(const CurrentContext&) = delete;
+  CurrentContext& operator=(const CurrentContext&) = delete;
 
  private:
-  int previous_ = 0;
+  CUcontext context_ = nullptr;
+  CUcontext previous_ = nullptr;
   bool switched_ = false;
 };
 
@@ -74,10 +81,24 @@ CudaBackend::CudaBackend(int device) : device_(device) {
                 std::to_string(count) + " CUDA device(s); pass a device index below " +
                 std::to_string(count) + " (CUDA_VISIBLE_DEVICES renumbers devices from 0).");
   }
-  CurrentDevice current(device_);
-  check_runtime(cudaFree(nullptr), "creating the CUDA context");  // the primary context torch uses
   CUdevice dev = 0;
   check_driver(api.cuDeviceGet(&dev, device_), "cuDeviceGet");
+  // The primary context torch uses, kept for the backend's life.
+  CUcontext context = nullptr;
+  check_driver(api.cuDevicePrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
+  context_ = context;
+  try {
+    set_up(dev);
+  } catch (...) {
+    api.cuDevicePrimaryCtxRelease(dev);
+    throw;
+  }
+}
+
+void CudaBackend::set_up(int dev) {
+  const DriverApi& api = driver();
+  CurrentContext current(context_);
+  check_runtime(cudaFree(nullptr), "initializing the CUDA runtime on the device's context");
   if (!device_attribute(dev, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)) {
     throw Error("cuda:" + std::to_string(device_) +
                 " does not support CUDA virtual memory management (cuMemCreate/cuMemMap), which "
@@ -127,6 +148,18 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 
 CudaBackend::~CudaBackend() {
   // Best effort: at process exit the driver may already be shutting down.
+  // The device's context is made current without CurrentContext, which throws.
+  CUcontext previous = nullptr;
+  const auto context = static_cast<CUcontext>(context_);
+  const bool switched = driver().cuCtxGetCurrent(&previous) == CUDA_SUCCESS && previous != context &&
+                        driver().cuCtxSetCurrent(context) == CUDA_SUCCESS;
+  give_back_everything();
+  if (switched) driver().cuCtxSetCurrent(previous);
+  CUdevice dev = 0;
+  if (driver().cuDeviceGet(&dev, device_) == CUDA_SUCCESS) driver().cuDevicePrimaryCtxRelease(dev);
+}
+
+void CudaBackend::give_back_everything() {
   if (copy_stream_ != nullptr) {
     cudaStreamSynchronize(static_cast<cudaStream_t>(copy_stream_));  // copies still reading shadows
     cudaStreamDestroy(static_cast<cudaStream_t>(copy_stream_));
@@ -157,14 +190,14 @@ const char* CudaBackend::host_page_kind() const {
 }
 
 std::size_t CudaBackend::device_total_bytes() const {
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   std::size_t free = 0, total = 0;
   check_runtime(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return total;
 }
 
 std::size_t CudaBackend::device_free_bytes() const {
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   std::size_t free = 0, total = 0;
   check_runtime(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return free;
@@ -418,7 +451,7 @@ void CudaBackend::map_pages(DevicePtr address, const PageHandle* pages, std::siz
 
 void CudaBackend::wait_for_launched_work(const char* why) {
   if (quiescent_here()) return;  // this thread's safe point synchronized already
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   Timed timed(*this, DriverCall::kDeviceSynchronize);
   check_runtime(cudaDeviceSynchronize(), why);
 }
@@ -460,7 +493,7 @@ void CudaBackend::copy_out(DevicePtr address, PageHandle dst) {
 }
 
 void CudaBackend::copy_page(DevicePtr dst, DevicePtr src) {
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   cudaError_t err;
   {
@@ -488,7 +521,7 @@ void CudaBackend::zero(DevicePtr address, std::size_t bytes) {
   // On the copy stream, which copy_mutex_ serialises; waited for here, so
   // the bytes read as zero before any launch that follows.
   std::lock_guard<std::mutex> lock(copy_mutex_);
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   auto stream = static_cast<cudaStream_t>(copy_stream_);
   Timed timed(*this, DriverCall::kZero);
   cudaError_t err = cudaMemsetAsync(reinterpret_cast<void*>(address), 0, bytes, stream);
@@ -499,7 +532,7 @@ void CudaBackend::zero(DevicePtr address, std::size_t bytes) {
 void CudaBackend::finish_copies() {
   std::lock_guard<std::mutex> lock(copy_mutex_);
   if (copies_pending_) {
-    CurrentDevice current(device_);
+    CurrentContext current(context_);
     cudaError_t err;
     {
       Timed timed(*this, DriverCall::kCopyWait);
@@ -530,7 +563,7 @@ void CudaBackend::finish_copies() {
 Backend::CopyMark CudaBackend::mark_copies() {
   std::lock_guard<std::mutex> lock(copy_mutex_);
   if (!copies_pending_) return 0;  // nothing in flight: a wait has nothing to wait for
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   cudaEvent_t event = nullptr;
   if (!spare_marks_.empty()) {
     event = static_cast<cudaEvent_t>(spare_marks_.back());
@@ -557,6 +590,7 @@ void CudaBackend::wait_for_copies(CopyMark mark) {
   auto event = reinterpret_cast<cudaEvent_t>(mark);
   auto it = std::find(recorded_marks_.begin(), recorded_marks_.end(), static_cast<void*>(event));
   if (it == recorded_marks_.end()) return;  // a finish_copies() since waited for it
+  CurrentContext current(context_);
   cudaError_t err;
   {
     Timed timed(*this, DriverCall::kCopyWait);
@@ -571,7 +605,7 @@ void CudaBackend::wait_for_copies(CopyMark mark) {
 }
 
 DevicePtr CudaBackend::allocate_pinned_host(std::size_t bytes) {
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   void* host = nullptr;
   CUresult r = driver().cuMemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
   if (r == CUDA_ERROR_OUT_OF_MEMORY) return 0;
@@ -594,6 +628,7 @@ void CudaBackend::free_pinned_host(DevicePtr address, std::size_t bytes) {
 }
 
 void CudaBackend::free_pinned_host_synchronized(DevicePtr address, std::size_t /*bytes*/) {
+  CurrentContext current(context_);
   void* host = nullptr;
   {
     std::lock_guard<std::mutex> lock(pinned_mutex_);
@@ -608,24 +643,30 @@ void CudaBackend::free_pinned_host_synchronized(DevicePtr address, std::size_t /
 }
 
 EventHandle CudaBackend::create_event() {
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   cudaEvent_t event = nullptr;
   check_runtime(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
   return EventHandle{reinterpret_cast<std::uint64_t>(event)};
 }
 
 void CudaBackend::destroy_event(EventHandle event) {
-  cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event.id));
+  try {
+    CurrentContext current(context_);
+    cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event.id));
+  } catch (const Error&) {
+    // Never throws, as before: the driver is going (process exit) and takes the event with it.
+  }
 }
 
 void CudaBackend::record_event(EventHandle event, StreamId stream) {
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   check_runtime(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event.id),
                                 reinterpret_cast<cudaStream_t>(stream)),
                 "cudaEventRecord");
 }
 
 bool CudaBackend::query_event(EventHandle event) {
+  CurrentContext current(context_);
   cudaError_t err = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event.id));
   if (err == cudaErrorNotReady) {
     cudaGetLastError();  // not an error: clear it so it does not surface later
@@ -636,11 +677,12 @@ bool CudaBackend::query_event(EventHandle event) {
 }
 
 void CudaBackend::synchronize_event(EventHandle event) {
+  CurrentContext current(context_);
   check_runtime(cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event.id)), "cudaEventSynchronize");
 }
 
 void CudaBackend::synchronize_device() {
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   Timed timed(*this, DriverCall::kDeviceSynchronize);
   check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
@@ -708,7 +750,7 @@ std::vector<CudaBackend::VmmProbeRow> CudaBackend::probe_vmm_costs(std::size_t t
     }
   }
   const DriverApi& api = driver();
-  CurrentDevice current(device_);
+  CurrentContext current(context_);
   std::vector<std::pair<std::string, CUmemAllocationProp>> sides{
       {"device", page_properties(CU_MEM_LOCATION_TYPE_DEVICE, device_)}};
   if (host_location_ == HostLocation::kHostNuma) {

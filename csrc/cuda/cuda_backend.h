@@ -22,6 +22,11 @@
 //    When the GPU is idle (safe points, repeated unmaps) this costs a few us.
 //  - Events and streams are the CUDA runtime's (the runtime torch loads);
 //    a StreamId is a cudaStream_t cast to an integer.
+//  - The backend retains its device's primary context (the one torch and the
+//    runtime use) and makes it current to the calling thread for each call
+//    that needs a context, giving the thread back the one it had (or none);
+//    it never sets the runtime's current device, which would create a
+//    context on the device it names. The virtual memory calls need none.
 //
 // One CudaBackend serves one device. Thread-safe: the copy stream and the
 // shadows are guarded by mutexes; everything else is stateless or the driver's.
@@ -192,7 +197,11 @@ class CudaBackend final : public Backend {
   // (quiescent); `why` names the wait in the error.
   void wait_for_launched_work(const char* why);
 
+  void set_up(int dev);          // the constructor's work, in the device's context
+  void give_back_everything();  // the destructor's work, in the device's context
+
   int device_ = 0;
+  void* context_ = nullptr;  // CUcontext: device_'s primary context, retained until the backend goes
   HostLocation host_location_ = HostLocation::kNone;
   int host_numa_id_ = 0;
   std::size_t granularity_ = 0;

@@ -57,6 +57,10 @@ LoadedDriver load() {
     resolve("cuGetErrorName", a.cuGetErrorName);
     resolve("cuDeviceGet", a.cuDeviceGet);
     resolve("cuDeviceGetAttribute", a.cuDeviceGetAttribute);
+    resolve("cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain);
+    resolve("cuDevicePrimaryCtxRelease", a.cuDevicePrimaryCtxRelease);
+    resolve("cuCtxGetCurrent", a.cuCtxGetCurrent);
+    resolve("cuCtxSetCurrent", a.cuCtxSetCurrent);
     resolve("cuMemGetAllocationGranularity", a.cuMemGetAllocationGranularity);
     resolve("cuMemAddressReserve", a.cuMemAddressReserve);
     resolve("cuMemAddressFree", a.cuMemAddressFree);

@@ -20,6 +20,10 @@ struct DriverApi {
   decltype(&::cuGetErrorName) cuGetErrorName = nullptr;
   decltype(&::cuDeviceGet) cuDeviceGet = nullptr;
   decltype(&::cuDeviceGetAttribute) cuDeviceGetAttribute = nullptr;
+  decltype(&::cuDevicePrimaryCtxRetain) cuDevicePrimaryCtxRetain = nullptr;
+  decltype(&::cuDevicePrimaryCtxRelease) cuDevicePrimaryCtxRelease = nullptr;
+  decltype(&::cuCtxGetCurrent) cuCtxGetCurrent = nullptr;
+  decltype(&::cuCtxSetCurrent) cuCtxSetCurrent = nullptr;
   decltype(&::cuMemGetAllocationGranularity) cuMemGetAllocationGranularity = nullptr;
   decltype(&::cuMemAddressReserve) cuMemAddressReserve = nullptr;
   decltype(&::cuMemAddressFree) cuMemAddressFree = nullptr;

@@ -103,6 +103,8 @@ struct State {
   std::chrono::microseconds delay{0};
   std::uint64_t operations_completed = 0;  // by every stream since reset
   bool held = false;  // hold_streams(): workers start nothing until a wait releases it
+  std::uint32_t primary_contexts = 0;  // bit d: device d's primary context was initialized
+  int primary_retains[32] = {};        // cuDevicePrimaryCtxRetain calls not released, per device
 };
 
 // Never destroyed: stream workers may outlive static destruction.
@@ -111,7 +113,24 @@ State& state() {
   return *s;
 }
 
-thread_local int current_device = 0;
+thread_local int current_device = 0;    // the runtime's device for this thread (cudaSetDevice)
+thread_local int current_context = -1;  // the device whose primary context is current here; -1: none
+
+// A primary context's handle: an address per device, never dereferenced.
+char primary_context_handles[32];
+CUcontext primary_context(int device) { return reinterpret_cast<CUcontext>(&primary_context_handles[device]); }
+
+// The runtime binds a context lazily: "If no CUcontext is current to the
+// calling thread when a CUDA Runtime API call which requires an active
+// context is made, then the primary context for a device will be selected,
+// made current to the calling thread, and initialized" (CUDA Runtime API,
+// Interactions with the CUDA Driver API). The device is the thread's runtime
+// device: on a thread that never set one, device 0.
+void bind_runtime_context(State& s) {
+  if (current_context >= 0) return;
+  current_context = current_device;
+  s.primary_contexts |= std::uint32_t{1} << current_device;
+}
 thread_local cudaError_t last_error = cudaSuccess;
 
 using Lock = std::unique_lock<std::mutex>;
@@ -366,6 +385,7 @@ const char* driver_error_name(CUresult r) {
     case CUDA_ERROR_INVALID_HANDLE: return "invalid resource handle";
     case CUDA_ERROR_NOT_SUPPORTED: return "operation not supported";
     case CUDA_ERROR_ILLEGAL_ADDRESS: return "an illegal memory access was encountered";
+    case CUDA_ERROR_INVALID_CONTEXT: return "invalid device context";
     default: return nullptr;
   }
 }
@@ -391,6 +411,7 @@ CUresult fake_cuGetErrorName(CUresult error, const char** str) {
     case CUDA_ERROR_INVALID_HANDLE: name = "CUDA_ERROR_INVALID_HANDLE"; break;
     case CUDA_ERROR_NOT_SUPPORTED: name = "CUDA_ERROR_NOT_SUPPORTED"; break;
     case CUDA_ERROR_ILLEGAL_ADDRESS: name = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: name = "CUDA_ERROR_INVALID_CONTEXT"; break;
     default: break;
   }
   *str = name;
@@ -408,8 +429,9 @@ CUresult fake_cuDeviceGetCount(int* count) {
   return CUDA_SUCCESS;
 }
 
-// The fake has no contexts apart from its device: its primary context is
-// always active.
+// Reported active whether or not primary_context_initialized() says so:
+// torch asks before it sets a device, and sets devices as it does on a GPU
+// whose context exists.
 CUresult fake_cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flags, int* active) {
   FAKE_DRIVER_ENTRY("cuDevicePrimaryCtxGetState");
   if (dev < 0 || dev >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
@@ -423,6 +445,64 @@ CUresult fake_cuDeviceGet(CUdevice* device, int ordinal) {
   if (ordinal < 0 || ordinal >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
   *device = ordinal;
   return CUDA_SUCCESS;
+}
+
+// cuDevicePrimaryCtxRetain makes the device's primary context active (it
+// initializes it when it is not); the context stays until released as often.
+CUresult fake_cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice dev) {
+  FAKE_DRIVER_ENTRY("cuDevicePrimaryCtxRetain");
+  if (dev < 0 || dev >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
+  s.primary_contexts |= std::uint32_t{1} << dev;
+  ++s.primary_retains[dev];
+  *context = primary_context(dev);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDevicePrimaryCtxRelease(CUdevice dev) {
+  FAKE_DRIVER_ENTRY("cuDevicePrimaryCtxRelease");
+  if (dev < 0 || dev >= s.config.device_count) return CUDA_ERROR_INVALID_DEVICE;
+  if (s.primary_retains[dev] == 0) {
+    violate(s, "cuDevicePrimaryCtxRelease of device " + std::to_string(dev) + " without a retain to match");
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  --s.primary_retains[dev];
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuCtxGetCurrent(CUcontext* context) {
+  FAKE_DRIVER_ENTRY("cuCtxGetCurrent");
+  *context = current_context >= 0 ? primary_context(current_context) : nullptr;
+  return CUDA_SUCCESS;
+}
+
+// Null unbinds: the thread has no context current, as before its first call.
+CUresult fake_cuCtxSetCurrent(CUcontext context) {
+  FAKE_DRIVER_ENTRY("cuCtxSetCurrent");
+  if (context == nullptr) {
+    current_context = -1;
+    return CUDA_SUCCESS;
+  }
+  for (int d = 0; d < s.config.device_count; ++d) {
+    if (context != primary_context(d)) continue;
+    if ((s.primary_contexts & (std::uint32_t{1} << d)) == 0) {
+      violate(s, "cuCtxSetCurrent of device " + std::to_string(d) + "'s primary context, which is not active");
+      return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    current_context = d;
+    return CUDA_SUCCESS;
+  }
+  violate(s, "cuCtxSetCurrent of a context that does not exist");
+  return CUDA_ERROR_INVALID_CONTEXT;
+}
+
+// cuMemHostAlloc, cuMemHostGetDevicePointer and cuMemFreeHost act in the
+// calling thread's context and return CUDA_ERROR_INVALID_CONTEXT without one
+// (cuda.h: each lists it among its results; the virtual memory calls do not
+// and need no context).
+bool context_current(State& s, const char* entry) {
+  if (current_context >= 0) return true;
+  violate(s, std::string(entry) + " on a thread with no CUDA context current");
+  return false;
 }
 
 CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice device) {
@@ -646,6 +726,7 @@ CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc
 
 CUresult fake_cuMemHostAlloc(void** pp, size_t bytes, unsigned int /*flags*/) {
   FAKE_DRIVER_ENTRY("cuMemHostAlloc");
+  if (!context_current(s, "cuMemHostAlloc")) return CUDA_ERROR_INVALID_CONTEXT;
   if (bytes == 0) {
     violate(s, "cuMemHostAlloc of 0 bytes");
     return CUDA_ERROR_INVALID_VALUE;
@@ -663,6 +744,7 @@ CUresult fake_cuMemHostAlloc(void** pp, size_t bytes, unsigned int /*flags*/) {
 
 CUresult fake_cuMemHostGetDevicePointer(CUdeviceptr* dptr, void* p, unsigned int flags) {
   FAKE_DRIVER_ENTRY("cuMemHostGetDevicePointer");
+  if (!context_current(s, "cuMemHostGetDevicePointer")) return CUDA_ERROR_INVALID_CONTEXT;
   const auto a = reinterpret_cast<Address>(p);
   auto it = s.pinned.upper_bound(a);
   if (flags != 0 || it == s.pinned.begin() || a >= std::prev(it)->first + std::prev(it)->second) {
@@ -675,6 +757,7 @@ CUresult fake_cuMemHostGetDevicePointer(CUdeviceptr* dptr, void* p, unsigned int
 
 CUresult fake_cuMemFreeHost(void* p) {
   FAKE_DRIVER_ENTRY("cuMemFreeHost");
+  if (!context_current(s, "cuMemFreeHost")) return CUDA_ERROR_INVALID_CONTEXT;
   auto it = s.pinned.find(reinterpret_cast<Address>(p));
   if (it == s.pinned.end()) {
     violate(s, "cuMemFreeHost of " + hex(reinterpret_cast<Address>(p)) + " which cuMemHostAlloc did not return");
@@ -723,6 +806,10 @@ const std::map<std::string, void*>& driver_entry_points() {
       {"cuGetErrorName", reinterpret_cast<void*>(&fake_cuGetErrorName)},
       {"cuDeviceGet", reinterpret_cast<void*>(&fake_cuDeviceGet)},
       {"cuDeviceGetAttribute", reinterpret_cast<void*>(&fake_cuDeviceGetAttribute)},
+      {"cuDevicePrimaryCtxRetain", reinterpret_cast<void*>(&fake_cuDevicePrimaryCtxRetain)},
+      {"cuDevicePrimaryCtxRelease", reinterpret_cast<void*>(&fake_cuDevicePrimaryCtxRelease)},
+      {"cuCtxGetCurrent", reinterpret_cast<void*>(&fake_cuCtxGetCurrent)},
+      {"cuCtxSetCurrent", reinterpret_cast<void*>(&fake_cuCtxSetCurrent)},
       {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&fake_cuMemGetAllocationGranularity)},
       {"cuMemAddressReserve", reinterpret_cast<void*>(&fake_cuMemAddressReserve)},
       {"cuMemAddressFree", reinterpret_cast<void*>(&fake_cuMemAddressFree)},
@@ -789,7 +876,10 @@ void reset(const Config& config) {
   s.delay = std::chrono::microseconds{0};
   s.operations_completed = 0;
   s.held = false;
+  s.primary_contexts = 0;
+  for (int& retains : s.primary_retains) retains = 0;
   current_device = 0;
+  current_context = -1;
   last_error = cudaSuccess;
 }
 
@@ -856,6 +946,11 @@ bool device_can_access(int device, const void* p, std::size_t bytes) {
   return true;
 }
 
+bool primary_context_initialized(int device) {
+  Lock lock(state().mutex);
+  return device >= 0 && device < 32 && (state().primary_contexts & (std::uint32_t{1} << device)) != 0;
+}
+
 bool accessible(const void* p, std::size_t bytes) {
   Lock lock(state().mutex);
   return copy_range_ok(state(), p, bytes);
@@ -902,6 +997,12 @@ cudaError_t fail(cudaError_t err) {
   Lock lock(s.mutex);                                \
   if (int code = 0; fake_cuda::injected(s, name, &code)) return fail(static_cast<cudaError_t>(code))
 
+// An entry that acts in a context: binds the thread's device's primary
+// context first when none is current (bind_runtime_context).
+#define FAKE_RUNTIME_CONTEXT_ENTRY(name) \
+  FAKE_RUNTIME_ENTRY(name);              \
+  fake_cuda::bind_runtime_context(s)
+
 cudaError_t cudaGetDeviceCount(int* count) {
   FAKE_RUNTIME_ENTRY("cudaGetDeviceCount");
   *count = s.config.device_count;
@@ -911,18 +1012,24 @@ cudaError_t cudaGetDeviceCount(int* count) {
 cudaError_t cudaSetDevice(int device) {
   FAKE_RUNTIME_ENTRY("cudaSetDevice");
   if (device < 0 || device >= s.config.device_count) return fail(cudaErrorInvalidDevice);
+  // "This call will bind the primary context of the specified device to the
+  // calling thread ... This function will also immediately initialize the
+  // runtime state on the primary context" (cudaSetDevice, CUDA 12 and later).
   fake_cuda::current_device = device;
+  fake_cuda::current_context = device;
+  s.primary_contexts |= std::uint32_t{1} << device;
   return cudaSuccess;
 }
 
 cudaError_t cudaGetDevice(int* device) {
   FAKE_RUNTIME_ENTRY("cudaGetDevice");
-  *device = fake_cuda::current_device;
+  // The current context's device; binds none.
+  *device = fake_cuda::current_context >= 0 ? fake_cuda::current_context : fake_cuda::current_device;
   return cudaSuccess;
 }
 
 cudaError_t cudaFree(void* ptr) {
-  FAKE_RUNTIME_ENTRY("cudaFree");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaFree");
   if (ptr == nullptr) return cudaSuccess;  // creates the context
   const auto a = reinterpret_cast<fake_cuda::Address>(ptr);
   auto it = s.malloced.find(a);
@@ -943,7 +1050,7 @@ cudaError_t cudaFree(void* ptr) {
 // space and made readable and writable at once; its bytes count against the
 // device's capacity, rounded up to the granularity.
 cudaError_t cudaMalloc(void** ptr, size_t size) {
-  FAKE_RUNTIME_ENTRY("cudaMalloc");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaMalloc");
   *ptr = nullptr;
   if (size == 0) return cudaSuccess;
   const std::size_t g = s.config.granularity;
@@ -1012,14 +1119,14 @@ cudaError_t cudaGetLastError() {
 }
 
 cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
-  FAKE_RUNTIME_ENTRY("cudaMemGetInfo");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaMemGetInfo");
   *total = s.config.device_capacity;
   *free = s.config.device_capacity - s.device_bytes;
   return cudaSuccess;
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int /*flags*/) {
-  FAKE_RUNTIME_ENTRY("cudaEventCreateWithFlags");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaEventCreateWithFlags");
   auto* e = new fake_cuda::Event;
   s.events.insert(e);
   *event = reinterpret_cast<cudaEvent_t>(e);
@@ -1051,7 +1158,7 @@ static void wait_for_event(fake_cuda::State& s, fake_cuda::Lock& lock, fake_cuda
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
-  FAKE_RUNTIME_ENTRY("cudaEventDestroy");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaEventDestroy");
   fake_cuda::Event* e = find_event(s, event, "cudaEventDestroy");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
   s.events.erase(e);  // legal with work pending: the event is released when it completes
@@ -1060,7 +1167,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
-  FAKE_RUNTIME_ENTRY("cudaEventRecord");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaEventRecord");
   fake_cuda::Event* e = find_event(s, event, "cudaEventRecord");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
   fake_cuda::Stream* target = find_live_stream(s, stream, "cudaEventRecord on");
@@ -1084,14 +1191,14 @@ cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, uns
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
-  FAKE_RUNTIME_ENTRY("cudaEventQuery");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaEventQuery");
   fake_cuda::Event* e = find_event(s, event, "cudaEventQuery");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
   return fake_cuda::event_complete(*e) ? cudaSuccess : fail(cudaErrorNotReady);
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
-  FAKE_RUNTIME_ENTRY("cudaEventSynchronize");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaEventSynchronize");
   fake_cuda::Event* e = find_event(s, event, "cudaEventSynchronize");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
   wait_for_event(s, lock, e);
@@ -1101,7 +1208,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int /*flags*/) {
   fake_cuda::Stream* created = nullptr;
   {
-    FAKE_RUNTIME_ENTRY("cudaStreamCreateWithFlags");
+    FAKE_RUNTIME_CONTEXT_ENTRY("cudaStreamCreateWithFlags");
     created = fake_cuda::start_stream();
     s.streams.insert(created);
   }
@@ -1114,7 +1221,7 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWith
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   auto* target = reinterpret_cast<fake_cuda::Stream*>(stream);
   {
-    FAKE_RUNTIME_ENTRY("cudaStreamDestroy");
+    FAKE_RUNTIME_CONTEXT_ENTRY("cudaStreamDestroy");
     if (s.streams.count(target) == 0) {
       fake_cuda::violate(s, "cudaStreamDestroy of a stream that does not exist (or the default stream)");
       return fail(cudaErrorInvalidResourceHandle);
@@ -1126,7 +1233,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
-  FAKE_RUNTIME_ENTRY("cudaStreamSynchronize");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaStreamSynchronize");
   fake_cuda::Stream* target = find_live_stream(s, stream, "cudaStreamSynchronize of");
   if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   fake_cuda::drain(s, lock, target);
@@ -1134,14 +1241,14 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
-  FAKE_RUNTIME_ENTRY("cudaDeviceSynchronize");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaDeviceSynchronize");
   fake_cuda::drain_all(s, lock);
   return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind /*kind*/,
                             cudaStream_t stream) {
-  FAKE_RUNTIME_ENTRY("cudaMemcpyAsync");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaMemcpyAsync");
   fake_cuda::Stream* target = find_live_stream(s, stream, "cudaMemcpyAsync on");
   if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   if (!fake_cuda::copy_range_ok(s, src, count) || !fake_cuda::copy_range_ok(s, dst, count)) {
@@ -1157,7 +1264,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
 }
 
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t stream) {
-  FAKE_RUNTIME_ENTRY("cudaMemsetAsync");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaMemsetAsync");
   fake_cuda::Stream* target = find_live_stream(s, stream, "cudaMemsetAsync on");
   if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   if (!fake_cuda::copy_range_ok(s, dst, count)) {
@@ -1216,7 +1323,7 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t* stream, unsigned int flag
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
-  FAKE_RUNTIME_ENTRY("cudaStreamQuery");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaStreamQuery");
   fake_cuda::Stream* target = find_live_stream(s, stream, "cudaStreamQuery of");
   if (target == nullptr) return fail(cudaErrorInvalidResourceHandle);
   return target->queue.empty() ? cudaSuccess : fail(cudaErrorNotReady);
@@ -1226,7 +1333,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 // waiting for the event is modelled by waiting here, on the host: an order a
 // GPU may also take.
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int /*flags*/) {
-  FAKE_RUNTIME_ENTRY("cudaStreamWaitEvent");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaStreamWaitEvent");
   if (find_live_stream(s, stream, "cudaStreamWaitEvent on") == nullptr) return fail(cudaErrorInvalidResourceHandle);
   fake_cuda::Event* e = find_event(s, event, "cudaStreamWaitEvent");
   if (e == nullptr) return fail(cudaErrorInvalidResourceHandle);
@@ -1262,7 +1369,7 @@ cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* /*mode*/)
 
 // Synchronous: waits for every stream (the legacy default stream's rule), then copies.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind /*kind*/) {
-  FAKE_RUNTIME_ENTRY("cudaMemcpy");
+  FAKE_RUNTIME_CONTEXT_ENTRY("cudaMemcpy");
   fake_cuda::drain_all(s, lock);
   if (!fake_cuda::copy_range_ok(s, src, count) || !fake_cuda::copy_range_ok(s, dst, count)) {
     fake_cuda::violate(s, "cudaMemcpy of " + std::to_string(count) +

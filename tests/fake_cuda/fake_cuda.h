@@ -9,6 +9,11 @@
 //  - a physical page (cuMemCreate) is a memfd of the granularity size;
 //  - cuMemMap maps the memfd at the address, still PROT_NONE; cuMemSetAccess
 //    makes it readable and writable; cuMemUnmap puts PROT_NONE memory back.
+//  - each thread has a current context, or none: cudaSetDevice binds (and
+//    initializes) its device's primary context, a runtime call that needs a
+//    context binds the thread's device's when none is current, cuCtxSetCurrent
+//    binds or unbinds one; cuMemHostAlloc, cuMemHostGetDevicePointer and
+//    cuMemFreeHost refuse to run without one (the virtual memory calls need none);
 //  - every stream (and the default stream) is a worker thread; cudaMemcpyAsync
 //    (cudaMemsetAsync) runs memcpy (memset) there, events complete when the worker reaches them.
 //
@@ -108,6 +113,12 @@ void fail_nth(const std::string& entry, int n, int code);
 std::uint64_t calls(const std::string& entry);
 // Every entry called since reset(), with its count.
 std::map<std::string, std::uint64_t> all_calls();
+
+// Whether `device`'s primary context was initialized since reset(): by
+// cudaSetDevice, cuDevicePrimaryCtxRetain, or a runtime call on a thread with
+// no context current whose runtime device it is. On a GPU that context holds
+// device memory (hundreds of MiB) for the rest of the process.
+bool primary_context_initialized(int device);
 
 // Whether [p, p + bytes) is safe to touch from the CPU: outside every
 // reservation, or mapped and made accessible. Tests ask before reading

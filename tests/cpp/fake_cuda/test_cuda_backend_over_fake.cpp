@@ -5,6 +5,8 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "cotenant/allocator_events.h"
@@ -268,8 +270,9 @@ TEST_CASE("cuda_backend_over_fake_grant_access_reaches_pages_mapped_before_and_a
   check_fake_cuda_clean();
 }
 
-// The backend makes its device current for a call and gives the caller's
-// back after; when its device is current already, it sets none.
+// The backend makes its device's context current for a call and gives the
+// caller's back after; when it is current already, it sets none. It never
+// sets the runtime's device (which would initialize that device's context).
 TEST_CASE("cuda_backend_over_fake_leaves_the_callers_current_device_as_it_found_it", "[fake_cuda][backend]") {
   fake_cuda::Config config;
   config.device_count = 2;
@@ -281,7 +284,8 @@ TEST_CASE("cuda_backend_over_fake_leaves_the_callers_current_device_as_it_found_
     const int caller = GENERATE(0, 1);
     CAPTURE(caller);
     REQUIRE(cudaSetDevice(caller) == cudaSuccess);
-    const auto sets = fake_cuda::calls("cudaSetDevice");
+    const auto device_sets = fake_cuda::calls("cudaSetDevice");
+    const auto sets = fake_cuda::calls("cuCtxSetCurrent");
     const DevicePtr block = allocator.allocate(6 * kMiB, 0);
     allocator.apply_pending_migrations();  // over the cap: pages move to the host
     allocator.set_memory_cap(kNoCap);
@@ -291,10 +295,67 @@ TEST_CASE("cuda_backend_over_fake_leaves_the_callers_current_device_as_it_found_
     int now = -1;
     REQUIRE(cudaGetDevice(&now) == cudaSuccess);
     CHECK(now == caller);
-    if (caller == 0) CHECK(fake_cuda::calls("cudaSetDevice") == sets);  // already current: none set
-    if (caller == 1) CHECK(fake_cuda::calls("cudaSetDevice") > sets);
+    CHECK(fake_cuda::calls("cudaSetDevice") == device_sets);
+    if (caller == 0) CHECK(fake_cuda::calls("cuCtxSetCurrent") == sets);  // already current: none set
+    if (caller == 1) CHECK(fake_cuda::calls("cuCtxSetCurrent") > sets);
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
   }
+  check_fake_cuda_clean();
+}
+
+// cuMemHostAlloc, cuMemHostGetDevicePointer and cuMemFreeHost need a
+// context current to the calling thread. A thread whose runtime device is
+// already the backend's but that never made a runtime call (a coordinator's
+// thread, a user's new thread on cuda:0) has none.
+TEST_CASE("cuda_backend_over_fake_pinned_host_memory_comes_and_goes_on_a_thread_with_no_context",
+          "[fake_cuda][backend]") {
+  fake_cuda::reset();
+  {
+    cuda::CudaBackend backend(0);
+    std::string error;
+    std::thread fresh([&] {
+      try {
+        const DevicePtr pinned = backend.allocate_pinned_host(4 * kMiB);
+        if (pinned == 0) throw Error("no pinned host memory");
+        backend.free_pinned_host_synchronized(pinned, 4 * kMiB);
+      } catch (const Error& e) {
+        error = e.what();
+      }
+    });
+    fresh.join();
+    CHECK(error.empty());
+    INFO(error);
+  }
+  check_fake_cuda_clean();
+}
+
+// cudaSetDevice initializes the primary context of the device it names: a
+// backend on cuda:1 that gave a thread back "device 0" that way would put a
+// context, and its device memory, on a GPU the job does not use.
+TEST_CASE("cuda_backend_over_fake_a_backend_on_device_1_creates_no_context_on_device_0",
+          "[fake_cuda][backend]") {
+  fake_cuda::Config config;
+  config.device_count = 2;
+  fake_cuda::reset(config);
+  std::thread job([] {
+    cuda::CudaBackend backend(1);
+    {
+      CachingAllocator allocator(backend);
+      allocator.set_memory_cap(2 * kMiB);
+      const DevicePtr block = allocator.allocate(6 * kMiB, 0);
+      migrate_at_safe_point(allocator, backend);  // over the cap: pages move to the host
+      allocator.set_memory_cap(kNoCap);
+      migrate_at_safe_point(allocator, backend);  // and back
+      allocator.free(block);
+      allocator.empty_cache();
+    }
+    int device = -1;
+    CHECK(cudaGetDevice(&device) == cudaSuccess);
+    CHECK(device == 0);  // the thread's device is as it was
+  });
+  job.join();
+  CHECK(fake_cuda::primary_context_initialized(1));
+  CHECK_FALSE(fake_cuda::primary_context_initialized(0));
   check_fake_cuda_clean();
 }
 

@@ -165,6 +165,7 @@ TEST_CASE("fake_cuda_counts_each_misuse_and_returns_the_drivers_error", "[fake_c
     return;
   }
   SECTION("unknown pinned host pointers") {
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);  // the pinned host calls act in a context
     int not_pinned = 0;
     CUdeviceptr dptr = 0;
     CHECK(api().cuMemHostGetDevicePointer(&dptr, &not_pinned, 0) == CUDA_ERROR_INVALID_VALUE);
@@ -174,6 +175,58 @@ TEST_CASE("fake_cuda_counts_each_misuse_and_returns_the_drivers_error", "[fake_c
   REQUIRE(api().cuMemRelease(page) == CUDA_SUCCESS);
   REQUIRE(api().cuMemAddressFree(base, 2 * kGran) == CUDA_SUCCESS);
   CHECK_FALSE(fake_cuda::leaks().any());
+}
+
+// A thread has a context current only once it set a device, made a runtime
+// call that needs one, or set one with cuCtxSetCurrent; the pinned host
+// calls refuse to run without one, the virtual memory calls need none.
+TEST_CASE("fake_cuda_pinned_host_calls_need_a_current_context_and_cuda_get_device_binds_none", "[fake_cuda]") {
+  fake_cuda::Config two;
+  two.device_count = 2;
+  fake_cuda::reset(two);
+  CUcontext current = nullptr;
+  REQUIRE(api().cuCtxGetCurrent(&current) == CUDA_SUCCESS);
+  CHECK(current == nullptr);
+  int device = -1;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  CHECK(device == 0);
+  CHECK_FALSE(fake_cuda::primary_context_initialized(0));
+  void* host = nullptr;
+  CHECK(api().cuMemHostAlloc(&host, kGran, CU_MEMHOSTALLOC_DEVICEMAP) == CUDA_ERROR_INVALID_CONTEXT);
+  CHECK(violation_count() == 1);
+  const CUdeviceptr base = reserve(kGran);  // the virtual memory calls need no context
+  REQUIRE(api().cuMemAddressFree(base, kGran) == CUDA_SUCCESS);
+
+  SECTION("a runtime call binds the thread's device's primary context") {
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    CHECK(fake_cuda::primary_context_initialized(0));
+    CHECK_FALSE(fake_cuda::primary_context_initialized(1));
+  }
+  SECTION("cudaSetDevice binds and initializes the context of the device it names") {
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    CHECK(fake_cuda::primary_context_initialized(1));
+    CHECK_FALSE(fake_cuda::primary_context_initialized(0));
+  }
+  SECTION("cuCtxSetCurrent binds a retained context and unbinds with null") {
+    CUcontext one = nullptr;
+    REQUIRE(api().cuDevicePrimaryCtxRetain(&one, 1) == CUDA_SUCCESS);
+    REQUIRE(api().cuCtxSetCurrent(one) == CUDA_SUCCESS);
+    REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+    CHECK(device == 1);
+    REQUIRE(api().cuMemHostAlloc(&host, kGran, CU_MEMHOSTALLOC_DEVICEMAP) == CUDA_SUCCESS);
+    REQUIRE(api().cuMemFreeHost(host) == CUDA_SUCCESS);
+    REQUIRE(api().cuCtxSetCurrent(nullptr) == CUDA_SUCCESS);
+    REQUIRE(api().cuCtxGetCurrent(&current) == CUDA_SUCCESS);
+    CHECK(current == nullptr);
+    REQUIRE(api().cuDevicePrimaryCtxRelease(1) == CUDA_SUCCESS);
+    CHECK(api().cuDevicePrimaryCtxRelease(1) == CUDA_ERROR_INVALID_CONTEXT);  // one release per retain
+    CHECK(violation_count() == 2);
+    CHECK_FALSE(fake_cuda::primary_context_initialized(0));
+    return;
+  }
+  REQUIRE(api().cuMemHostAlloc(&host, kGran, CU_MEMHOSTALLOC_DEVICEMAP) == CUDA_SUCCESS);
+  REQUIRE(api().cuMemFreeHost(host) == CUDA_SUCCESS);
+  CHECK(violation_count() == 1);
 }
 
 TEST_CASE("fake_cuda_device_capacity_bounds_device_pages_only", "[fake_cuda]") {
