@@ -7,7 +7,8 @@
 //  - an address reservation is PROT_NONE memory (carved in ascending order
 //    from one arena, as the driver hands out addresses): touching it faults;
 //  - a physical page (cuMemCreate) is a memfd of the granularity size;
-//  - cuMemMap maps the memfd at the address, still PROT_NONE; cuMemSetAccess
+//  - cuMemMap maps the memfd at the address (from its start: an offset into
+//    the allocation is refused, uncounted), still PROT_NONE; cuMemSetAccess
 //    makes it readable and writable; cuMemUnmap puts PROT_NONE memory back.
 //  - each thread has a current context, or none: cudaSetDevice binds (and
 //    initializes) its device's primary context, a runtime call that needs a

@@ -85,6 +85,25 @@ TEST_CASE("fake_cuda_page_mapped_twice_shares_its_bytes", "[fake_cuda]") {
   CHECK_FALSE(fake_cuda::leaks().any());
 }
 
+// cuMemMap's offset "currently must be zero" (cuda.h), and a GPU's driver
+// refuses one with CUDA_ERROR_NOT_SUPPORTED: a page cannot be mapped from
+// the middle of a larger allocation. Not counted: the driver probe asks.
+TEST_CASE("fake_cuda_maps_an_allocation_from_its_start_only", "[fake_cuda]") {
+  fake_cuda::reset();
+  const CUdeviceptr base = reserve(2 * kGran);
+  CUmemGenericAllocationHandle two_pages = 0;
+  const CUmemAllocationProp device = props(CU_MEM_LOCATION_TYPE_DEVICE);
+  REQUIRE(api().cuMemCreate(&two_pages, 2 * kGran, &device, 0) == CUDA_SUCCESS);
+  CHECK(api().cuMemMap(base + kGran, kGran, kGran, two_pages, 0) == CUDA_ERROR_NOT_SUPPORTED);
+  CHECK(api().cuMemUnmap(base + kGran, kGran) == CUDA_ERROR_INVALID_VALUE);  // nothing was mapped
+  REQUIRE(api().cuMemMap(base, 2 * kGran, 0, two_pages, 0) == CUDA_SUCCESS);
+  REQUIRE(api().cuMemUnmap(base, 2 * kGran) == CUDA_SUCCESS);
+  REQUIRE(api().cuMemRelease(two_pages) == CUDA_SUCCESS);
+  REQUIRE(api().cuMemAddressFree(base, 2 * kGran) == CUDA_SUCCESS);
+  CHECK(violation_count() == 1);  // the unmap of nothing
+  CHECK_FALSE(fake_cuda::leaks().any());
+}
+
 TEST_CASE("fake_cuda_released_handle_lives_until_unmapped", "[fake_cuda]") {
   fake_cuda::reset();
   const CUdeviceptr base = reserve(kGran);
