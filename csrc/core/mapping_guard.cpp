@@ -57,7 +57,7 @@ void ensure_handler() {
   if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus) return;
   struct sigaction ours {};
   ours.sa_sigaction = on_sigbus;
-  ours.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+  ours.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&ours.sa_mask);
   ::sigaction(SIGBUS, &ours, &g_previous);
 }
@@ -68,8 +68,11 @@ bool access_guarded(const void* base, std::size_t bytes, void (*access)(void*), 
   ensure_handler();
   Guard& guard = t_guard;
   sigjmp_buf jump;
-  // SA_NODEFER: SIGBUS is not blocked in the handler, so no mask to restore.
-  if (sigsetjmp(jump, 0) != 0) {
+  // The jump restores the thread's signal mask (savemask 1): the kernel, or a
+  // runtime that wraps the handler (ThreadSanitizer's does), blocks SIGBUS
+  // while it runs, and a SIGBUS raised while blocked kills the process, so a
+  // second shrunk block would otherwise end it. One sigprocmask per access.
+  if (sigsetjmp(jump, 1) != 0) {
     return false;  // the handler cleared guard.jump
   }
   guard.begin = static_cast<const char*>(base);
