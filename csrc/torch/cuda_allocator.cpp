@@ -438,6 +438,11 @@ void CotenantCudaAllocator::free_owned(void* ptr) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cotenant: a GPU trace hook failed on the free of %p: %s\n", ptr, e.what());
   }
+  if (owner.used_on_other_streams && !owner.foreign && defer_free_until_routes_end(ptr, owner)) return;
+  release_owned(ptr, owner);
+}
+
+void CotenantCudaAllocator::release_owned(void* ptr, const Owner& owner) {
   // The bytes the profiler hears of are the allocation's as allocated
   // (rounded), read while it is live.
   const bool profiling = c10::memoryProfilingEnabled();
@@ -470,6 +475,37 @@ void CotenantCudaAllocator::free_owned(void* ptr) {
   if (profiling) report_to_profiler(owner.device, ptr, -freed_bytes);
 }
 
+bool CotenantCudaAllocator::defer_free_until_routes_end(void* ptr, const Owner& owner) {
+  DeviceAllocators* d = existing(owner.device);
+  // Checked and queued under the one lock that release_deferred_frees
+  // drains under, after the last route ended: a free queued here is drained.
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  if (d == nullptr || !d->pools->routing()) return false;
+  deferred_frees_.emplace_back(ptr, owner);
+  return true;
+}
+
+void CotenantCudaAllocator::release_deferred_frees(c10::DeviceIndex device) {
+  DeviceAllocators* d = existing(device);
+  std::vector<std::pair<void*, Owner>> ready;
+  {
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    if (d == nullptr || d->pools->routing()) return;
+    auto kept = std::stable_partition(deferred_frees_.begin(), deferred_frees_.end(),
+                                      [device](const auto& entry) { return entry.second.device != device; });
+    ready.assign(kept, deferred_frees_.end());
+    deferred_frees_.erase(kept, deferred_frees_.end());
+  }
+  for (const auto& [ptr, owner] : ready) {
+    try {
+      release_owned(ptr, owner);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "cotenant: freeing CUDA memory at %p failed, so it stays allocated: %s\n", ptr,
+                   e.what());
+    }
+  }
+}
+
 void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {
   if (ptr.get() == nullptr) return;
   // Views and storages made with a custom deleter are not ours to track.
@@ -487,13 +523,16 @@ void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUD
     return;
   }
   if (owner.allocator == nullptr) return;
-  // Inside a capture a graph-pool block is only reused by the same graph in
-  // capture order, so it needs no events (events cannot be queried there).
-  if (owner.graph_pool && d != nullptr && d->pools->routing()) return;
+  // Bookkeeping only, even inside a capture: the events are recorded at the
+  // free, which waits for the end of the routes when one is active
+  // (defer_free_until_routes_end).
   translate_errors([&] {
     owner.allocator->record_stream(reinterpret_cast<DevicePtr>(ptr.get()),
                                    static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream.stream())));
   });
+  std::lock_guard<std::mutex> lock(owners_mutex_);
+  auto it = owners_.find(ptr.get());
+  if (it != owners_.end()) it->second.used_on_other_streams = true;
 }
 
 // ---- device-wide operations ---------------------------------------------------------
@@ -697,6 +736,7 @@ void CotenantCudaAllocator::endAllocateToPool(c10::DeviceIndex device, c10::Memp
   if (d == nullptr) return;
   d->pools->end_route(pool_id(mempool_id));
   d->backend->set_graph_capture(d->pools->routing());
+  release_deferred_frees(device);
 }
 
 void CotenantCudaAllocator::releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) {

@@ -212,6 +212,7 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
     c10::DeviceIndex device = 0;
     bool graph_pool = false;
     bool foreign = false;  // the block is in the device's foreign_blocks
+    bool used_on_other_streams = false;  // recordStream named a stream: its free records events
   };
 
   void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
@@ -221,6 +222,18 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   void free_foreign(DeviceAllocators& d, void* ptr);
   Owner owner_of(void* ptr) const;  // allocator == nullptr and !foreign when unknown
   void free_owned(void* ptr);       // raw_delete's work; throws, changing nothing, on failure
+  // The free itself, once `ptr` is out of owners_; on failure `ptr` is back
+  // in owners_ and the error propagates.
+  void release_owned(void* ptr, const Owner& owner);
+  // Holds back the free of a block that recordStream marked as used on other
+  // streams while allocations on its device are routed to a pool (a graph
+  // capture, torch.cuda.use_mem_pool), as PyTorch's allocator does: its
+  // events cannot be recorded on a capturing stream, and the block must not
+  // be reused before the other streams' work is done. False when nothing is
+  // routed (free it now).
+  bool defer_free_until_routes_end(void* ptr, const Owner& owner);
+  // The held-back frees of `device`, once nothing is routed there.
+  void release_deferred_frees(c10::DeviceIndex device);
   // The allocators of one device (main first, then every pool), or of one
   // pool when `mempool_id` is not {0, 0}.
   std::vector<CachingAllocator*> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);
@@ -261,6 +274,12 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
 
   mutable std::mutex owners_mutex_;
   std::unordered_map<void*, Owner> owners_;  // every live pointer -> the allocator that made it
+
+  // Frees held back until the routes of their device end
+  // (defer_free_until_routes_end): still allocated in their allocator, no
+  // longer in owners_.
+  std::mutex deferred_mutex_;
+  std::vector<std::pair<void*, Owner>> deferred_frees_;
 
   std::mutex observers_mutex_;
   std::vector<c10_alloc::OutOfMemoryObserver> oom_observers_;

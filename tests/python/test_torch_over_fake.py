@@ -522,6 +522,42 @@ def test_record_stream_holds_a_block_until_the_other_stream_is_done(library):
     assert out["reused_after"] is True  # once the side stream is done, the block is free again
 
 
+# record_stream on a block of a MemPool while allocations go to it
+# (torch.cuda.use_mem_pool; a graph capture routes the same way): the free
+# may not record events then, so PyTorch's allocator holds the block back
+# until the routing ends instead of letting the pool reuse it at once.
+RECORDED_IN_A_POOL = """
+    data = pattern(4 << 20, seed=8)
+    pool = torch.cuda.MemPool()
+    side = torch.cuda.Stream()
+    with torch.cuda.use_mem_pool(pool):
+        x = data.to("cuda")
+        y = torch.empty_like(x)
+        side.wait_stream(torch.cuda.current_stream())
+        fake.hold_streams()
+        with torch.cuda.stream(side):
+            y.copy_(x)  # queued on the side stream, held
+        x.record_stream(side)
+        x_ptr = x.data_ptr()
+        del x
+        z = pattern(4 << 20, seed=9).to("cuda")  # waits for its own copy: the hold ends, both streams run
+        out["reused_early"] = z.data_ptr() == x_ptr
+    side.synchronize()
+    out["y_same"] = same(y, data)
+    del y, z
+    torch.cuda.synchronize()
+    out["allocated_after"] = torch.cuda.memory_allocated()
+"""
+
+
+def test_record_stream_holds_a_pool_block_while_allocations_are_routed_to_the_pool(library):
+    native = run(library, RECORDED_IN_A_POOL)
+    ours = run(library, "cotenant.enable()\n" + textwrap.dedent(RECORDED_IN_A_POOL))
+    expected = {"reused_early": False, "y_same": True, "allocated_after": 0}
+    assert native == expected
+    assert ours == expected
+
+
 def test_spilling_waits_for_work_in_flight_on_the_pages(library):
     """A slow copy on a side stream reads x when spill_all() moves x's pages:
     the move must wait for it (the fake counts a violation for an unmap or
