@@ -101,6 +101,11 @@ std::vector<std::pair<PoolId, CachingAllocator*>> PoolTable::pools() const {
   return out;
 }
 
+void PoolTable::for_each_pool(const std::function<void(PoolId, const CachingAllocator&)>& fn) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& [id, pool] : pools_) fn(id, *pool.allocator);
+}
+
 std::size_t PoolTable::empty_freeable(const PoolId* only) {
   std::lock_guard lock(mutex_);
   std::size_t emptied = 0;

@@ -90,6 +90,21 @@ void add_stats(c10::CachingDeviceAllocator::DeviceStats& to, const AllocatorStat
   to.num_device_free += from.num_device_free;
 }
 
+// Calls fn with the same StatArray of each DeviceStats given, for every
+// StatArray that add_stats fills.
+template <typename Fn, typename... Stats>
+void for_each_stat_array(Fn&& fn, Stats&... stats) {
+  fn(stats.allocation...);
+  fn(stats.segment...);
+  fn(stats.active...);
+  fn(stats.inactive_split...);
+  fn(stats.allocated_bytes...);
+  fn(stats.reserved_bytes...);
+  fn(stats.active_bytes...);
+  fn(stats.inactive_split_bytes...);
+  fn(stats.requested_bytes...);
+}
+
 PoolId pool_id(c10::MempoolId_t id) { return {id.first, id.second}; }
 
 // What PyTorch's allocator tells the rest of torch about each allocation and
@@ -325,6 +340,8 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
             d.pools->route_for(static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)), &routed)) {
       if (std::optional<void*> ptr = allocate_foreign(d, routed, nbytes, stream)) {
         if (*ptr != nullptr) {
+          d.several_allocators.store(true, std::memory_order_release);
+          note_device_peaks(d);
           if (c10::memoryProfilingEnabled()) report_to_profiler(device, *ptr, static_cast<std::int64_t>(nbytes));
           trace_allocation(*ptr);
         }
@@ -370,6 +387,8 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
       std::lock_guard<std::mutex> lock(owners_mutex_);
       owners_[ptr] = Owner{target, device, graph_pool};
     }
+    if (target != d.main.get()) d.several_allocators.store(true, std::memory_order_release);
+    note_device_peaks(d);
     if (c10::memoryProfilingEnabled()) {
       report_to_profiler(device, ptr, static_cast<std::int64_t>(target->allocation_size(address)));
     }
@@ -577,16 +596,57 @@ void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
 }
 
 c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c10::DeviceIndex device) {
-  c10::CachingDeviceAllocator::DeviceStats out;
   DeviceAllocators* d = existing(device);
-  if (d == nullptr) return out;  // nothing allocated on it yet
-  for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) add_stats(out, a->stats());
-  {
-    std::lock_guard<std::mutex> lock(d->foreign_mutex);
-    add_stats(out, d->foreign_stats);
-  }
+  if (d == nullptr) return {};  // nothing allocated on it yet
+  return device_stats(*d);
+}
+
+c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::summed_stats(
+    DeviceAllocators& d, c10::CachingDeviceAllocator::DeviceStats* highest_own) {
+  using c10::CachingAllocator::StatArray;
+  c10::CachingDeviceAllocator::DeviceStats out;
+  auto add = [&](const AllocatorStats& stats) {
+    add_stats(out, stats);
+    if (highest_own == nullptr) return;
+    c10::CachingDeviceAllocator::DeviceStats own;
+    add_stats(own, stats);
+    for_each_stat_array([](StatArray& highest, const StatArray& one) {
+      for (std::size_t i = 0; i < highest.size(); ++i) highest[i].peak = std::max(highest[i].peak, one[i].peak);
+    }, *highest_own, own);
+  };
+  // As allocators_of(d, kDefaultPool), with each pool read under the pool
+  // table's lock: this runs on every allocation, beside threads that may
+  // drop a pool.
+  add(d.main->stats());
+  d.pools->for_each_pool([&](PoolId, const CachingAllocator& pool) { add(pool.stats()); });
+  for (auto& [name, region] : d.regions->allocators()) add(region->stats());  // regions are never dropped
+  std::lock_guard<std::mutex> lock(d.foreign_mutex);
+  add(d.foreign_stats);
+  return out;
+}
+
+c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::device_stats(DeviceAllocators& d) {
+  using c10::CachingAllocator::StatArray;
+  c10::CachingDeviceAllocator::DeviceStats highest_own;
+  c10::CachingDeviceAllocator::DeviceStats out = summed_stats(d, &highest_own);
+  // The device's peak is at least each allocator's own, the highest total
+  // seen after an allocation, and the total now.
+  std::lock_guard<std::mutex> lock(d.peaks_mutex);
+  for_each_stat_array([](StatArray& sum, const StatArray& own, const StatArray& kept) {
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i].peak = std::max({own[i].peak, kept[i].peak, sum[i].current});
+  }, out, highest_own, d.peaks);
   out.max_split_size = -1;  // blocks of any size may split: PyTorch's default, SIZE_MAX as int64
   return out;
+}
+
+void CotenantCudaAllocator::note_device_peaks(DeviceAllocators& d) {
+  using c10::CachingAllocator::StatArray;
+  if (!d.several_allocators.load(std::memory_order_acquire)) return;
+  c10::CachingDeviceAllocator::DeviceStats now = summed_stats(d);
+  std::lock_guard<std::mutex> lock(d.peaks_mutex);
+  for_each_stat_array([](StatArray& kept, const StatArray& total) {
+    for (std::size_t i = 0; i < kept.size(); ++i) kept[i].peak = std::max(kept[i].peak, total[i].current);
+  }, d.peaks, now);
 }
 
 void CotenantCudaAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
@@ -598,11 +658,19 @@ void CotenantCudaAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
 }
 
 void CotenantCudaAllocator::resetPeakStats(c10::DeviceIndex device) {
-  if (DeviceAllocators* d = existing(device)) {
-    for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_peak_stats();
+  using c10::CachingAllocator::StatArray;
+  DeviceAllocators* d = existing(device);
+  if (d == nullptr) return;
+  for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_peak_stats();
+  {
     std::lock_guard<std::mutex> lock(d->foreign_mutex);
     d->foreign_stats.reset_peaks();
   }
+  c10::CachingDeviceAllocator::DeviceStats now = summed_stats(*d);
+  std::lock_guard<std::mutex> lock(d->peaks_mutex);
+  for_each_stat_array([](StatArray& kept, const StatArray& total) {
+    for (std::size_t i = 0; i < kept.size(); ++i) kept[i].peak = total[i].current;
+  }, d->peaks, now);
 }
 
 double CotenantCudaAllocator::getMemoryFraction(c10::DeviceIndex device) {
@@ -929,6 +997,8 @@ c10_alloc::CheckpointDelta CotenantCudaAllocator::setCheckpointPoolState(
       owners_[reinterpret_cast<void*>(address)] = Owner{pool, device, /*graph_pool=*/true};
     }
   }
+  d->several_allocators.store(true, std::memory_order_release);
+  note_device_peaks(*d);
   c10_alloc::CheckpointDelta delta;
   for (DevicePtr address : restored.freed) delta.ptrs_freed.push_back(reinterpret_cast<void*>(address));
   for (DevicePtr address : restored.allocated) {

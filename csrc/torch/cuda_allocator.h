@@ -90,6 +90,18 @@ struct DeviceAllocators {
   std::map<PoolId, std::shared_ptr<c10_alloc::CUDAAllocator>> foreign_pools;
   std::unordered_map<void*, ForeignBlock> foreign_blocks;  // live
   AllocatorStats foreign_stats;
+
+  // PyTorch keeps one set of statistics per device, whatever pool a block
+  // is in, so torch.cuda.max_memory_allocated() is the peak of the device's
+  // total; each allocator above keeps its own peaks, and their sum would
+  // count memory that was never held at once. Once an allocator other than
+  // `main` has allocated (a graph pool, a MemPool, a region), the device's
+  // totals are read after each allocation and their highest values kept
+  // here (note_device_peaks); until then `main`'s own peaks are the
+  // device's.
+  std::atomic<bool> several_allocators{false};
+  std::mutex peaks_mutex;
+  c10::CachingDeviceAllocator::DeviceStats peaks;  // only the `peak` fields are kept
 };
 
 class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
@@ -216,6 +228,16 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   };
 
   void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
+  // The device's statistics summed over its allocators (peaks: see
+  // DeviceAllocators::peaks).
+  c10::CachingDeviceAllocator::DeviceStats device_stats(DeviceAllocators& d);
+  // The sums alone; `highest_own`, when given, receives the highest peak
+  // each counter reached in any one allocator.
+  c10::CachingDeviceAllocator::DeviceStats summed_stats(DeviceAllocators& d,
+                                                        c10::CachingDeviceAllocator::DeviceStats* highest_own = nullptr);
+  // After an allocation: raises the device's kept peaks to its totals now,
+  // once several allocators hold its memory.
+  void note_device_peaks(DeviceAllocators& d);
   // An allocation routed to a MemPool with its own allocator; nullptr when
   // the pool has none (the pool's CachingAllocator serves it then).
   std::optional<void*> allocate_foreign(DeviceAllocators& d, PoolId pool, size_t nbytes, cudaStream_t stream);

@@ -71,6 +71,10 @@ class PoolTable {
   CachingAllocator* find(PoolId id);
   // Every pool, in id order (statistics, snapshots).
   std::vector<std::pair<PoolId, CachingAllocator*>> pools() const;
+  // Calls fn(id, allocator) for every pool, in id order, under the table's
+  // lock, so no pool is dropped meanwhile (a release on another thread may
+  // drop one that pools() listed). fn must not call into the table.
+  void for_each_pool(const std::function<void(PoolId, const CachingAllocator&)>& fn) const;
 
   // empty_cache: releases the cached pages of the freeable pools (every one
   // when `only` is null, else that pool if it is freeable) and drops the

@@ -1000,6 +1000,33 @@ def test_the_profiler_and_the_gpu_trace_see_cuda_memory_as_under_pytorch(library
     assert ours == expected
 
 
+# PyTorch keeps one set of statistics per device, whatever pool a block is
+# in: a peak is the peak of the device's total, not a sum of each pool's.
+PEAKS_ACROSS_POOLS = """
+    import gc
+    x = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    del x
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        y = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    out["one_at_a_time"] = torch.cuda.max_memory_allocated() // MIB
+    z = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    out["both_at_once"] = torch.cuda.max_memory_allocated() // MIB
+    del y, z
+    torch.cuda.reset_peak_memory_stats()
+    out["after_reset"] = torch.cuda.max_memory_allocated()
+    out["allocations_peak"] = torch.cuda.memory_stats()["allocation.all.peak"]
+"""
+
+
+def test_peak_statistics_are_the_devices_across_memory_pools_as_under_pytorch(library):
+    native = run(library, PEAKS_ACROSS_POOLS)
+    ours = run(library, "cotenant.enable()\n" + textwrap.dedent(PEAKS_ACROSS_POOLS))
+    expected = {"one_at_a_time": 8, "both_at_once": 12, "after_reset": 0, "allocations_peak": 0}
+    assert native == expected
+    assert ours == expected
+
+
 def test_the_max_split_size_statistic_reads_as_pytorchs_default(library):
     # Blocks of any size may split, as with PyTorch's default (max_split_size_mb unset): -1.
     script = 'torch.empty(1, device="cuda")\nout["max_split_size"] = torch.cuda.memory_stats()["max_split_size"]\n'
