@@ -106,7 +106,10 @@ DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAlloc
   if (name.empty()) throw Error("RegionTable::allocate called outside every region");
   std::lock_guard lock(mutex_);
   Region& region = regions_[name];
-  if (!region.allocator) region.allocator = std::make_unique<CachingAllocator>(backend_, PoolTable::pool_options(), host_pages_);
+  if (!region.allocator) {
+    region.allocator = std::make_unique<CachingAllocator>(backend_, PoolTable::pool_options(), host_pages_);
+    if (event_sink_ != nullptr) region.allocator->set_event_sink(event_sink_);
+  }
   if (region.state != RegionState::kActive) {
     throw Error(fmt::format("cannot allocate {} in region '{}': it is {}. Resume it first with "
                             "cotenant.resume_region(\"{}\"), or allocate outside the region.",
@@ -114,6 +117,14 @@ DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAlloc
   }
   *allocator = region.allocator.get();
   return region.allocator->allocate(bytes, stream);
+}
+
+void RegionTable::set_event_sink(AllocatorEventSink* sink) {
+  std::lock_guard lock(mutex_);
+  event_sink_ = sink;
+  for (auto& [name, region] : regions_) {
+    if (region.allocator) region.allocator->set_event_sink(sink);
+  }
 }
 
 namespace {

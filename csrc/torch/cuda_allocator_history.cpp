@@ -215,6 +215,8 @@ void CotenantCudaAllocator::attach_history(DeviceAllocators& d, bool configure) 
   const bool active = d.history->active();
   d.main->set_event_sink(active ? &d.history->feed({0, 0}) : nullptr);
   for (auto& [id, pool] : d.pools->pools()) pool->set_event_sink(active ? &d.history->feed(id) : nullptr);
+  // Regions' allocations are the default pool's, as snapshots report them.
+  d.regions->set_event_sink(active ? &d.history->feed({0, 0}) : nullptr);
 }
 
 void CotenantCudaAllocator::add_segments_to_snapshot(DeviceAllocators& d, CachingAllocator& allocator,

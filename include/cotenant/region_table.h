@@ -110,6 +110,10 @@ class RegionTable {
   std::vector<RegionInfo> regions() const;           // by name
   // Every region's allocator, by name (statistics, snapshots, empty_cache).
   std::vector<std::pair<std::string, CachingAllocator*>> allocators() const;
+  // Where every region's allocator, made now or later, sends its events
+  // (CachingAllocator::set_event_sink; null: nowhere): the device's memory
+  // history, as for its other allocators.
+  void set_event_sink(AllocatorEventSink* sink);
 
  private:
   struct Region {
@@ -123,6 +127,7 @@ class RegionTable {
   Backend& backend_;
   const std::shared_ptr<HostPagePool> host_pages_;
   mutable std::mutex mutex_;
+  AllocatorEventSink* event_sink_ = nullptr;  // given to each region's allocator
   std::map<std::string, Region> regions_;
   std::atomic<bool> graph_capture_{false};
 };

@@ -1049,6 +1049,31 @@ def test_memory_history_records_cotenants_allocations(library):
     assert out["actions"] == [["alloc", 3 * MIB], ["free_completed", 3 * MIB]]
 
 
+def test_memory_history_records_the_allocations_of_a_region(library):
+    out = run(library, """
+        cotenant.enable()
+        with cotenant.region("kv_cache"):
+            before = torch.empty(1000, dtype=torch.uint8, device="cuda")  # its allocator, before recording
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        with cotenant.region("kv_cache"):
+            x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        with cotenant.region("weights"):  # its allocator comes once recording is on
+            w = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        del before
+        y = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+        del x
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        out["actions"] = [(e["action"], e["size"]) for e in snapshot["device_traces"][0]
+                          if e["action"] in ("alloc", "free_completed")]
+        out["frames_on_live_blocks"] = sorted((b["size"], bool(b["frames"])) for s in snapshot["segments"]
+                                              for b in s["blocks"] if b["state"] == "active_allocated")
+    """)
+    assert out["actions"] == [["alloc", 3 * MIB], ["alloc", 1 * MIB], ["free_completed", 1000], ["alloc", 5 * MIB],
+                              ["free_completed", 3 * MIB]]
+    assert out["frames_on_live_blocks"] == [[1 * MIB, True], [5 * MIB, True]]
+
+
 ANNOTATED_RECORDING = """
     torch.cuda.memory._record_memory_history(max_entries=1000, compile_context=True)
     torch.cuda.memory._set_memory_metadata("run 7")
