@@ -472,12 +472,17 @@ bool CudaBackend::synchronize_for_unmap() {
 void CudaBackend::unmap_synchronized(DevicePtr address) { unmap_now(address); }
 
 void CudaBackend::unmap_now(DevicePtr address) {
+  // Under access_mutex_, so grant_access never sets access on a page between
+  // its unmap and its leaving mapped_; a refused unmap leaves the page mapped,
+  // and in mapped_, for a peer granted access later.
+  std::lock_guard<std::mutex> lock(access_mutex_);
+  CUresult r;
   {
-    std::lock_guard<std::mutex> lock(access_mutex_);
-    mapped_.erase(address);
+    Timed timed(*this, DriverCall::kUnmap);
+    r = driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);
   }
-  Timed timed(*this, DriverCall::kUnmap);
-  check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_), "cuMemUnmap");
+  check_driver(r, "cuMemUnmap");
+  mapped_.erase(address);
 }
 
 void CudaBackend::copy_into(DevicePtr address, PageHandle src) {

@@ -270,6 +270,26 @@ TEST_CASE("cuda_backend_over_fake_grant_access_reaches_pages_mapped_before_and_a
   check_fake_cuda_clean();
 }
 
+// A page whose unmap the driver refused stays mapped, and the allocator keeps
+// it: a peer granted access later must reach it like every other mapped page.
+TEST_CASE("cuda_backend_over_fake_a_page_whose_unmap_was_refused_still_gets_a_peers_access", "[fake_cuda][backend]") {
+  fake_cuda::Config config;
+  config.device_count = 2;
+  fake_cuda::reset(config);
+  {
+    cuda::CudaBackend backend(0);
+    CachingAllocator allocator(backend);
+    allocator.free(allocator.allocate(4 * kMiB, 0));
+    fail_once("cuMemUnmap", 1);
+    CHECK_THROWS_AS(allocator.empty_cache(), Error);
+    const DevicePtr again = allocator.allocate(4 * kMiB, 0);
+    backend.grant_access(1);
+    CHECK(fake_cuda::device_can_access(1, reinterpret_cast<const void*>(again), 4 * kMiB));
+    allocator.free(again);
+  }
+  check_fake_cuda_clean();
+}
+
 // The backend makes its device's context current for a call and gives the
 // caller's back after; when it is current already, it sets none. It never
 // sets the runtime's device (which would initialize that device's context).
