@@ -543,3 +543,56 @@ def test_a_leaving_worker_whose_node_has_not_reported_is_unknown_not_gone(global
     global_scheduler.leaving = {job.job_id: {"elastic-w1": (("b", 0), True)}}
     global_scheduler._follow_workers(1.0)
     assert job.stopping == (("b", 0),) and "elastic-w1" in global_scheduler.leaving[job.job_id]
+
+
+class _Agent:
+    """A node agent whose start fails for the workers named in `refused` (its actor died since its
+    report); the workers it started and stopped."""
+
+    def __init__(self, refused=()):
+        self.refused, self.started, self.stopped = set(refused), [], []
+        agent = self
+
+        class _Start:
+            @staticmethod
+            def remote(worker, *args):
+                agent.started.append(worker)
+                return worker
+
+        class _Stop:
+            @staticmethod
+            def remote(worker, pid=None):
+                agent.stopped.append(worker)
+
+        self.start, self.stop = _Start(), _Stop()
+
+
+class _Ray:
+    def __init__(self, agent):
+        self.agent = agent
+
+    def get(self, refs):
+        failed = [r for r in refs if r in self.agent.refused]
+        if failed:
+            raise RuntimeError(f"the actor died before starting {failed[0]}")
+        return refs
+
+
+def test_a_start_the_agent_cannot_carry_out_leaves_the_job_waiting_not_running(global_scheduler):
+    # decide() marks a job running before the agents start its workers; an agent that died in
+    # between used to leave it marked running with no worker, read as finished once the node
+    # reported again ("gone", no exit status). It waits instead, as if never started.
+    core = global_scheduler.core
+    core.node_reported("a", [Gpu("a", 0, "a0", "fast", GiB), Gpu("a", 1, "a1", "fast", GiB)])
+    one = core.submit(JobSpec("one", CMD, role=OPPORTUNISTIC), 0.0)
+    two = core.submit(JobSpec("two", CMD, role=OPPORTUNISTIC), 0.0)
+    agent = _Agent(refused={"one-w0"})
+    global_scheduler.agents = {"a": agent}
+    global_scheduler._reserve = lambda job, gpus, ray: True  # Ray's placement groups are not under test
+    for action in core.decide(1.0):
+        global_scheduler._carry_out(action, _Ray(agent))
+    assert (one.status, one.gpus, one.first_started_at) == (WAITING, (), None)
+    assert agent.stopped == ["one-w0"]
+    assert two.status == RUNNING and "two-w0" in agent.started
+    events = [e for e in global_scheduler.events if e["event"] == "job not started"]
+    assert [e["job"] for e in events] == ["one"] and "it waits" in events[0]["reason"]

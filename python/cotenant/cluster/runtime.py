@@ -728,7 +728,16 @@ class GlobalScheduler:
         if action.kind == START:
             if job.role == GUARANTEED and not self._reserve(job, job.gpus, ray):
                 return
-            self._start_workers(job, list(enumerate(job.gpus)), ray)
+            try:
+                self._start_workers(job, list(enumerate(job.gpus)), ray)
+            except Exception as error:  # an agent died since its report: the job did not start
+                gpus = [list(g) for g in job.gpus]
+                self._stop_workers(job)  # those that did
+                self._release_group(job)
+                self.core.unplace(job)
+                self._event("job not started", job=job.name, gpus=gpus, reason=f"{type(error).__name__}: {error}; "
+                            "it waits")
+                return
             self._event("job started", job=job.name, role=job.role, gpus=[list(g) for g in job.gpus])
         elif action.kind == RESUME:
             if job.role == GUARANTEED and not self._reserve(job, job.gpus, ray):

@@ -227,8 +227,12 @@ class ClusterScheduler:
         job.stopping = tuple(g for g in job.stopping if g not in gpus)
 
     def unplace(self, job: ClusterJob) -> None:
-        """A start the runtime could not carry out (its placement group was not granted): it waits again."""
+        """A start the runtime could not carry out (its placement group was not granted, an agent died
+        before it started the workers): it waits again, and a job this start was the first of has never
+        started."""
         job.status, job.gpus, job.role = (SUSPENDED if job.first_started_at and job.node else WAITING), (), None
+        if job.status == WAITING and job.first_started_at is not None and job.first_started_at == job.last_started_at:
+            job.first_started_at = job.last_started_at = None
 
     # --- across a restart of the scheduler -------------------------------------------
 
