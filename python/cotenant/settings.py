@@ -290,13 +290,14 @@ def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
 
 def export_for_extension(environ=None) -> None:
     """The C++ side reads COTENANT_HOST_PAGES, COTENANT_SPILL_WITHOUT_CAP and
-    COTENANT_KEEP_HOST_PAGES with getenv: give them their variables when
-    COTENANT_CONF alone sets them."""
+    COTENANT_KEEP_HOST_PAGES with getenv, and knows "pinned", "1" and "0"
+    only: give each its variable in that spelling, whether COTENANT_CONF or
+    the variable itself gave it ("yes", "off", " pinned")."""
     env = os.environ if environ is None else environ
     for key in ("host_pages", "spill_without_cap", "keep_host_pages"):
         setting = _BY_KEY[key]
         text = get(key, env)
-        if text is not None and not env.get(setting.variable):
+        if text is not None:
             value = ("1" if _boolean(text) else "0") if setting.read is _boolean else text
             env[setting.variable] = value
 

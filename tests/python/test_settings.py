@@ -125,6 +125,18 @@ def test_conf_string_sets_the_allocator_options_the_extension_reads_with_getenv(
     assert env["COTENANT_KEEP_HOST_PAGES"] == "0"
 
 
+@pytest.mark.parametrize("variable, given, read", [
+    ("COTENANT_SPILL_WITHOUT_CAP", "true", "1"), ("COTENANT_SPILL_WITHOUT_CAP", "yes", "1"),
+    ("COTENANT_SPILL_WITHOUT_CAP", "off", "0"), ("COTENANT_KEEP_HOST_PAGES", "false", "0"),
+    ("COTENANT_KEEP_HOST_PAGES", "no", "0"), ("COTENANT_KEEP_HOST_PAGES", " 0 ", "0"),
+    ("COTENANT_HOST_PAGES", " pinned ", "pinned")])
+def test_a_yes_no_word_in_its_own_variable_reaches_the_extension_as_it_reads_it(variable, given, read):
+    # The extension reads these with getenv and knows "1", "0" and "pinned" only.
+    env = {variable: given}
+    settings.export_for_extension(env)
+    assert env[variable] == read
+
+
 def test_enable_from_environment_reads_the_conf_string(monkeypatch):
     for variable in ("COTENANT_ENABLE", "COTENANT_ROLE", "COTENANT_MEMORY_CAP", "COTENANT_JOB_PID",
                      "COTENANT_DISABLE"):
