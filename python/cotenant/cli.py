@@ -326,7 +326,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         print(f"cotenant run: no program named {command[0]!r} on PATH", file=sys.stderr)
         return 127
+    except OSError as error:  # not main()'s PermissionError: this is the program, not the socket
+        print(f"cotenant run: cannot start {command[0]!r}: {error.strerror or error}; {_how_to_start(error)}",
+              file=sys.stderr)
+        return 126  # the shell's status for a program found but not executable
     return 0  # not reached
+
+
+def _how_to_start(error: OSError) -> str:
+    import errno
+
+    if error.errno == errno.ENOEXEC:
+        return ("it is no binary and has no #! line; run it with its interpreter "
+                "(`cotenant run ... -- python train.py`) or give it a #! line")
+    return ("make it executable (chmod +x) or run it with its interpreter "
+            "(`cotenant run ... -- python train.py`)")
 
 
 # --- coordinator and timeline ----------------------------------------------------

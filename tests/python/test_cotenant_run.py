@@ -107,6 +107,22 @@ def test_cotenant_disable_in_the_environment_runs_the_program_as_asked(monkeypat
     assert started == [["true"]]
 
 
+def test_a_program_that_cannot_be_executed_is_named_with_the_way_to_run_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "driver_problem", lambda device: None)
+    not_executable = tmp_path / "train.py"
+    not_executable.write_text("#!/usr/bin/env python3\nprint('ran')\n")
+    assert cli.main(["run", "--guaranteed", "--", str(not_executable)]) == 126
+    err = capsys.readouterr().err
+    assert "coordinator" not in err
+    assert str(not_executable) in err and "chmod +x" in err and "python train.py" in err
+    no_shebang = tmp_path / "job"
+    no_shebang.write_text("print('ran')\n")
+    no_shebang.chmod(0o755)
+    assert cli.main(["run", "--guaranteed", "--allow-uncapped", "--", str(no_shebang)]) == 126
+    err = capsys.readouterr().err
+    assert str(no_shebang) in err and "#!" in err
+
+
 # ---- children of the job are not jobs -----------------------------------------------------------
 
 CHILDREN = textwrap.dedent("""
