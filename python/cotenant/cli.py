@@ -57,6 +57,17 @@ def _gpu_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"--gpus takes GPU indices separated by commas, like 0,1; not {text!r}") from None
 
 
+def _device_index(text: str) -> int:
+    try:
+        index = int(text)
+    except ValueError:
+        index = -1
+    if index < 0:
+        raise argparse.ArgumentTypeError(f"{text} is no CUDA device index; give a number from 0, such as 0 or 1 "
+                                         "(as CUDA_VISIBLE_DEVICES numbers the GPUs)")
+    return index
+
+
 def _interval(text: str) -> float:
     try:
         seconds = float(text)
@@ -495,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host memory the job never pins into (default 4GiB, or the coordinator's if larger): "
                             "its spills stop there instead of taking the node to its OOM killer")
         p.add_argument("--name", help="job name shown by `cotenant status`")
-        p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+        p.add_argument("--device", type=_device_index, default=0, help="CUDA device index (default 0)")
         p.add_argument("--allow-uncapped", action="store_true",
                        help="start the program even when cotenant cannot be enabled in it (no driver or GPU, "
                             "python -E/-I/-S, not a Python program), with a warning; by default that is an "

@@ -123,6 +123,18 @@ def test_a_program_that_cannot_be_executed_is_named_with_the_way_to_run_it(tmp_p
     assert str(no_shebang) in err and "#!" in err
 
 
+@pytest.mark.parametrize("device", ["-1", "-3"])
+def test_run_refuses_a_negative_device_before_starting_the_program(device, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "driver_problem", lambda device: None)  # as on a GPU machine
+    started = []
+    monkeypatch.setattr(launch, "exec_job", lambda command, env: started.append(command))
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["run", "--guaranteed", "--allow-uncapped", "--device", device, "--", sys.executable, "-c", "pass"])
+    assert exit.value.code == 2 and started == []
+    err = capsys.readouterr().err
+    assert f"--device: {device} is no CUDA device index" in err
+
+
 # ---- children of the job are not jobs -----------------------------------------------------------
 
 CHILDREN = textwrap.dedent("""
