@@ -218,3 +218,14 @@ def test_metrics_listen_on_loopback_unless_told():
     parser = cli.build_parser()
     args = parser.parse_args(["coordinator"])
     assert args.metrics_address == "127.0.0.1"
+
+
+@pytest.mark.parametrize("command", [["status"], ["set-cap", "trainer", "6GiB"], ["suspend", "trainer"]])
+@pytest.mark.parametrize("where", ["too long", "under a file"])
+def test_a_socket_path_no_socket_can_have_is_named_with_the_fix(tmp_path, capsys, command, where):
+    (tmp_path / "file").write_text("")
+    socket_path = str(tmp_path / ("s" * 120)) if where == "too long" else str(tmp_path / "file" / "c.sock")
+    code = cli.main(command + ["--socket", socket_path])  # OSError from connect, a traceback
+    err = capsys.readouterr().err
+    assert code == 1
+    assert socket_path in err and "--socket" in err, err

@@ -128,6 +128,11 @@ class CoordinatorClient:
             except PermissionError:
                 sock.close()
                 raise
+            except OSError as error:  # a path no socket can have: too long (108 bytes), under a file, ...
+                sock.close()
+                raise CoordinatorUnavailable(
+                    f"cannot reach a coordinator at {self.socket_path}: {error.strerror or error}; pass --socket / "
+                    "set COTENANT_SOCKET to a coordinator's socket (a path of at most 107 bytes)") from None
         self._sock = sock
         self._file = sock.makefile("rb")
         _pid, uid, _gid = protocol.peer_credentials(sock)
