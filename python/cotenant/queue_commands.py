@@ -45,6 +45,18 @@ def add_queue_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak", help="with --queue: the job's peak memory per GPU, e.g. 30GiB, for admission")
 
 
+def refuses_cap_only(args: argparse.Namespace) -> bool:
+    """Says so, and returns True, for a --cap-only job asked to wait in the
+    queue: the queue's policy runs every job it admits as guaranteed or
+    opportunistic, with the launch gate, which --cap-only asked not to have."""
+    if not getattr(args, "cap_only", False):
+        return False
+    print("cotenant: --cap-only cannot wait in the queue (--queue, submit): the queue's policy runs each job it "
+          "admits as guaranteed or opportunistic, with the launch gate; give --guaranteed or --opportunistic, "
+          "or run it without --queue", file=sys.stderr)
+    return True
+
+
 def wait_for_admission(args: argparse.Namespace, env: Dict[str, str], on_queued=None) -> Optional[int]:
     """Queues this process and blocks until admitted; then points `env` at the GPUs and the
     role the coordinator chose. Returns an exit code on failure, None once admitted."""
@@ -52,6 +64,8 @@ def wait_for_admission(args: argparse.Namespace, env: Dict[str, str], on_queued=
 
     if args.gpus < 1:
         print(f"cotenant: --gpus must be at least 1, not {args.gpus}", file=sys.stderr)
+        return EXIT_USAGE
+    if refuses_cap_only(args):
         return EXIT_USAGE
     if args.peak:
         from cotenant.cli import _parse_size
@@ -80,7 +94,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from cotenant.cli import cannot_enable, child_environment, command_after_dashes
 
     command = command_after_dashes(args, "submit")
-    if command is None:
+    if command is None or refuses_cap_only(args):
         return EXIT_USAGE
     env = child_environment(args)
     if cannot_enable(args, command, env, "submit"):

@@ -135,6 +135,25 @@ def test_run_refuses_a_negative_device_before_starting_the_program(device, monke
     assert f"--device: {device} is no CUDA device index" in err
 
 
+def test_run_queue_refuses_cap_only_instead_of_starting_a_gated_job(monkeypatch, capsys):
+    # The queue's policy gives every job it admits a role, and the program
+    # started with it: a --cap-only job would run gated, as opportunistic or guaranteed.
+    from cotenant.coordinator import client
+
+    monkeypatch.setattr(launch, "driver_problem", lambda device: None)
+    monkeypatch.setattr(client, "wait_for_admission", lambda *a, **k: {"gpus": [0], "role": k.get("role"),
+                                                                        "name": "job"})
+    started = []
+    monkeypatch.setattr(launch, "exec_job", lambda command, env: started.append(env.get("COTENANT_ROLE")))
+    assert cli.main(["run", "--queue", "--cap-only", "--", sys.executable, "-c", "pass"]) == 2
+    assert started == []
+    err = capsys.readouterr().err
+    assert "--cap-only" in err and "--queue" in err and "--guaranteed" in err
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("submit forked a waiter for a --cap-only job"))
+    assert cli.main(["submit", "--cap-only", "--", sys.executable, "-c", "pass"]) == 2
+    assert "--cap-only" in capsys.readouterr().err
+
+
 # ---- children of the job are not jobs -----------------------------------------------------------
 
 CHILDREN = textwrap.dedent("""
