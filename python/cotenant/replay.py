@@ -629,8 +629,12 @@ def parse_cap_schedule(text: str) -> List[Tuple[int, Optional[int]]]:
     core = _core()
     source = text
     if os.path.isfile(text):
-        with open(text, encoding="utf-8") as f:
-            source = f.read()
+        try:
+            with open(text, encoding="utf-8") as f:
+                source = f.read()
+        except UnicodeDecodeError:
+            raise ValueError(f"the cap schedule file {text} is not UTF-8 text; it holds OPINDEX:SIZE entries "
+                             'separated by commas or newlines, e.g. "1200:4GiB"') from None
     schedule = []
     entries = [e.strip() for e in source.replace("\n", ",").split(",")]
     for entry in entries:

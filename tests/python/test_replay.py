@@ -782,3 +782,12 @@ TRAINING_TRACES = [path for path in BUNDLED_TRACES if "_train" in os.path.basena
 def test_bundled_training_trace_maps_no_page_once_warm(path):
     result = replay.replay_trace(replay.load_trace(path))
     assert result["steady_maps_per_iteration"] == 0, result["maps_per_iteration"]
+
+
+def test_a_cap_schedule_file_that_is_not_text_is_named(tmp_path, capsys):
+    trace = write_jsonl(tmp_path / "t.jsonl", EIGHT_BLOCKS)
+    schedule = tmp_path / "schedule.bin"
+    schedule.write_bytes(b"\xc9\x00\xff")
+    code, _, err = run_main(capsys, trace, "--cap-schedule", str(schedule))
+    assert code == 2
+    assert str(schedule) in err and "OPINDEX:SIZE" in err, err
