@@ -76,7 +76,10 @@ Cap Cap::of_fraction(double fraction) {
 
 Cap Cap::parse(std::string_view text) {
   const std::string t = trimmed_lower(text);
-  if (t.empty() || t == "none" || t == "unlimited") return none();
+  // Empty is refused, not read as no cap: an unset shell variable
+  // (`cotenant set-cap job "$CAP"`) must not lift a cap without a word.
+  if (t.empty()) refuse(text, "it is empty (write \"none\" for no cap)");
+  if (t == "none" || t == "unlimited") return none();
   if (t.front() == '-') refuse(text, "a cap cannot be negative");
   if (t.back() == '%') {
     const std::optional<double> percent = decimal(trimmed_lower(std::string_view(t).substr(0, t.size() - 1)));

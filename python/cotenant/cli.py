@@ -249,7 +249,7 @@ def child_environment(args: argparse.Namespace, base: Optional[Dict[str, str]] =
         env.pop("COTENANT_ROLE", None)  # no role: a memory cap and nothing else
     else:
         env["COTENANT_ROLE"] = "guaranteed" if args.guaranteed else "opportunistic"
-    if args.cap:
+    if args.cap is not None:  # --cap "" is refused by the parser, not taken for no --cap
         env["COTENANT_MEMORY_CAP"] = _parse_cap(args.cap).text  # refused here, read back by the same parser
     if args.persistent:
         _parse_size(args.persistent)

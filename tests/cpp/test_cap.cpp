@@ -18,7 +18,7 @@ TEST_CASE("a_cap_is_a_size_a_fraction_of_the_device_or_none", "[cap_type]") {
   CHECK(Cap::parse("1.5GiB").bytes() == 3 * kGiB / 2);  // a unit makes it a size
   CHECK(Cap::parse("none").is_none());
   CHECK(Cap::parse("Unlimited").is_none());
-  CHECK(Cap::parse("").is_none());
+  CHECK_THROWS_WITH(Cap::parse(" "), Catch::Contains("it is empty (write \"none\" for no cap)"));
   const Cap half = Cap::parse("0.5");
   CHECK(half.is_fraction());
   CHECK(half.resolve(8 * kGiB) == 4 * kGiB);

@@ -167,6 +167,7 @@ def test_memory_cap_accepts_bytes_size_strings_and_fractions_of_the_device(size,
     (0.0, r"in \(0, 1\]"),
     (1.5, r"in \(0, 1\]"),
     (-0.25, r"in \(0, 1\]"),
+    ("", r'it is empty \(write "none" for no cap\)'),
 ])
 def test_memory_cap_rejects_bad_values_with_the_accepted_forms(size, message):
     with pytest.raises(ValueError, match=message):

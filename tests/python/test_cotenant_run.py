@@ -246,3 +246,18 @@ def test_status_watch_refuses_an_interval_that_is_not_positive(interval, capsys)
     assert exited.value.code == 2
     assert f"seconds between refreshes: a number more than 0 (such as 1 or 0.5), not {interval!r}" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["set-cap", "trainer", ""],
+    ["set-cap", "trainer", " "],
+    ["run", "--opportunistic", "--cap", "", "--", "true"],
+    ["run", "--opportunistic", "--cap=", "--", "true"],
+])
+def test_an_empty_cap_is_refused_not_taken_for_no_cap(args, capsys):
+    # An unset shell variable (`cotenant set-cap trainer "$CAP"`) used to lift the job's cap bound,
+    # and `run --cap ""` to start the job uncapped, without a word.
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err
+    assert 'it is empty (write "none" for no cap)' in err
