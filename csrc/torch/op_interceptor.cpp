@@ -1,5 +1,7 @@
 #include <Python.h>  // first, as Python asks
 
+#include <pthread.h>
+
 #include "op_interceptor.h"
 
 #include <ATen/core/ivalue.h>
@@ -44,6 +46,11 @@ std::atomic<std::thread::id> pause_owner{};
 std::mutex pause_mutex;
 std::condition_variable pause_released;  // entering threads wait on this
 std::condition_variable ops_drained;     // the pausing thread waits on this
+
+// Set in a child forked from this process (see the header): the pause, the
+// op count and the hooks' state are the parent's, copied.
+std::atomic<bool> forked_child{false};
+[[maybe_unused]] const int fork_noted = ::pthread_atfork(nullptr, nullptr, [] { forked_child.store(true, std::memory_order_relaxed); });
 
 // This thread's op nesting depth: only the outermost op runs the hooks.
 thread_local int op_depth = 0;
@@ -91,6 +98,7 @@ std::atomic<void*> explicit_exit_context{nullptr};
 // outermost op runs the hooks and counts as in flight.
 void enter_op(const char* name, const at::RecordFunction* record) {
   if (op_depth++ > 0 || running_hooks) return;
+  if (forked_child.load(std::memory_order_relaxed)) return;
   // A hook that throws: the op still counts as in flight (its exit uncounts
   // it) and waits out a pause; then the error goes on to the caller.
   std::exception_ptr hook_failed;
@@ -117,6 +125,7 @@ void enter_op(const char* name, const at::RecordFunction* record) {
 void exit_op() {
   if (op_depth == 0) return;  // the callback was installed while this op ran
   if (--op_depth > 0 || running_hooks) return;
+  if (forked_child.load(std::memory_order_relaxed)) return;
   outermost_ops.fetch_sub(1, std::memory_order_seq_cst);
   notify_drain_waiter();
 }
@@ -254,6 +263,7 @@ std::int64_t ops_in_flight() { return outermost_ops.load(std::memory_order_acqui
 bool inside_op_on_this_thread() { return op_depth > 0; }
 
 bool pause_launches(std::chrono::microseconds drain_timeout) {
+  if (forked_child.load(std::memory_order_relaxed)) return false;
   const auto me = std::this_thread::get_id();
   // A safe point pauses from op entry, where the GIL may be held: an op
   // running on another thread may need it to finish (one implemented in
@@ -287,6 +297,7 @@ bool pause_launches(std::chrono::microseconds drain_timeout) {
 }
 
 void resume_launches() {
+  if (forked_child.load(std::memory_order_relaxed)) return;
   std::lock_guard<std::mutex> lock(pause_mutex);
   if (pause_depth.load() == 0) return;
   if (pause_depth.fetch_sub(1) == 1) {

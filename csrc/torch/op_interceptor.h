@@ -21,6 +21,12 @@
 // entry and waits until no thread is inside an outermost op, so the caller
 // can synchronize the device and remap memory with no kernel being launched.
 // Threads entering ops wait until the pause ends.
+//
+// In a child forked from the process (a DataLoader's worker) none of this
+// runs: the child may not use CUDA, has none of the parent's threads (one
+// of them may hold a pause the child copied, with nobody left to end it),
+// and its ops run no hooks and never wait; pause_launches() there returns
+// false and resume_launches() does nothing.
 #pragma once
 
 #include <chrono>

@@ -607,6 +607,36 @@ def test_a_safe_point_at_op_entry_lets_the_other_python_threads_run_while_pages_
     assert out["same"]
 
 
+def test_a_child_forked_while_launches_are_paused_runs_its_ops(library):
+    """A thread of the job holds the launch pause (the job channel's, while
+    the coordinator suspends the job or a cap's safe point runs) when
+    another forks a child (a DataLoader's worker). The child has no thread
+    to end that pause: its ops must not wait for one."""
+    out = run(library, """
+        import os, signal, threading
+        from cotenant import _C
+        cotenant.enable()
+        x = torch.arange(4).to("cuda")
+        held, release = threading.Event(), threading.Event()
+        def hold():
+            held.set() if _C._pause_launches(5.0) else None
+            release.wait()
+            _C._resume_launches()
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(10)
+        child = os.fork()
+        if child == 0:
+            signal.alarm(10)  # a child that waits for the pause forever is ended here
+            os._exit(0 if int(torch.arange(6).sum()) == 15 else 1)
+        release.set()
+        holder.join()
+        out["child"] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+        out["parent"] = x.to("cpu").tolist()  # the parent's ops run on after the pause
+    """)
+    assert out == {"child": 0, "parent": [0, 1, 2, 3]}
+
+
 def test_an_op_waiting_at_the_gate_lets_the_other_python_threads_run(library):
     """An op held at the gate may have begun with the GIL held (assignment
     through an index does); waiting with it would stop every Python thread
