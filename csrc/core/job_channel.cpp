@@ -20,7 +20,8 @@ std::uint64_t non_negative(std::int64_t value) { return value > 0 ? static_cast<
 JobChannel::JobChannel(const std::string& block_name, JobChannelHooks hooks, JobChannelOptions options)
     : region_(shm::ShmRegion::open(block_name, sizeof(shm::JobBlock))),
       hooks_(std::move(hooks)),
-      options_(options) {
+      options_(options),
+      owner_pid_(::getpid()) {
   block_ = static_cast<shm::JobBlock*>(region_.data());
   shm::check_job_block(*block_, region_.size());
   identity_ = shm::read_identity(*block_);
@@ -40,6 +41,10 @@ JobChannel::JobChannel(const std::string& block_name, JobChannelHooks hooks, Job
 }
 
 JobChannel::~JobChannel() {
+  if (in_forked_child()) {
+    (void)poller_.release();  // the parent's thread state: see Poller
+    return;
+  }
   stop();
   std::lock_guard<std::mutex> lock(mutex_);
   report_.state = JobState::kExited;
@@ -52,31 +57,35 @@ JobChannel::~JobChannel() {
   (void)::shm_unlink(region_.name().c_str());
 }
 
+bool JobChannel::in_forked_child() const { return ::getpid() != owner_pid_; }
+
 void JobChannel::start() {
-  if (thread_.joinable()) return;
+  if (in_forked_child() || poller_->thread.joinable()) return;
   {
-    std::lock_guard<std::mutex> lock(wake_mutex_);
-    stopping_ = false;
+    std::lock_guard<std::mutex> lock(poller_->wake_mutex);
+    poller_->stopping = false;
   }
-  thread_ = std::thread([this] { run(); });
+  poller_->thread = std::thread([this] { run(); });
 }
 
 void JobChannel::stop() {
+  if (in_forked_child()) return;
   {
-    std::lock_guard<std::mutex> lock(wake_mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(poller_->wake_mutex);
+    poller_->stopping = true;
   }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  poller_->wake.notify_all();
+  if (poller_->thread.joinable()) poller_->thread.join();
 }
 
 void JobChannel::run() {
-  std::unique_lock<std::mutex> wake_lock(wake_mutex_);
-  while (!stopping_) {
+  Poller& poller = *poller_;
+  std::unique_lock<std::mutex> wake_lock(poller.wake_mutex);
+  while (!poller.stopping) {
     wake_lock.unlock();
     poll_once();
     wake_lock.lock();
-    wake_.wait_for(wake_lock, options_.poll_interval, [this] { return stopping_; });
+    poller.wake.wait_for(wake_lock, options_.poll_interval, [&poller] { return poller.stopping; });
   }
 }
 

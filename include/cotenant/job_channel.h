@@ -28,10 +28,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+
+#include <sys/types.h>
 
 #include "cotenant/launch_gate.h"
 #include "cotenant/shm/job_block.h"
@@ -74,13 +77,16 @@ class JobChannel {
   // its version and marks the job as running. Throws cotenant::Error if the
   // block is missing or of another version.
   JobChannel(const std::string& block_name, JobChannelHooks hooks, JobChannelOptions options = {});
-  ~JobChannel();  // stops the thread and reports the job as exited
+  // Stops the thread and reports the job as exited. In a child forked from
+  // the process that opened the channel, it only unmaps the block: the job
+  // (the parent) goes on, its block and its report untouched.
+  ~JobChannel();
   JobChannel(const JobChannel&) = delete;
   JobChannel& operator=(const JobChannel&) = delete;
 
   void start();  // starts the polling thread (idempotent)
-  void stop();   // stops it (idempotent); the block stays mapped
-  bool running() const { return thread_.joinable(); }
+  void stop();   // stops it (idempotent; nothing in a forked child); the block stays mapped
+  bool running() const { return !in_forked_child() && poller_->thread.joinable(); }
 
   // One round of apply + publish on the caller's thread. Returns true if a
   // cap, share or command was applied in this round.
@@ -111,10 +117,20 @@ class JobChannel {
   bool launches_stopped_ = false;  // ... and set_suspended(true) took effect
   std::chrono::steady_clock::time_point host_room_read_{};  // when host_room last ran
 
-  std::mutex wake_mutex_;
-  std::condition_variable wake_;
-  bool stopping_ = false;
-  std::thread thread_;
+  // The polling thread and what wakes it. A child forked while the thread
+  // ran copies this state but not the thread (its condition variable may
+  // count a waiter that will never leave): the child leaves it as it is,
+  // never joining, waking or destroying it.
+  struct Poller {
+    std::mutex wake_mutex;
+    std::condition_variable wake;
+    bool stopping = false;
+    std::thread thread;
+  };
+  bool in_forked_child() const;
+
+  const pid_t owner_pid_;  // the process that opened the channel
+  std::unique_ptr<Poller> poller_ = std::make_unique<Poller>();
 };
 
 }  // namespace cotenant

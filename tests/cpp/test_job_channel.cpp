@@ -2,11 +2,13 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -526,4 +528,30 @@ TEST_CASE("report_carries_the_host_room_read_at_most_once_an_interval_and_none_w
   JobChannel bare(other.region.name(), {});
   bare.poll_once();
   CHECK(shm::read_report(other.block()).host_room_bytes == kNoCap);
+}
+
+TEST_CASE("a_forked_child_dropping_its_copy_of_the_channel_leaves_the_parents_job_alone", "[job_channel]") {
+  // A child forked while the channel's thread runs has a copy of the channel
+  // but not the thread. Dropping the copy (the child's exit handlers) must
+  // neither wait for that thread nor report the parent's job exited or
+  // remove its block.
+  CoordinatorBlock coordinator("fork");
+  auto channel = std::make_unique<JobChannel>(coordinator.region.name(), JobChannelHooks{});
+  channel->start();
+  std::this_thread::sleep_for(10ms);  // the thread waits between polls
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::alarm(5);  // a child stuck in a join would never exit
+    channel.reset();
+    ::_exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(shm::read_report(coordinator.block()).state == shm::JobState::kRunning);
+  CHECK_NOTHROW(shm::ShmRegion::open(coordinator.region.name(), shm::kJobBlockBytes));
+  CHECK(channel->running());
+  channel.reset();
+  CHECK(shm::read_report(coordinator.block()).state == shm::JobState::kExited);
 }
