@@ -1434,7 +1434,7 @@ CachingAllocator::~CachingAllocator() {
   }
 }
 
-DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
+DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream, OnOutOfMemory on_oom) {
   if (bytes == 0) return 0;
   State& s = *state_;
   std::lock_guard lock(s.mutex);
@@ -1454,8 +1454,10 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
   // /proc/meminfo and the cgroup's files on the CUDA backend): the warm path
   // makes no query.
   const std::size_t pages_bytes = round_up(size, s.page_bytes);
+  // The device's other caches could not make room for it either: it throws whatever `on_oom` says.
   if (pages_bytes > s.device_total && pages_bytes > s.most_one_block_could_hold()) s.out_of_memory(bytes, stream);
   const PoolKind pool = size <= s.options.small_request_max ? PoolKind::kSmall : PoolKind::kLarge;
+  const bool quiet = on_oom == OnOutOfMemory::kReturnZero;
   ++s.tick;
 
   Block* block = s.take_planned(size, stream);
@@ -1463,7 +1465,10 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
     block = s.free_blocks.best_fit(stream, size);
     if (block) s.pool_erase(block);
     else block = s.new_arena(size, stream);
-    if (!block) s.out_of_memory(size, stream);
+    if (!block) {
+      if (quiet) return 0;
+      s.out_of_memory(size, stream);
+    }
     s.split(block, size);
   }
 
@@ -1482,7 +1487,10 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream) {
       block = s.allocate_pinned_fallback(size, stream);
       spilled = block != nullptr;
     }
-    if (!block) s.out_of_memory(size, stream);
+    if (!block) {
+      if (quiet) return 0;
+      s.out_of_memory(size, stream);
+    }
   } else if (released_cache) {
     ++s.stats.num_alloc_retries;
   }

@@ -101,7 +101,8 @@ void RegionTable::refuse_during_capture(const std::string& name, const char* wha
                           what, name, what[0] == 'p' ? "Pause" : "Resume"));
 }
 
-DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAllocator** allocator) {
+DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAllocator** allocator,
+                                OnOutOfMemory on_oom) {
   const std::string& name = RegionScope::current();
   if (name.empty()) throw Error("RegionTable::allocate called outside every region");
   std::lock_guard lock(mutex_);
@@ -116,7 +117,7 @@ DevicePtr RegionTable::allocate(std::size_t bytes, StreamId stream, CachingAlloc
                             format_size(bytes), name, region_state_name(region.state), name));
   }
   *allocator = region.allocator.get();
-  return region.allocator->allocate(bytes, stream);
+  return region.allocator->allocate(bytes, stream, on_oom);
 }
 
 void RegionTable::set_event_sink(AllocatorEventSink* sink) {

@@ -354,12 +354,23 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
   // Gathered here, outside the allocator's lock (it takes Python's).
   const HistoryContext context = d.history->gather(ContextLevel::kState);
   MemoryHistory::ContextScope lend_context(context);
+  const auto stream_id = static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream));
+  const bool in_region = !graph_pool && RegionScope::inside();
+  auto allocate_once = [&](OnOutOfMemory on_oom) {
+    return in_region ? d.regions->allocate(nbytes, stream_id, &target, on_oom)
+                     : target->allocate(nbytes, stream_id, on_oom);
+  };
   DevicePtr address = 0;
   try {
-    if (!graph_pool && RegionScope::inside()) {
-      address = d.regions->allocate(nbytes, static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)), &target);
-    } else {
-      address = target->allocate(nbytes, static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)));
+    address = allocate_once(OnOutOfMemory::kReturnZero);
+    if (address == 0 && nbytes > 0) {
+      // As PyTorch's allocator does before it reports an OOM, the device's
+      // cached memory goes back first: an allocator finds room in its own
+      // cache, but the cache of the default pool, a region or a pool nobody
+      // holds may be what fills the device. Not while allocations are routed
+      // to a pool (a capture): nothing may synchronize then.
+      if (!d.pools->routing()) empty_device_cache(d);
+      address = allocate_once(OnOutOfMemory::kThrow);
     }
   } catch (const OutOfMemoryError& e) {
     std::vector<c10_alloc::OutOfMemoryObserver> observers;
@@ -577,6 +588,12 @@ std::vector<CachingAllocator*> CotenantCudaAllocator::allocators_of(DeviceAlloca
   return out;
 }
 
+void CotenantCudaAllocator::empty_device_cache(DeviceAllocators& d) {
+  d.main->empty_cache();
+  d.pools->empty_freeable();
+  for (auto& [name, region] : d.regions->allocators()) region->empty_cache();
+}
+
 void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
   // As PyTorch does: the default pool's cache, and the pools no graph or
   // MemPool holds any more. A held pool keeps its pages: its graphs replay
@@ -584,9 +601,7 @@ void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
   for_each_device([&](DeviceAllocators& d) {
     translate_errors([&] {
       if (mempool_id == kDefaultPool) {
-        d.main->empty_cache();
-        d.pools->empty_freeable();
-        for (auto& [name, region] : d.regions->allocators()) region->empty_cache();
+        empty_device_cache(d);
       } else {
         const PoolId only = pool_id(mempool_id);
         d.pools->empty_freeable(&only);

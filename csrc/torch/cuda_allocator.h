@@ -228,6 +228,9 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   };
 
   void* allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
+  // The device's caches, as emptyCache() gives them back: the default pool's,
+  // each region's and those of the pools no graph or MemPool holds.
+  void empty_device_cache(DeviceAllocators& d);
   // The device's statistics summed over its allocators (peaks: see
   // DeviceAllocators::peaks).
   c10::CachingDeviceAllocator::DeviceStats device_stats(DeviceAllocators& d);

@@ -116,6 +116,9 @@ struct SegmentInfo {
   std::vector<MappedRun> mapped_runs;
 };
 
+// What CachingAllocator::allocate() does when nothing can hold the block.
+enum class OnOutOfMemory : std::uint8_t { kThrow, kReturnZero };
+
 class CachingAllocator {
  public:
   // `host_pages`: the device's pool of kept host pages (host_page_pool.h),
@@ -128,8 +131,12 @@ class CachingAllocator {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   // Returns 0 for a 0-byte request. Throws OutOfMemoryError with the numbers
-  // when neither device memory under the cap nor host memory can hold it.
-  DevicePtr allocate(std::size_t bytes, StreamId stream);
+  // when neither device memory under the cap nor host memory can hold it;
+  // with OnOutOfMemory::kReturnZero it returns 0 instead and counts no OOM
+  // (num_ooms, the event sink's), for a caller that frees memory elsewhere
+  // (the device's other allocators' caches) and asks again. A block larger
+  // than both the device and the host's room throws either way.
+  DevicePtr allocate(std::size_t bytes, StreamId stream, OnOutOfMemory on_oom = OnOutOfMemory::kThrow);
   // Throws Error (and changes nothing) for an address that is not live, and
   // when the backend cannot record an event on a stream the block was used
   // on (record_stream): the block then stays allocated, the books unchanged.

@@ -92,7 +92,9 @@ class RegionTable {
   // is in no region or the region is paused; OutOfMemoryError as
   // CachingAllocator::allocate does. `allocator` receives the region's
   // allocator (the one free() and record_stream() go to).
-  DevicePtr allocate(std::size_t bytes, StreamId stream, CachingAllocator** allocator);
+  // `on_oom` as CachingAllocator::allocate's.
+  DevicePtr allocate(std::size_t bytes, StreamId stream, CachingAllocator** allocator,
+                     OnOutOfMemory on_oom = OnOutOfMemory::kThrow);
 
   // See the class comment. pause() of a paused region and resume() of an
   // active one throw Error, as does an unknown name (the message lists the

@@ -350,3 +350,20 @@ TEST_CASE("a_region_pausing_while_the_capped_allocator_spills_shares_the_host_po
   CHECK(host_pages->kept().current == 0);
   CHECK(device.host_bytes_in_use() == 0);
 }
+
+TEST_CASE("an_allocation_asked_to_return_zero_on_oom_counts_no_oom_and_the_retry_succeeds") {
+  // The adapter frees the device's other caches between the two calls.
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator main(device);
+  const DevicePtr big = main.allocate(48 * kMiB, kStream);
+  main.free(big);  // cached by main: the region finds no room
+  RegionTable table(device);
+  InRegion in("kv_cache");
+  CachingAllocator* region = nullptr;
+  CHECK(table.allocate(32 * kMiB, kStream, &region, OnOutOfMemory::kReturnZero) == 0);
+  REQUIRE(region != nullptr);
+  CHECK(region->stats().num_ooms == 0);
+  main.empty_cache();
+  CHECK(table.allocate(32 * kMiB, kStream, &region, OnOutOfMemory::kThrow) != 0);
+  CHECK(region->stats().num_ooms == 0);
+}

@@ -491,6 +491,26 @@ def test_a_region_paused_without_keep_resumes_as_zeros_at_the_same_address(libra
     assert out["same_ptr"] and out["zeros"]
 
 
+def test_an_allocation_takes_the_room_another_allocators_cache_holds_before_an_oom(library):
+    """The default pool's cache fills the device when a region allocates,
+    and a region's cache when the default pool allocates: as under PyTorch's
+    allocator (one cache per device, released before it reports an OOM),
+    the allocation succeeds, and no OOM is counted."""
+    out = run(library, """
+        cotenant.enable()
+        big = torch.empty(200 * MIB, dtype=torch.uint8, device="cuda")
+        del big  # 200 MiB of the 256 cached by the default pool
+        with cotenant.region("kv_cache"):
+            kv = torch.empty(128 * MIB, dtype=torch.uint8, device="cuda")
+        out["region_device_bytes"] = cotenant.memory_stats()["regions"][0]["device_bytes"]
+        del kv  # 128 MiB cached by the region
+        x = torch.empty(160 * MIB, dtype=torch.uint8, device="cuda")
+        out["main_device_bytes"] = cotenant.memory_stats()["device_bytes"]
+        out["num_ooms"] = torch.cuda.memory_stats()["num_ooms"]
+    """, capacity=256 * MIB)
+    assert out == {"region_device_bytes": 128 * MIB, "main_device_bytes": 160 * MIB, "num_ooms": 0}
+
+
 def test_record_stream_holds_a_block_until_the_other_stream_is_done(library):
     """A side stream's copy reads x after x is freed on the default stream;
     record_stream must keep x's block from the next allocation until that
