@@ -892,8 +892,19 @@ def _join_coordinator(_C, role, device, name, socket, cap_bytes, persistent_byte
     if not registration.admitted:
         warnings.warn(f"cotenant: the coordinator queued this job ({registration.queue_reason}); "
                       f"it runs when the coordinator lets it", RuntimeWarning, stacklevel=3)
-    block_name = registration.block_name
-    _C.start_job_channel(block_name, device)
+    try:
+        _C.start_job_channel(registration.block_name, device)
+    except Exception as error:
+        # Registered, but the block it names is out of this process's reach (a container with a
+        # /dev/shm of its own, a block removed meanwhile): no cap or command could arrive, so the
+        # job runs on its own, as with a coordinator it cannot join. The coordinator reclaims the
+        # block once no channel attaches to it.
+        _state.registration = None
+        if _state.coordinator_host_headroom is not None:
+            _state.coordinator_host_headroom = None
+            _apply_host_headroom(_C)
+        _warn_unmanaged(error)
+        return
     _state.job_channel = True
 
 

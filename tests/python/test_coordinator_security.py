@@ -481,6 +481,33 @@ def test_enable_says_loudly_when_a_coordinator_socket_is_there_but_cannot_be_joi
         api._join_coordinator(_NoGpuExtension(), "opportunistic", 0, "j", node.socket, None)
 
 
+class _BlockOutOfReach(_NoGpuExtension):
+    """A job whose /dev/shm is not the coordinator's (a container that shares
+    the socket only): the block the registration names cannot be opened."""
+
+    @staticmethod
+    def set_host_headroom(bytes_):
+        pass
+
+    @staticmethod
+    def start_job_channel(block_name, device):
+        raise RuntimeError(f"could not open shared memory '{block_name}': No such file or directory")
+
+
+def test_enable_runs_on_its_own_and_says_so_when_its_job_block_cannot_be_opened(node, caplog, monkeypatch):
+    from cotenant import api
+
+    monkeypatch.setattr(api._state, "job_channel", False)
+    monkeypatch.setattr(api._state, "registration", None)
+    monkeypatch.setattr(api._state, "coordinator_host_headroom", None)
+    node.start_coordinator()
+    with pytest.warns(RuntimeWarning, match="runs WITHOUT the coordinator: could not open shared memory"):
+        api._join_coordinator(_BlockOutOfReach(), "opportunistic", 0, "j", node.socket, None)
+    assert not api._state.job_channel and api._state.registration is None
+    assert api._state.coordinator_host_headroom is None  # the coordinator's setting went with it
+    assert any(r.name == "cotenant" and "runs WITHOUT the coordinator" in r.getMessage() for r in caplog.records)
+
+
 # --- resource limits ------------------------------------------------------------------------------
 
 
