@@ -265,7 +265,8 @@ def enable(role: Optional[str] = None, device: Any = None, *, name: Optional[str
     Called again once cotenant is on (say, in a script that `cotenant run`
     started), it applies memory_cap, host_headroom and host_reserve as
     set_memory_cap() and the others do, and raises RuntimeError for a role,
-    device, name, socket or persistent_memory other than the first call's.
+    device, name, socket or persistent_memory other than the first call's
+    (one left out, role included, keeps the first call's).
 
     Returns True when cotenant is on, False when COTENANT_DISABLE=1 keeps it off.
     Raises NoGpuError without a usable GPU, RuntimeError when PyTorch's own
@@ -340,7 +341,9 @@ def _enable_again(role: Optional[str], index: int, memory_cap: SizeLike, headroo
     would; the role, device, name, socket and persistent memory were fixed
     at the first enable() (the coordinator knows the job by them), so a
     different one is refused before anything changes."""
-    if role != _state.role or index != _state.device:
+    # No role given keeps the first call's, as for the name: a script's own
+    # enable(memory_cap=...) under `cotenant run --opportunistic` sets a cap.
+    if (role is not None and role != _state.role) or index != _state.device:
         raise RuntimeError(
             f"cotenant is already enabled with role={_state.role!r} on cuda:{_state.device}; "
             f"it cannot switch to role={role!r} on cuda:{index} in the same process")

@@ -651,6 +651,28 @@ def test_a_second_enable_refuses_a_name_it_cannot_apply_and_keeps_the_first(monk
     assert applied == []  # refused before anything changed
 
 
+def test_a_second_enable_without_a_role_keeps_the_first_role_and_applies_its_cap(monkeypatch):
+    # A script's own cotenant.enable(memory_cap=...) under `cotenant run --opportunistic` (whose
+    # start-up hook enabled it first) raised "cannot switch to role=None": a role left out was
+    # taken for "cap only". It keeps the first call's role, as a name left out does; another role
+    # is still refused.
+    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
+    monkeypatch.delenv("COTENANT_CONF", raising=False)
+    monkeypatch.delenv("COTENANT_DEVICE", raising=False)
+    applied = []
+    monkeypatch.setattr(api, "set_memory_cap", lambda size, device=None: applied.append(size))
+    monkeypatch.setattr(api._state, "enabled", True)
+    monkeypatch.setattr(api._state, "device", 0)
+    monkeypatch.setattr(api._state, "role", "opportunistic")
+    monkeypatch.setattr(api._state, "fixed_at_enable", {"name": None, "socket": None, "persistent_memory": None},
+                        raising=False)
+    assert cotenant.enable(memory_cap="6GiB") is True
+    assert applied == ["6GiB"] and api._state.role == "opportunistic"
+    with pytest.raises(RuntimeError, match="cannot switch to role='guaranteed'"):
+        cotenant.enable("guaranteed", memory_cap="2GiB")
+    assert applied == ["6GiB"]
+
+
 def test_the_optimizer_safe_point_hooks_into_torch_optimizer_steps(monkeypatch):
     # The wiring to torch's optimizer hooks, on the CPU: a stand-in for the
     # extension records what enable()'s hook asks of it after each step.
