@@ -607,3 +607,22 @@ def test_cotenant_run_passes_a_size_to_the_job_and_refuses_a_bad_one(flag, varia
     bad = subprocess.run([sys.executable, "-m", "cotenant.cli", "run", "--opportunistic", flag, bad_size,
                           "--", "true"], env=child_env(), capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and bad_size in bad.stderr
+
+
+def test_two_commands_sent_before_the_job_applies_the_first_both_take_effect_in_order(node):
+    # The block holds one command and the job applies the newest it finds: a suspend and then a
+    # spill written while the job did not poll (stopped here; two commands inside one 2 ms poll
+    # do the same) left only the spill, acknowledged both, and the job ran on, never suspended.
+    node.start_coordinator()
+    job = node.start_job("opportunistic", "o", hold_mib=32)
+    assert wait_until(lambda: node.job("o")["device_bytes"] == 32 * MiB)
+    os.kill(job.process.pid, signal.SIGSTOP)
+    try:
+        first = client.send_command("o", "suspend", node.socket)
+        second = client.send_command("o", "spill_all", node.socket)
+    finally:
+        os.kill(job.process.pid, signal.SIGCONT)
+    assert second["sequence"] == first["sequence"] + 1
+    assert wait_until(lambda: node.job("o")["state"] == "suspended"), node.status()
+    assert wait_until(lambda: node.job("o").get("applied_command_sequence") == second["sequence"]), node.status()
+    assert '"waited": true' in node.read_log()

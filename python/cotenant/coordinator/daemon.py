@@ -44,6 +44,7 @@ from cotenant.coordinator.rundir import AlreadyRunning, RunDirectory, Unreadable
 
 log = logging.getLogger("cotenant.coordinator")
 
+MAX_QUEUED_COMMANDS = 16  # commands waiting for a job that has not applied the one before
 CGROUP_READ_INTERVAL_S = 0.1  # the jobs' memory cgroups are read at most this often (a job reads its own as often)
 
 
@@ -199,6 +200,39 @@ class Job:
     held_back_bytes: int = 0  # how far its cap stays above the plan, so the node keeps its host headroom
     cgroup: Optional[str] = None  # its process's /proc/<pid>/cgroup: jobs with the same share its memory limit
     cgroup_rooms: Tuple[Tuple[str, int], ...] = ()  # its limited memory cgroups, own first: (path, room) as last read
+    commands: Deque[str] = field(default_factory=collections.deque)  # waiting for the job to apply the one before
+
+    def send_command(self, command: str) -> int:
+        """Sends `command` (spill_all, restore_all, suspend, resume) to the job;
+        returns the sequence number it carries. The block holds one command
+        and the job applies the newest it finds, so a command written before
+        the job applied the one before would replace it unseen (a suspend
+        then a spill: the job only spilled): until the job has applied the
+        last one sent, the new one waits here and goes at a later tick, in
+        order. At most MAX_QUEUED_COMMANDS wait; one more is refused."""
+        sent = int(self.block.control()["command_sequence"])
+        if not self.commands and self._applied(fresh=True) >= sent:
+            return int(self.block.send_command(command))
+        if len(self.commands) >= MAX_QUEUED_COMMANDS:
+            raise ProtocolError(protocol.RESOURCE_EXHAUSTED,
+                                f"job {self.name!r} has not applied its command {sent} yet and "
+                                f"{len(self.commands)} more wait for it; is its process stopped or hung? "
+                                "Send this one once it answers")
+        self.commands.append(command)
+        return sent + len(self.commands)
+
+    def send_waiting_command(self) -> Optional[int]:
+        """Sends the oldest waiting command once the job has applied the one
+        before (each tick); its sequence number, or None."""
+        if self.commands and self._applied() >= int(self.block.control()["command_sequence"]):
+            return int(self.block.send_command(self.commands.popleft()))
+        return None
+
+    def _applied(self, fresh: bool = False) -> int:
+        """The last command sequence the job applied: from its block now
+        (fresh), else from the report this tick read."""
+        new = self.block.report() if fresh else None
+        return int((new or self.report).get("applied_command_sequence", 0))
 
     def warming_up(self, now: float, timeout_s: float) -> bool:
         """True while the solo baseline is being measured. Opportunistic jobs are
@@ -261,6 +295,7 @@ class Job:
             "squeeze_held_back_bytes": self.held_back_bytes,
             "memory_cgroups": [{"path": path, "room_bytes": room} for path, room in self.cgroup_rooms],
             "applied_cap": r.get("applied_memory_cap"), "applied_share": r.get("applied_share"),
+            "applied_command_sequence": r.get("applied_command_sequence", 0), "commands_waiting": len(self.commands),
             "iteration_ewma_us": self.iteration_ewma_us(), "iteration_count": r.get("iteration_count", 0),
             "effective_share": r.get("effective_share"),
             "baseline_us": self.baseline.baseline_us, "slowdown": self.slowdown(),
@@ -681,6 +716,8 @@ class Coordinator:
             reason = self._death_reason(job, now_ns)
             if reason:
                 self._reclaim(job, reason)
+            elif job.commands:
+                self._send_waiting_command(job)
         meminfo = host_memory.read_meminfo()  # once a tick, for every GPU's plan
         if now - self._cgroups_read >= CGROUP_READ_INTERVAL_S:
             self._cgroups_read = now
@@ -698,6 +735,15 @@ class Coordinator:
             self.metrics.update(self.jobs, meminfo)
         if self._state_dirty:
             self._save_state()
+
+    def _send_waiting_command(self, job: Job) -> None:
+        try:
+            sequence = job.send_waiting_command()
+        except _core().Error as error:  # its job shrank its block away
+            _event("command not sent", logging.WARNING, job=job.name, job_id=job.job_id, reason=str(error))
+            return
+        if sequence is not None:
+            _event("command sent", job=job.name, sequence=sequence, waited=True)
 
     def _read_report(self, job: Job) -> None:
         new = job.block.report()  # None while the job's writer is mid-update (gives up after 2 ms)
@@ -1092,7 +1138,7 @@ class Coordinator:
                 _event("share set", job=job.name, share=share, by_pid=pid, by_uid=uid)
                 return protocol.reply_ok(req.id, job=job.name, share=job.share, pinned=job.pinned_share is not None)
             if op == "command":
-                sequence = job.block.send_command(args["command"])
+                sequence = job.send_command(args["command"])
                 _event("command sent", job=job.name, command=args["command"], sequence=sequence, by_pid=pid)
                 return protocol.reply_ok(req.id, job=job.name, command=args["command"], sequence=sequence)
         raise ProtocolError(protocol.UNKNOWN_OP, f"op {op!r} is not handled", req.id)

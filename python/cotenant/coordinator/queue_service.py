@@ -190,8 +190,8 @@ class QueueService:
         from cotenant import _core
 
         try:
-            sequence = registered.block.send_command(command)
-        except _core.Error as error:  # its job shrank its block away: the queue's other actions go on
+            sequence = registered.send_command(command)
+        except (_core.Error, ProtocolError) as error:  # a shrunk block, or commands piled up: the queue goes on
             self._log("queued job not sent its command", logging.WARNING, job=job.name, ticket=job.ticket,
                       command=command, reason=str(error))
             return
