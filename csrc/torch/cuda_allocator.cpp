@@ -612,7 +612,11 @@ void CotenantCudaAllocator::emptyCache(c10::MempoolId_t mempool_id) {
 
 c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c10::DeviceIndex device) {
   DeviceAllocators* d = existing(device);
-  if (d == nullptr) return {};  // nothing allocated on it yet
+  if (d == nullptr) {  // nothing allocated on it yet
+    c10::CachingDeviceAllocator::DeviceStats none;
+    none.max_split_size = -1;  // as device_stats() says it, and PyTorch before its first allocation
+    return none;
+  }
   return device_stats(*d);
 }
 
