@@ -614,35 +614,33 @@ def test_a_cap_beyond_64_bits_for_the_coordinator_is_refused_as_the_api_refuses_
     assert client._cap("50%") == "0.5" and client._cap(4096) == 4096 and client._cap("none") is None
 
 
+def as_if_enabled(monkeypatch, role, name=None):
+    """This process as after a first enable(role, name=name) on cuda:0 (as the start-up hook of
+    `cotenant run` leaves it), with no COTENANT_* variable that would change a second call."""
+    for variable in ("COTENANT_DISABLE", "COTENANT_CONF", "COTENANT_DEVICE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(api._state, "enabled", True)
+    monkeypatch.setattr(api._state, "device", 0)
+    monkeypatch.setattr(api._state, "role", role)
+    monkeypatch.setattr(api._state, "fixed_at_enable", {"name": name, "socket": None, "persistent_memory": None},
+                        raising=False)
+
+
 def test_a_second_enable_applies_its_cap_instead_of_dropping_it(monkeypatch):
     # enable() again with the same role and device returned True and kept the
     # old cap: the new one was lost without a word.
-    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
-    monkeypatch.delenv("COTENANT_CONF", raising=False)
-    monkeypatch.delenv("COTENANT_DEVICE", raising=False)
     applied = []
     monkeypatch.setattr(api, "set_memory_cap", lambda size, device=None: applied.append(("cap", size, device)))
     monkeypatch.setattr(api, "set_host_headroom", lambda size: applied.append(("headroom", size)))
-    monkeypatch.setattr(api._state, "enabled", True)
-    monkeypatch.setattr(api._state, "device", 0)
-    monkeypatch.setattr(api._state, "role", "opportunistic")
-    monkeypatch.setattr(api._state, "fixed_at_enable", {"name": None, "socket": None, "persistent_memory": None},
-                        raising=False)
+    as_if_enabled(monkeypatch, role="opportunistic")
     assert cotenant.enable("opportunistic", memory_cap="2GiB", host_headroom="1GiB") is True
     assert applied == [("cap", "2GiB", 0), ("headroom", 1 << 30)]
 
 
 def test_a_second_enable_refuses_a_name_it_cannot_apply_and_keeps_the_first(monkeypatch):
-    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
-    monkeypatch.delenv("COTENANT_CONF", raising=False)
-    monkeypatch.delenv("COTENANT_DEVICE", raising=False)
     applied = []
     monkeypatch.setattr(api, "set_memory_cap", lambda size, device=None: applied.append(size))
-    monkeypatch.setattr(api._state, "enabled", True)
-    monkeypatch.setattr(api._state, "device", 0)
-    monkeypatch.setattr(api._state, "role", None)
-    monkeypatch.setattr(api._state, "fixed_at_enable", {"name": "trainer", "socket": None,
-                                                        "persistent_memory": None}, raising=False)
+    as_if_enabled(monkeypatch, role=None, name="trainer")
     assert cotenant.enable(name="trainer") is True  # the same name: nothing to change
     with pytest.raises(RuntimeError) as caught:
         cotenant.enable(name="other", memory_cap="2GiB")
@@ -656,16 +654,9 @@ def test_a_second_enable_without_a_role_keeps_the_first_role_and_applies_its_cap
     # start-up hook enabled it first) raised "cannot switch to role=None": a role left out was
     # taken for "cap only". It keeps the first call's role, as a name left out does; another role
     # is still refused.
-    monkeypatch.delenv("COTENANT_DISABLE", raising=False)
-    monkeypatch.delenv("COTENANT_CONF", raising=False)
-    monkeypatch.delenv("COTENANT_DEVICE", raising=False)
     applied = []
     monkeypatch.setattr(api, "set_memory_cap", lambda size, device=None: applied.append(size))
-    monkeypatch.setattr(api._state, "enabled", True)
-    monkeypatch.setattr(api._state, "device", 0)
-    monkeypatch.setattr(api._state, "role", "opportunistic")
-    monkeypatch.setattr(api._state, "fixed_at_enable", {"name": None, "socket": None, "persistent_memory": None},
-                        raising=False)
+    as_if_enabled(monkeypatch, role="opportunistic")
     assert cotenant.enable(memory_cap="6GiB") is True
     assert applied == ["6GiB"] and api._state.role == "opportunistic"
     with pytest.raises(RuntimeError, match="cannot switch to role='guaranteed'"):
