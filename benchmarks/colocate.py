@@ -26,9 +26,15 @@ Figures, per mode as "<mode>.<name>" and cotenant-auto also under the plain name
   guaranteed_p99_ratio             99th-percentile iteration time over solo (target <= 1.05)
   opportunistic_throughput_ratio   iterations/s together over solo (target >= 0.5)
   aggregate_normalized_throughput  the sum of the two throughput ratios
-And the gate's own costs, each job alone:
-  guaranteed_tracker_step_time_ratio  the guaranteed job's compute time with the
-                                      busy/iteration tracker over without (target <= 1.005)
+And cotenant's own costs, each job alone:
+  guaranteed_enabled_step_time_ratio  the guaranteed job's compute time with cotenant
+                                      enabled without a role (its allocator, the op
+                                      callbacks) over plain PyTorch
+  guaranteed_tracker_step_time_ratio  its compute time as a guaranteed job over the
+                                      same without a role: the busy/iteration
+                                      tracker's own cost (target <= 1.005)
+  guaranteed_cotenant_step_time_ratio its compute time as a guaranteed job over plain
+                                      PyTorch: everything cotenant costs it
   gate_overhead_us_per_op             extra microseconds per op an opportunistic job pays
                                       at the gate with the GPU free (target <= 1)
 
@@ -64,6 +70,9 @@ PAIRS = {
 }
 MODES = ("naive", "mps", "priority", "cotenant-0.25", "cotenant-0.5", "cotenant-auto")
 WORKLOADS = ("resnet50-train", "transformer-train", "transformer-infer-gaps", "tiny-ops")
+# The overhead runs' mode for a job with cotenant enabled and no role: its
+# allocator and op callbacks without the launch gate or the busy tracker.
+ENABLED_SOLO = "enabled-solo"
 TINY_OPS_PER_STEP = 1000  # the tiny-ops workload: this many 1-element adds per step
 FIGURE_NAMES = ("guaranteed_throughput_ratio", "guaranteed_p50_ratio", "guaranteed_p99_ratio",
                 "opportunistic_throughput_ratio", "aggregate_normalized_throughput")
@@ -188,12 +197,17 @@ def targets_met(figures: Dict[str, float], mode: str = AUTO_MODE) -> Dict[str, b
     return met
 
 
-def overhead_figures(plain_guaranteed: Dict[str, float], tracked_guaranteed: Dict[str, float],
-                     plain_tiny: Dict[str, float], gated_tiny: Dict[str, float]) -> Dict[str, float]:
-    """The tracker's and the gate's own costs from runs of each job alone."""
+def overhead_figures(plain_guaranteed: Dict[str, float], enabled_guaranteed: Dict[str, float],
+                     tracked_guaranteed: Dict[str, float], plain_tiny: Dict[str, float],
+                     gated_tiny: Dict[str, float]) -> Dict[str, float]:
+    """cotenant's, the tracker's and the gate's own costs from runs of each job alone:
+    plain PyTorch, cotenant enabled without a role, enabled as guaranteed."""
+    plain, enabled, tracked = (run["compute_p50_s"] for run in (plain_guaranteed, enabled_guaranteed,
+                                                                 tracked_guaranteed))
     return {
-        "guaranteed_tracker_step_time_ratio": _ratio(tracked_guaranteed["compute_p50_s"],
-                                                     plain_guaranteed["compute_p50_s"]),
+        "guaranteed_enabled_step_time_ratio": _ratio(enabled, plain),
+        "guaranteed_tracker_step_time_ratio": _ratio(tracked, enabled),
+        "guaranteed_cotenant_step_time_ratio": _ratio(tracked, plain),
         "gate_overhead_us_per_op": (gated_tiny["compute_p50_s"] - plain_tiny["compute_p50_s"])
         / TINY_OPS_PER_STEP * 1e6,
     }
@@ -316,10 +330,10 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks where a late worker is
 
     mode, role = args.mode, args.role
-    if mode.startswith("cotenant") or mode == "gated-solo":
+    if mode.startswith("cotenant") or mode in ("gated-solo", ENABLED_SOLO):
         import cotenant
 
-        cotenant.enable(role=role, device=0)
+        cotenant.enable(role=None if mode == ENABLED_SOLO else role, device=0)
         share = fixed_share(mode)
         if role == "opportunistic" and share is not None:
             cotenant.gate.set_share(share)
@@ -361,10 +375,10 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
     summary["compute_p50_s"] = percentile(compute_s, 50)
     summary["mode"], summary["role"], summary["workload"] = mode, role, args.worker
     summary["iterations_before_go"] = iterations_before_go
-    if mode.startswith("cotenant"):
+    if mode.startswith("cotenant") or mode == "gated-solo":
         import cotenant
 
-        summary["gate"] = cotenant.gate.stats()
+        summary["gate"] = cotenant.gate.stats()  # a gated solo run's markers and waits too
     return summary
 
 
@@ -570,13 +584,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     figures = compute_figures(solo, runs)
     print("colocate: the gate's overhead ...", file=sys.stderr, flush=True)
     try:
+        enabled = _run(args, ENABLED_SOLO, {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"]
         tracked = _run(args, "gated-solo", {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"]
         plain_tiny = _run(args, "solo", {"opportunistic": "tiny-ops"}, 0.0)["opportunistic"]
         # k unbounded: this measures the gate's bookkeeping per op, not the
         # in-flight bound's deliberate wait for the GPU.
         gated_tiny = _run(args, "gated-solo", {"opportunistic": "tiny-ops"}, 0.0,
                           {"COTENANT_GATE_MAX_IN_FLIGHT": "1000000"})["opportunistic"]
-        figures.update(overhead_figures(solo["guaranteed"], tracked, plain_tiny, gated_tiny))
+        figures.update(overhead_figures(solo["guaranteed"], enabled, tracked, plain_tiny, gated_tiny))
     except RuntimeError as error:
         runs["overhead"] = {"skipped": str(error)}
     save(figures, complete=True)

@@ -164,9 +164,14 @@ def test_the_driver_tells_workers_whether_another_job_runs_beside_them(colocate,
 
 
 def test_overhead_figures_compare_each_job_with_and_without_the_gate(colocate):
-    figures = colocate.overhead_figures({"compute_p50_s": 0.100}, {"compute_p50_s": 0.1004},
-                                        {"compute_p50_s": 0.010}, {"compute_p50_s": 0.0105})
+    # plain 100 ms, enabled without a role 105 ms, enabled as guaranteed 105.42 ms
+    figures = colocate.overhead_figures({"compute_p50_s": 0.100}, {"compute_p50_s": 0.105},
+                                        {"compute_p50_s": 0.10542}, {"compute_p50_s": 0.010},
+                                        {"compute_p50_s": 0.0105})
+    # The tracker is charged only what the role adds, not the allocator's 5%.
     assert figures["guaranteed_tracker_step_time_ratio"] == pytest.approx(1.004)
+    assert figures["guaranteed_enabled_step_time_ratio"] == pytest.approx(1.05)
+    assert figures["guaranteed_cotenant_step_time_ratio"] == pytest.approx(1.0542)
     # 0.5 ms more over 1000 ops: 0.5 us per op
     assert figures["gate_overhead_us_per_op"] == pytest.approx(0.5)
 
@@ -176,7 +181,7 @@ def test_only_fixed_share_modes_pin_the_opportunistic_share(colocate):
     assert colocate.fixed_share("cotenant-0.5") == 0.5
     # The auto mode's gated solo runs and the baselines pin nothing (a gated
     # solo run once crashed parsing "solo" as a share).
-    for mode in ("cotenant-auto", "gated-solo", "solo", "naive", "mps", "priority"):
+    for mode in ("cotenant-auto", "gated-solo", colocate.ENABLED_SOLO, "solo", "naive", "mps", "priority"):
         assert colocate.fixed_share(mode) is None
 
 
