@@ -37,6 +37,8 @@ And cotenant's own costs, each job alone:
                                       PyTorch: everything cotenant costs it
   gate_overhead_us_per_op             extra microseconds per op an opportunistic job pays
                                       at the gate with the GPU free (target <= 1)
+  enabled_overhead_us_per_op          of those, what cotenant enabled without a role costs
+                                      the same op (the op callbacks)
 
 Writes benchmarks/results/colocate-<pair>-<device>-<time>.json (device, torch,
 driver, benchmark, figures) and a PNG plot next to it.
@@ -199,7 +201,7 @@ def targets_met(figures: Dict[str, float], mode: str = AUTO_MODE) -> Dict[str, b
 
 def overhead_figures(plain_guaranteed: Dict[str, float], enabled_guaranteed: Dict[str, float],
                      tracked_guaranteed: Dict[str, float], plain_tiny: Dict[str, float],
-                     gated_tiny: Dict[str, float]) -> Dict[str, float]:
+                     enabled_tiny: Dict[str, float], gated_tiny: Dict[str, float]) -> Dict[str, float]:
     """cotenant's, the tracker's and the gate's own costs from runs of each job alone:
     plain PyTorch, cotenant enabled without a role, enabled as guaranteed."""
     plain, enabled, tracked = (run["compute_p50_s"] for run in (plain_guaranteed, enabled_guaranteed,
@@ -209,6 +211,8 @@ def overhead_figures(plain_guaranteed: Dict[str, float], enabled_guaranteed: Dic
         "guaranteed_tracker_step_time_ratio": _ratio(tracked, enabled),
         "guaranteed_cotenant_step_time_ratio": _ratio(tracked, plain),
         "gate_overhead_us_per_op": (gated_tiny["compute_p50_s"] - plain_tiny["compute_p50_s"])
+        / TINY_OPS_PER_STEP * 1e6,
+        "enabled_overhead_us_per_op": (enabled_tiny["compute_p50_s"] - plain_tiny["compute_p50_s"])
         / TINY_OPS_PER_STEP * 1e6,
     }
 
@@ -587,11 +591,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         enabled = _run(args, ENABLED_SOLO, {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"]
         tracked = _run(args, "gated-solo", {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"]
         plain_tiny = _run(args, "solo", {"opportunistic": "tiny-ops"}, 0.0)["opportunistic"]
+        enabled_tiny = _run(args, ENABLED_SOLO, {"opportunistic": "tiny-ops"}, 0.0)["opportunistic"]
         # k unbounded: this measures the gate's bookkeeping per op, not the
         # in-flight bound's deliberate wait for the GPU.
         gated_tiny = _run(args, "gated-solo", {"opportunistic": "tiny-ops"}, 0.0,
                           {"COTENANT_GATE_MAX_IN_FLIGHT": "1000000"})["opportunistic"]
-        figures.update(overhead_figures(solo["guaranteed"], enabled, tracked, plain_tiny, gated_tiny))
+        figures.update(overhead_figures(solo["guaranteed"], enabled, tracked, plain_tiny, enabled_tiny, gated_tiny))
     except RuntimeError as error:
         runs["overhead"] = {"skipped": str(error)}
     save(figures, complete=True)

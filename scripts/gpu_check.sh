@@ -36,7 +36,9 @@
 # 6.2 minutes in one call. colocate.py with 5 s runs took more than 6 minutes
 # there, 3 of them a hung worker since fixed. So two calls: `build tests
 # allocator snapshots`, then `colocate` (bench in one call runs past the
-# 10-minute limit of one call).
+# 10-minute limit of one call). Later that day `colocate` with 4 s runs
+# took 249 s (two more solo runs of the overhead figures have been added
+# since, about 20 s).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

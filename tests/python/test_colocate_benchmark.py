@@ -167,13 +167,14 @@ def test_overhead_figures_compare_each_job_with_and_without_the_gate(colocate):
     # plain 100 ms, enabled without a role 105 ms, enabled as guaranteed 105.42 ms
     figures = colocate.overhead_figures({"compute_p50_s": 0.100}, {"compute_p50_s": 0.105},
                                         {"compute_p50_s": 0.10542}, {"compute_p50_s": 0.010},
-                                        {"compute_p50_s": 0.0105})
+                                        {"compute_p50_s": 0.0102}, {"compute_p50_s": 0.0105})
     # The tracker is charged only what the role adds, not the allocator's 5%.
     assert figures["guaranteed_tracker_step_time_ratio"] == pytest.approx(1.004)
     assert figures["guaranteed_enabled_step_time_ratio"] == pytest.approx(1.05)
     assert figures["guaranteed_cotenant_step_time_ratio"] == pytest.approx(1.0542)
-    # 0.5 ms more over 1000 ops: 0.5 us per op
+    # 0.5 ms more over 1000 ops: 0.5 us per op, 0.2 of them without a role
     assert figures["gate_overhead_us_per_op"] == pytest.approx(0.5)
+    assert figures["enabled_overhead_us_per_op"] == pytest.approx(0.2)
 
 
 def test_only_fixed_share_modes_pin_the_opportunistic_share(colocate):
