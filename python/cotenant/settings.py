@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional
 
@@ -97,19 +98,25 @@ def _job_name(text: str) -> str:
     return text
 
 
-def _whole_number(minimum: int) -> Callable[[str], int]:
+def _whole_number(minimum: int, maximum: int) -> Callable[[str], int]:
     def check(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"{text!r} is not a whole number") from None
+        # ASCII digits only: int() also takes other scripts' digits and
+        # underscores ("1_000").
+        if re.fullmatch(r"\s*[+-]?[0-9]+\s*", text) is None:
+            raise ValueError(f"{text!r} is not a whole number (digits 0-9)")
+        value = int(text)
         if value < minimum:
             raise ValueError(f"{value} must be at least {minimum}")
+        if value > maximum:
+            raise ValueError(f"{value} must be at most {maximum}")
         return value
 
     return check
 
 
+# The gate holds k as a size_t; 2**63 - 1 keeps it a number every platform's
+# extension takes ("unbounded" in practice).
+_MAX_IN_FLIGHT = 2**63 - 1
 # The gate holds its window as a signed 64-bit count of nanoseconds.
 _MAX_WINDOW_MS = float(2**63 // 10**6)
 
@@ -181,7 +188,7 @@ SETTINGS = (
     Setting("host_headroom", "COTENANT_HOST_HEADROOM", _host_headroom, "4GiB",
             "host memory the job never pins into (spills stop there); the coordinator's may be larger"),
     Setting("share", "COTENANT_SHARE", _share, "0.5", "the job's own compute share at start, 0 to 1"),
-    Setting("gate_max_in_flight", "COTENANT_GATE_MAX_IN_FLIGHT", _whole_number(1), "2",
+    Setting("gate_max_in_flight", "COTENANT_GATE_MAX_IN_FLIGHT", _whole_number(1, _MAX_IN_FLIGHT), "2",
             "the launch gate's admitted ops in flight"),
     Setting("gate_window_ms", "COTENANT_GATE_WINDOW_MS", _number(1.0, _MAX_WINDOW_MS), "50",
             "the share's duty-cycle window (ms)"),

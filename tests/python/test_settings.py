@@ -31,6 +31,10 @@ def test_conf_string_gives_each_key_and_checks_its_value():
     ("cap:lots", ["cap:lots", "cannot use \"lots\" as a memory cap", "e.g. cap:6GiB"]),
     ("role:boss", ["role:boss", "unknown role 'boss'"]),
     ("gate_max_in_flight:0", ["gate_max_in_flight:0", "must be at least 1"]),
+    # int() takes these; the extension's size_t does not (a TypeError at enable()), nor other settings
+    ("gate_max_in_flight:100000000000000000000", ["gate_max_in_flight:100000000000000000000", "at most"]),
+    ("gate_max_in_flight:\u0663", ["is not a whole number (digits 0-9)"]),
+    ("gate_max_in_flight:1_000", ["gate_max_in_flight:1_000", "is not a whole number"]),
     ("cap:1GiB,cap:2GiB", ["'cap' is given twice"]),
     ("spill_without_cap:maybe", ["spill_without_cap:maybe", "write 1 or 0"]),
     # Accepted before, and cast to a 64-bit count of nanoseconds in the extension (undefined for these).
