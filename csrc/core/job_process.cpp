@@ -7,7 +7,7 @@ namespace cotenant {
 JobChannelHooks job_channel_hooks(JobProcess& process) {
   JobChannelHooks hooks;
   hooks.set_memory_cap = [&process](std::uint64_t cap_word) {
-    process.allocator().set_memory_cap(cap_word);
+    process.set_job_memory_cap(cap_word);
     process.run_safe_point();
   };
   hooks.set_share = [&process](double share) { process.set_coordinator_share(share); };
@@ -28,7 +28,7 @@ JobChannelHooks job_channel_hooks(JobProcess& process) {
   };
   hooks.stats = [&process] {
     process.settle();
-    return process.allocator().stats();
+    return process.job_stats();
   };
   hooks.iterations = [&process] { return process.iterations(); };
   hooks.effective_share = [&process] { return process.effective_share(); };

@@ -46,6 +46,38 @@ void AllocatorStats::reset_accumulated() {
 #undef COTENANT_RESET_COUNT
 }
 
+namespace {
+
+void add_to(Stat& to, const Stat& from) {
+  to.current += from.current;
+  to.peak += from.peak;
+  to.allocated += from.allocated;
+  to.freed += from.freed;
+}
+
+void add_to(PooledStat& to, const PooledStat& from) {
+  add_to(to.all, from.all);
+  add_to(to.small_pool, from.small_pool);
+  add_to(to.large_pool, from.large_pool);
+}
+
+}  // namespace
+
+void AllocatorStats::add(const AllocatorStats& other) {
+  const Stat host_pool = host_pool_bytes;
+  const std::int64_t refusals = num_host_headroom_refusals;
+#define COTENANT_ADD(name) add_to(name, other.name);
+#define COTENANT_ADD_INT(name) name += other.name;
+  COTENANT_POOLED_STATS(COTENANT_ADD)
+  COTENANT_PLAIN_STATS(COTENANT_ADD)
+  COTENANT_COUNT_STATS(COTENANT_ADD_INT)
+  COTENANT_GAUGE_STATS(COTENANT_ADD_INT)
+#undef COTENANT_ADD
+#undef COTENANT_ADD_INT
+  host_pool_bytes = host_pool;  // the device's one pool, not a sum of its views
+  num_host_headroom_refusals = refusals;
+}
+
 std::map<std::string, std::int64_t> AllocatorStats::as_map() const {
   std::map<std::string, std::int64_t> out;
 #define COTENANT_PUT(name) put(out, #name, name);

@@ -285,11 +285,11 @@ COTENANT_TORCH_BINDINGS(allocator) {
   // TorchJobProcess (job_process.h); nothing of it lives here.
   m.def("start_job_channel", [](const std::string& block_name, int device) {
     auto& allocator = installed_allocator();
-    auto& main = *allocator.on(static_cast<c10::DeviceIndex>(device)).main;
+    auto& allocators = allocator.on(static_cast<c10::DeviceIndex>(device));
     py::gil_scoped_release release;  // opening the block may wait on the file system
     std::lock_guard<std::mutex> lock(channel_mutex);
     job_channel.reset();
-    job_process = std::make_unique<TorchJobProcess>(allocator, main);
+    job_process = std::make_unique<TorchJobProcess>(allocator, allocators);
     job_channel = std::make_unique<JobChannel>(block_name, job_channel_hooks(*job_process));
     job_channel->start();
   }, py::arg("block_name"), py::arg("device"),

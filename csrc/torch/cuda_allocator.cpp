@@ -644,6 +644,19 @@ c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::summed_stats(
   return out;
 }
 
+AllocatorStats CotenantCudaAllocator::stats_besides_main(DeviceAllocators& d) {
+  AllocatorStats out;
+  // As summed_stats: each pool read under the pool table's lock.
+  d.pools->for_each_pool([&](PoolId, const CachingAllocator& pool) { out.add(pool.stats()); });
+  for (auto& [name, region] : d.regions->allocators()) out.add(region->stats());  // regions are never dropped
+  std::lock_guard<std::mutex> lock(d.foreign_mutex);
+  AllocatorStats foreign = d.foreign_stats;
+  foreign.device_resident_bytes.current = foreign.reserved_bytes.all.current;
+  foreign.device_resident_bytes.peak = foreign.reserved_bytes.all.peak;
+  out.add(foreign);
+  return out;
+}
+
 c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::device_stats(DeviceAllocators& d) {
   using c10::CachingAllocator::StatArray;
   c10::CachingDeviceAllocator::DeviceStats highest_own;

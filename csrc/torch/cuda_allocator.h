@@ -133,6 +133,12 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   void set_host_headroom(std::size_t bytes);
   std::size_t host_headroom() const { return host_headroom_.load(std::memory_order_relaxed); }
 
+  // The statistics of every allocator of `d` but its main one (graph and
+  // MemPool pools, regions, MemPools with an allocator of their own),
+  // added up (AllocatorStats::add): what the job holds outside its cap. A
+  // MemPool's own allocator's memory counts as device-resident.
+  AllocatorStats stats_besides_main(DeviceAllocators& d);
+
   // True when some device has pages waiting for a safe point (lock-free).
   bool has_pending_migrations() const;
   // The end of one step of the job's loop, on every device's main

@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <mutex>
 
 #include "cotenant/job_process.h"
 #include "cuda_allocator.h"
@@ -13,9 +15,18 @@ namespace cotenant::torch_ext {
 
 class TorchJobProcess final : public JobProcess {
  public:
-  TorchJobProcess(CotenantCudaAllocator& allocator, CachingAllocator& main) : cuda_(allocator), main_(main) {}
+  TorchJobProcess(CotenantCudaAllocator& allocator, DeviceAllocators& device)
+      : cuda_(allocator), device_(device), main_(*device.main) {}
   ~TorchJobProcess() override;
   CachingAllocator& allocator() override { return main_; }
+  // The coordinator's cap covers the job's device memory: its graph pools,
+  // regions and MemPools' own allocators hold device memory that is never
+  // capped or moved, so the main allocator's cap is the job's less what
+  // they hold, at least one byte (then every page of main is on the host),
+  // kept so as they grow and shrink (settle()). No cap lifts main's.
+  void set_job_memory_cap(std::uint64_t cap_word) override;
+  // Every allocator of the job's device, added up (AllocatorStats::add).
+  AllocatorStats job_stats() override;
   // The safe point (caching_allocator.h, "The safe point"), from the job
   // channel's thread, which is never inside an op.
   std::size_t run_safe_point() override { return cuda_.run_safe_point(); }
@@ -35,9 +46,16 @@ class TorchJobProcess final : public JobProcess {
   static constexpr std::chrono::milliseconds kSuspendDrainTimeout{100};
 
  private:
+  // Main's cap for the job's cap and what the others hold now; true when it changed.
+  bool follow_job_cap(bool always);
+
   CotenantCudaAllocator& cuda_;
+  DeviceAllocators& device_;
   CachingAllocator& main_;
   std::atomic<bool> paused_{false};
+  std::mutex cap_mutex_;                  // the two below
+  std::uint64_t job_cap_ = kNoCap;        // the coordinator's, as a cap word
+  std::uint64_t main_cap_ = kNoCap;       // what follow_job_cap() last set on main
 };
 
 }  // namespace cotenant::torch_ext

@@ -3,7 +3,8 @@
 // The job channel (job_channel.h) reads the coordinator's cap, share and
 // commands from the per-job block; job_channel_hooks() turns them into calls
 // on a JobProcess. That is the one implementation of each command:
-//   cap       the allocator's cap, then a safe point (pages move at once);
+//   cap       the job's cap (the allocator's, less what the job's uncapped
+//             allocators hold), then a safe point (pages move at once);
 //   share     the launch gate's coordinator share (opportunistic jobs; the
 //             gate takes the minimum with the job's own share);
 //   spill_all / restore_all   mark every page, then a safe point;
@@ -33,6 +34,12 @@ class JobProcess {
  public:
   virtual ~JobProcess() = default;
   virtual CachingAllocator& allocator() = 0;
+  // The coordinator's cap on the job's device memory, and what the job
+  // reports. By default the job is its allocator(); a job with more
+  // allocators on its device (graph pools, regions: never capped or moved)
+  // overrides both, so that the cap and the report cover all of it.
+  virtual void set_job_memory_cap(std::uint64_t cap_word) { allocator().set_memory_cap(cap_word); }
+  virtual AllocatorStats job_stats() { return allocator().stats(); }
   // Moves the allocator's pending pages now, with no kernel in flight.
   // Returns bytes moved; pages that found no room stay pending.
   virtual std::size_t run_safe_point() = 0;

@@ -106,6 +106,13 @@ struct AllocatorStats {
   // peaks come down to current values; cumulative counts go to zero.
   void reset_peaks();
   void reset_accumulated();
+  // Adds another allocator's figures on the same device, for one job's
+  // whole footprint (its main allocator, graph pools, regions): counts and
+  // current values add up; peaks add up too (an upper bound of the peak of
+  // the sum). The device's host pool is one, shared by its allocators:
+  // host_pool_bytes and num_host_headroom_refusals stay this one's. The cap
+  // and the modes stay this one's.
+  void add(const AllocatorStats& other);
 
   // Flattens into torch's key names ("allocated_bytes.all.current", ...)
   // plus cotenant's ("device_resident_bytes.current", "memory_cap" (-1 for

@@ -700,3 +700,31 @@ TEST_CASE("a_checkpoint_that_no_longer_fits_is_refused_and_nothing_changes", "[a
   CHECK(allocator.stats().allocation.all.current == 1);
   allocator.check_invariants();
 }
+
+TEST_CASE("adding_an_allocators_statistics_sums_its_memory_but_not_the_devices_shared_host_pool", "[allocator]") {
+  // A job's footprint: its main allocator plus a graph pool or region of the same device.
+  AllocatorStats main, pool;
+  main.device_resident_bytes.increase(4 * kMiB);
+  main.allocated_bytes.increase(PoolKind::kLarge, 3 * kMiB);
+  main.host_pool_bytes.increase(8 * kMiB);
+  main.num_host_headroom_refusals = 2;
+  main.spilled_bytes = 10;
+  main.memory_cap = 6 * kMiB;
+  pool.device_resident_bytes.increase(2 * kMiB);
+  pool.allocated_bytes.increase(PoolKind::kSmall, kMiB);
+  pool.host_pool_bytes.increase(8 * kMiB);  // the same pool, seen from the other allocator
+  pool.num_host_headroom_refusals = 2;
+  pool.spilled_bytes = 5;
+  pool.pending_spill_bytes = 7;
+  main.add(pool);
+  CHECK(main.device_resident_bytes.current == 6 * kMiB);
+  CHECK(main.device_resident_bytes.peak == 6 * kMiB);
+  CHECK(main.allocated_bytes.all.current == 4 * kMiB);
+  CHECK(main.allocated_bytes.small_pool.current == kMiB);
+  CHECK(main.allocated_bytes.large_pool.current == 3 * kMiB);
+  CHECK(main.spilled_bytes == 15);
+  CHECK(main.pending_spill_bytes == 7);
+  CHECK(main.host_pool_bytes.current == 8 * kMiB);  // one pool, not two
+  CHECK(main.num_host_headroom_refusals == 2);
+  CHECK(main.memory_cap == 6 * kMiB);
+}

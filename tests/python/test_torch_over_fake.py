@@ -1244,6 +1244,65 @@ def test_a_cap_set_through_the_coordinator_reaches_a_running_job(library):
     assert result["same"]  # the bytes survived the move
 
 
+# A region (like a graph pool) is never capped or moved: the coordinator's cap
+# is the job's, so the main allocator gets what the region leaves of it, and
+# the job reports both to the coordinator.
+CAPPED_BESIDE_A_REGION = r'''
+from cotenant.coordinator import client
+assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+kv_data = torch.arange(8 << 20, dtype=torch.int32)  # 32 MiB
+with cotenant.region("kv"):
+    kv = kv_data.to("cuda")
+data = torch.arange(32 << 20, dtype=torch.int32)  # 128 MiB
+x = data.to("cuda")
+deadline = time.time() + 60
+while time.time() < deadline:
+    s = cotenant.memory_stats()
+    if s["memory_cap"] is not None and s["memory_cap"] <= 64 << 20 and s["device_bytes"] <= s["memory_cap"]:
+        break
+    time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
+seen = {}
+while time.time() < deadline:  # the report follows within a poll
+    seen = [j for j in client.status(os.environ["COTENANT_SOCKET"])["jobs"] if j["name"] == "capjob"][0]
+    if seen["device_bytes"] <= 96 << 20 and seen["host_bytes"] >= 64 << 20:
+        break
+    time.sleep(0.05)
+with cotenant.region("kv"):  # the region grows: main's share of the cap shrinks with it
+    kv2 = kv_data.to("cuda")
+deadline = time.time() + 30
+while time.time() < deadline:
+    after = cotenant.memory_stats()
+    if after["memory_cap"] <= 32 << 20 and after["device_bytes"] <= after["memory_cap"]:
+        break
+    time.sleep(0.05)
+print(json.dumps({"main_cap": s["memory_cap"], "main_device": s["device_bytes"], "reported": seen,
+                  "main_cap_after": after["memory_cap"], "main_device_after": after["device_bytes"],
+                  "same": bool(torch.equal(x.to("cpu"), data)) and bool(torch.equal(kv.to("cpu"), kv_data))
+                          and bool(torch.equal(kv2.to("cpu"), kv_data)),
+                  "violations": fake.violations()}))
+'''
+
+
+def test_the_coordinators_cap_covers_a_jobs_region_and_the_job_reports_it(library):
+    from coordinator_harness import cap_a_job_through_the_coordinator
+
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    result = cap_a_job_through_the_coordinator(job_code(library, CAPPED_BESIDE_A_REGION), "96MiB", env)
+    assert result["violations"] == []
+    # Main's cap is the job's less the region's 32 MiB (it was 96 MiB, main alone).
+    assert result["main_cap"] == 64 * MIB, result
+    assert result["main_device"] <= 64 * MIB
+    reported = result["reported"]
+    assert reported["applied_cap"] == 96 * MIB
+    # The coordinator sees the region's device memory too: 32 MiB + main's 64.
+    assert 64 * MIB < reported["device_bytes"] <= 96 * MIB, reported
+    assert reported["host_bytes"] >= 64 * MIB
+    assert reported["allocated_bytes"] >= 160 * MIB  # both tensors
+    assert result["main_cap_after"] == 32 * MIB  # 96 MiB less the region's 64
+    assert result["main_device_after"] <= 32 * MIB
+    assert result["same"]
+
+
 # The cap arrives while an op runs (work launched outside ATen, held open):
 # the safe point the cap's own command runs cannot drain it and gives up. The
 # job then idles, so no op entry comes to retry; the job channel's polls
