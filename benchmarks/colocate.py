@@ -93,6 +93,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="comma-separated modes to run together (default: all)")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per run")
     parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--auto-settle-s", type=float, default=12.0,
+                        help="cotenant-auto: seconds both jobs run before the measured ones, while the "
+                             "coordinator's share climbs from 0 (+0.05 a decision, one every 0.5 s)")
     parser.add_argument("--gap-fraction", type=float, default=1.0,
                         help="the guaranteed job sleeps this fraction of its solo compute time per "
                              "iteration (1.0: the GPU is about half idle)")
@@ -113,9 +116,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--seconds must be positive")
     if args.gap_fraction < 0:
         parser.error("--gap-fraction cannot be negative")
+    if args.auto_settle_s < 0:
+        parser.error("--auto-settle-s cannot be negative")
     if args.quick:
         args.seconds = min(args.seconds, 10.0)
         args.warmup_steps = min(args.warmup_steps, 5)
+        args.auto_settle_s = min(args.auto_settle_s, 3.0)
     return args
 
 
@@ -229,8 +235,10 @@ def wait_for_go(go: str, keep_running: Optional[Callable[[], None]] = None) -> i
     another runs `keep_running` (one iteration, its gap included) meanwhile,
     as a running job does when another joins: under cotenant-auto the
     coordinator measures its solo baseline then, holding the opportunistic
-    job at share 0 until it has, and sees no pause in its iterations. Returns
-    the iterations run."""
+    job at share 0 until it has, and sees no pause in its iterations. Under
+    cotenant-auto the opportunistic job runs its steps too, for the
+    driver's --auto-settle-s, while the coordinator raises its share.
+    Returns the iterations run."""
     iterations = 0
     while not os.path.exists(go):
         if keep_running is None:
@@ -361,7 +369,18 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Any]:
         if args.gap_s > 0:
             time.sleep(args.gap_s)
 
-    keep_running = one_iteration if role == "guaranteed" and args.beside else None
+    def one_step() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    # Beside another job the guaranteed one runs on until the measured
+    # seconds; under cotenant-auto the opportunistic one does too, so the
+    # coordinator's share settles under the load it will be measured in.
+    keep_running = None
+    if args.beside and role == "guaranteed":
+        keep_running = one_iteration
+    elif args.beside and mode == AUTO_MODE:
+        keep_running = one_step
     iterations_before_go = wait_for_go(os.path.join(args.sync_dir, "go"), keep_running)
 
     iteration_s: List[float] = []
@@ -447,6 +466,8 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float,
                 raise RuntimeError(f"the workers of mode {mode} were not ready after {WORKER_START_S:.0f} s "
                                    "(their threads' stacks are in the log)")
             time.sleep(0.05)
+        if mode == AUTO_MODE and len(roles) > 1:
+            time.sleep(args.auto_settle_s)  # both run meanwhile (wait_for_go): the share settles
         open(os.path.join(sync_dir, "go"), "w").close()
         deadline = time.monotonic() + args.seconds + WORKER_FINISH_S
         results = {}
@@ -502,7 +523,8 @@ def result_document(env: Dict[str, Any], args: argparse.Namespace, pair: Dict[st
     """The result file's content; `complete` is false while modes (or the
     gate's overhead runs) are still to come."""
     return {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair, "complete": complete,
-            "seconds_per_run": args.seconds, "guaranteed_gap_s": gap_s, "figures": figures,
+            "seconds_per_run": args.seconds, "auto_settle_s": args.auto_settle_s, "guaranteed_gap_s": gap_s,
+            "figures": figures,
             "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},
             "skipped": {m: r["skipped"] for m, r in runs.items() if "skipped" in r},
             "solo": solo, "runs": {m: r for m, r in runs.items() if "skipped" not in r}}

@@ -38,7 +38,8 @@
 # allocator snapshots`, then `colocate` (bench in one call runs past the
 # 10-minute limit of one call). Later that day `colocate` with 4 s runs
 # took 249 s (two more solo runs of the overhead figures have been added
-# since, about 20 s).
+# since, about 20 s, and 12 s in auto mode for the coordinator's share to
+# settle before it is measured).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

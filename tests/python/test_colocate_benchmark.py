@@ -163,6 +163,43 @@ def test_the_driver_tells_workers_whether_another_job_runs_beside_them(colocate,
     assert seen == {("naive", "guaranteed"): True, ("naive", "opportunistic"): True, ("solo", "guaranteed"): False}
 
 
+_READY_THEN_TIME_THE_GO = """
+import json, os, sys, time
+sync_dir, role = sys.argv[1], sys.argv[2]
+open(os.path.join(sync_dir, role + ".ready"), "w").close()
+ready = time.monotonic()
+while not os.path.exists(os.path.join(sync_dir, "go")):
+    time.sleep(0.01)
+print(json.dumps({"waited_s": time.monotonic() - ready}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode, settles", [("cotenant-auto", True), ("cotenant-0.5", False)])
+def test_the_auto_mode_lets_the_coordinators_share_settle_before_it_measures(colocate, monkeypatch, mode, settles):
+    # The coordinator raises an opportunistic job's share from 0 by 0.05 a
+    # decision: a measured window that opens at once holds the ramp, not the
+    # policy's steady state (the H200's 4 s runs). Both jobs run meanwhile.
+    seen = {}
+
+    def command(workload, role, mode_, args, gap_s, sync_dir, beside=False):
+        seen[role] = beside
+        return [colocate.sys.executable, "-c", _READY_THEN_TIME_THE_GO, sync_dir, role]
+
+    monkeypatch.setattr(colocate, "worker_command", command)
+    args = colocate.parse_args(["--seconds", "0.1", "--auto-settle-s", "1.5"])
+    results = colocate._run(args, mode, {"guaranteed": "a", "opportunistic": "b"}, 0.0)
+    for role in ("guaranteed", "opportunistic"):
+        assert (results[role]["waited_s"] >= 1.5) == settles, results
+    assert seen == {"guaranteed": True, "opportunistic": True}
+
+
+def test_the_settle_time_cannot_be_negative_and_quick_runs_shorten_it(colocate):
+    with pytest.raises(SystemExit):
+        colocate.parse_args(["--auto-settle-s", "-1"])
+    assert colocate.parse_args(["--quick"]).auto_settle_s == 3.0
+    assert colocate.parse_args([]).auto_settle_s == 12.0
+
+
 def test_overhead_figures_compare_each_job_with_and_without_the_gate(colocate):
     # plain 100 ms, enabled without a role 105 ms, enabled as guaranteed 105.42 ms
     figures = colocate.overhead_figures({"compute_p50_s": 0.100}, {"compute_p50_s": 0.105},
