@@ -23,7 +23,7 @@ class TorchJobProcess final : public JobProcess {
   // regions and MemPools' own allocators hold device memory that is never
   // capped or moved, so the main allocator's cap is the job's less what
   // they hold, at least one byte (then every page of main is on the host),
-  // kept so as they grow and shrink (settle()). No cap lifts main's.
+  // followed as they grow and shrink (settle()). No cap lifts main's.
   void set_job_memory_cap(std::uint64_t cap_word) override;
   // Every allocator of the job's device, added up (AllocatorStats::add).
   AllocatorStats job_stats() override;
