@@ -12,11 +12,11 @@ JobChannelHooks job_channel_hooks(JobProcess& process) {
   };
   hooks.set_share = [&process](double share) { process.set_coordinator_share(share); };
   hooks.spill_all = [&process] {
-    process.allocator().spill_all();
+    process.spill_job();
     process.run_safe_point();
   };
   hooks.restore_all = [&process] {
-    process.allocator().restore_all();
+    process.restore_job();
     process.run_safe_point();
   };
   hooks.set_suspended = [&process](bool suspended) {

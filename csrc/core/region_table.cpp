@@ -226,6 +226,42 @@ std::size_t RegionTable::resume(const std::string& name) {
   return moved;
 }
 
+std::vector<std::string> RegionTable::spill_active() {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> spilled;
+  for (auto& [name, region] : regions_) {
+    if (region.state != RegionState::kActive || region.allocator->mode() != SpillMode::kRemap) continue;
+    region.allocator->spill_all();
+    spilled.push_back(name);
+  }
+  return spilled;
+}
+
+void RegionTable::restore_spilled(const std::vector<std::string>& names) {
+  std::lock_guard lock(mutex_);
+  for (const std::string& name : names) {
+    auto it = regions_.find(name);
+    if (it != regions_.end() && it->second.state == RegionState::kActive) it->second.allocator->restore_all();
+  }
+}
+
+bool RegionTable::has_pending_migrations() const {
+  std::lock_guard lock(mutex_);
+  for (const auto& [name, region] : regions_) {
+    if (region.allocator->has_pending_migrations()) return true;
+  }
+  return false;
+}
+
+std::size_t RegionTable::apply_pending_migrations() {
+  std::lock_guard lock(mutex_);
+  std::size_t moved = 0;
+  for (auto& [name, region] : regions_) {
+    if (region.allocator->has_pending_migrations()) moved += region.allocator->apply_pending_migrations();
+  }
+  return moved;
+}
+
 bool RegionTable::contains(const std::string& name) const {
   std::lock_guard lock(mutex_);
   return regions_.count(name) != 0;

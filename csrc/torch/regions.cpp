@@ -16,6 +16,7 @@
 #include "cuda_allocator.h"
 #include "op_interceptor.h"
 #include "registry.h"
+#include "regions.h"
 
 namespace py = pybind11;
 
@@ -126,6 +127,29 @@ py::list region_list() {
 }
 
 }  // namespace
+
+std::size_t move_region_pages(DeviceAllocators& d, std::chrono::microseconds drain_timeout) {
+  if (!d.regions->has_pending_migrations()) return 0;
+  if (d.pools->routing()) return 0;  // a capture: nothing may synchronize; the caller retries later
+  LaunchPause pause(drain_timeout);
+  if (!pause) return 0;
+  d.backend->synchronize_device();
+  d.backend->set_quiescent(true);
+  std::size_t bytes = 0;
+  try {
+    bytes = d.regions->apply_pending_migrations();
+    d.backend->finish_copies();  // before any launch may touch the moved pages
+  } catch (...) {
+    try {
+      d.backend->finish_copies();
+    } catch (...) {
+    }
+    d.backend->set_quiescent(false);
+    throw;
+  }
+  d.backend->set_quiescent(false);
+  return bytes;
+}
 
 COTENANT_TORCH_BINDINGS(regions) {
   m.def("region_enter", &RegionScope::enter, py::arg("name"),

@@ -4,6 +4,7 @@
 
 #include "gate_hooks.h"
 #include "op_interceptor.h"
+#include "regions.h"
 
 namespace cotenant::torch_ext {
 
@@ -56,12 +57,37 @@ AllocatorStats TorchJobProcess::job_stats() {
   return stats;
 }
 
+void TorchJobProcess::spill_job() {
+  main_.spill_all();
+  std::vector<std::string> spilled = device_.regions->spill_active();
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  // A second spill before a restore adds nothing new to bring back.
+  for (std::string& name : spilled) {
+    if (std::find(spilled_regions_.begin(), spilled_regions_.end(), name) == spilled_regions_.end()) {
+      spilled_regions_.push_back(std::move(name));
+    }
+  }
+}
+
+void TorchJobProcess::restore_job() {
+  main_.restore_all();
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  device_.regions->restore_spilled(spilled_regions_);
+  spilled_regions_.clear();
+}
+
+std::size_t TorchJobProcess::run_safe_point() {
+  const std::size_t moved = cuda_.run_safe_point();
+  return moved + move_region_pages(device_, kSuspendDrainTimeout);
+}
+
 void TorchJobProcess::settle() {
   {
     std::lock_guard<std::mutex> lock(cap_mutex_);
     if (job_cap_ != kNoCap) follow_job_cap(/*always=*/false);  // the others grew or shrank
   }
   if (cuda_.has_pending_migrations()) cuda_.run_safe_point_at_op_entry();
+  move_region_pages(device_, kSuspendDrainTimeout);  // a spill or restore an op held off
 }
 
 }  // namespace cotenant::torch_ext

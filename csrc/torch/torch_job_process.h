@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "cotenant/job_process.h"
 #include "cuda_allocator.h"
@@ -27,9 +29,15 @@ class TorchJobProcess final : public JobProcess {
   void set_job_memory_cap(std::uint64_t cap_word) override;
   // Every allocator of the job's device, added up (AllocatorStats::add).
   AllocatorStats job_stats() override;
+  // spill_all / restore_all (suspend and resume too) move the job's active
+  // regions with its main allocator's memory; a region paused meanwhile
+  // stays paused. Graph pools stay on the device: their graphs replay them.
+  void spill_job() override;
+  void restore_job() override;
   // The safe point (caching_allocator.h, "The safe point"), from the job
-  // channel's thread, which is never inside an op.
-  std::size_t run_safe_point() override { return cuda_.run_safe_point(); }
+  // channel's thread, which is never inside an op: main's pages, then the
+  // regions'.
+  std::size_t run_safe_point() override;
   // Holds every thread of the process at its next ATen op entry (whatever
   // its role), after in-flight ops finish (kSuspendDrainTimeout).
   bool pause_launches() override;
@@ -56,6 +64,8 @@ class TorchJobProcess final : public JobProcess {
   std::mutex cap_mutex_;                  // the two below
   std::uint64_t job_cap_ = kNoCap;        // the coordinator's, as a cap word
   std::uint64_t main_cap_ = kNoCap;       // what follow_job_cap() last set on main
+  std::mutex regions_mutex_;
+  std::vector<std::string> spilled_regions_;  // what spill_job() marked, for restore_job()
 };
 
 }  // namespace cotenant::torch_ext

@@ -40,6 +40,10 @@ class JobProcess {
   // overrides both, so that the cap and the report cover all of it.
   virtual void set_job_memory_cap(std::uint64_t cap_word) { allocator().set_memory_cap(cap_word); }
   virtual AllocatorStats job_stats() { return allocator().stats(); }
+  // spill_all / restore_all of the job's memory (suspend and resume too):
+  // by default its allocator()'s; a job with regions moves them as well.
+  virtual void spill_job() { allocator().spill_all(); }
+  virtual void restore_job() { allocator().restore_all(); }
   // Moves the allocator's pending pages now, with no kernel in flight.
   // Returns bytes moved; pages that found no room stay pending.
   virtual std::size_t run_safe_point() = 0;

@@ -104,6 +104,22 @@ class RegionTable {
   std::size_t pause(const std::string& name, bool keep);
   std::size_t resume(const std::string& name);
 
+  // A job's suspend (the coordinator's, the queue's preemption): every
+  // active region's pages are marked to go to the host as the job's main
+  // allocator's are (CachingAllocator::spill_all()). The regions stay
+  // active: an allocation in one lands on the host. Returns their names,
+  // for restore_spilled(). The moves happen at the caller's safe point
+  // (apply_pending_migrations()). In a device without host virtual memory
+  // management nothing is marked.
+  std::vector<std::string> spill_active();
+  // The job's resume: of the regions `names` lists, those still active (not
+  // paused since: a paused one stays on the host until its own resume) are
+  // marked to come back.
+  void restore_spilled(const std::vector<std::string>& names);
+  bool has_pending_migrations() const;
+  // Moves every region's marked pages (at a safe point); returns the bytes.
+  std::size_t apply_pending_migrations();
+
   // While a CUDA graph is being captured, pause() and resume() refuse.
   void set_graph_capture(bool capturing) { graph_capture_.store(capturing, std::memory_order_release); }
 

@@ -367,3 +367,39 @@ TEST_CASE("an_allocation_asked_to_return_zero_on_oom_counts_no_oom_and_the_retry
   CHECK(table.allocate(32 * kMiB, kStream, &region, OnOutOfMemory::kThrow) != 0);
   CHECK(region->stats().num_ooms == 0);
 }
+
+TEST_CASE("a_jobs_suspend_moves_its_active_regions_to_the_host_and_its_resume_brings_back_those_still_active") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  RegionTable table(device);
+  CachingAllocator* kv = nullptr;
+  CachingAllocator* weights = nullptr;
+  CachingAllocator* paused = nullptr;
+  const DevicePtr cache = allocate_in(table, "kv_cache", 4 * kMiB, &kv);
+  const DevicePtr copy = allocate_in(table, "weights", 2 * kMiB, &weights);
+  allocate_in(table, "rollout", 2 * kMiB, &paused);
+  fill(device, cache, 7, 4 * kMiB);
+  fill(device, copy, 8, 2 * kMiB);
+  table.pause("rollout", /*keep=*/true);  // the job paused this one itself
+
+  const std::vector<std::string> spilled = table.spill_active();
+  CHECK(spilled == std::vector<std::string>{"kv_cache", "weights"});  // not the paused one
+  CHECK(table.has_pending_migrations());
+  CHECK(table.apply_pending_migrations() == 6 * kMiB);
+  CHECK_FALSE(table.has_pending_migrations());
+  CHECK(device.device_bytes_in_use() == 0);
+  CHECK(table.state("kv_cache") == RegionState::kActive);  // spilled, not paused: it still allocates
+  const DevicePtr more = allocate_in(table, "kv_cache", kMiB);
+  CHECK_FALSE(kv->is_device_resident(more));  // on the host while the job is suspended
+  table.pause("weights", /*keep=*/true);  // paused while suspended: it stays paused after the resume
+
+  table.restore_spilled(spilled);
+  CHECK(table.apply_pending_migrations() == 6 * kMiB);  // kv_cache's pages, the new block's too
+  CHECK(kv->is_device_resident(cache));
+  CHECK(kv->is_device_resident(more));
+  CHECK(holds(device, cache, 7, 4 * kMiB));
+  CHECK(table.state("weights") == RegionState::kPausedKept);
+  CHECK_FALSE(weights->is_device_resident(copy));
+  CHECK(holds(device, copy, 8, 2 * kMiB));
+  CHECK(table.state("rollout") == RegionState::kPausedKept);
+  for (CachingAllocator* a : {kv, weights, paused}) a->check_invariants();
+}

@@ -1303,6 +1303,54 @@ def test_the_coordinators_cap_covers_a_jobs_region_and_the_job_reports_it(librar
     assert result["same"]
 
 
+# The coordinator suspends a job with a region: the region's pages go to the
+# host with the job's main memory, and come back at resume. The job sends
+# the commands about itself from its main thread, which runs no op while
+# suspended (an op would wait for the resume).
+SUSPENDED_WITH_A_REGION = r'''
+from cotenant.coordinator import client
+sock = os.environ["COTENANT_SOCKET"]
+assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+kv_data = torch.arange(8 << 20, dtype=torch.int32)  # 32 MiB
+with cotenant.region("kv"):
+    kv = kv_data.to("cuda")
+data = torch.arange(4 << 20, dtype=torch.int32)  # 16 MiB
+x = data.to("cuda")
+def now():
+    row = [r for r in cotenant.regions() if r["name"] == "kv"][0]
+    return {"region_device": row["device_bytes"], "region_host": row["host_bytes"], "state": row["state"],
+            "main_device": cotenant.memory_stats()["device_bytes"]}
+client.send_command("capjob", "suspend", sock)
+deadline = time.time() + 60
+while time.time() < deadline and not (now()["region_device"] == 0 and now()["main_device"] == 0):
+    time.sleep(0.05)
+suspended = now()
+client.send_command("capjob", "resume", sock)
+while time.time() < deadline and not (now()["region_device"] >= 32 << 20 and now()["main_device"] >= 16 << 20):
+    time.sleep(0.05)
+resumed = now()
+print(json.dumps({"suspended": suspended, "resumed": resumed,
+                  "same": bool(torch.equal(x.to("cpu"), data)) and bool(torch.equal(kv.to("cpu"), kv_data)),
+                  "violations": fake.violations()}))
+'''
+
+
+def test_a_suspended_job_moves_its_region_to_the_host_and_resume_brings_it_back(library):
+    from coordinator_harness import cap_a_job_through_the_coordinator
+
+    env = {k: v for k, v in over_fake.environment(library).items() if not k.startswith("COTENANT_")}
+    # A cap above what the job holds: the harness sets one; it moves nothing here.
+    result = cap_a_job_through_the_coordinator(job_code(library, SUSPENDED_WITH_A_REGION), "512MiB", env)
+    assert result["violations"] == []
+    suspended, resumed = result["suspended"], result["resumed"]
+    assert suspended["region_device"] == 0 and suspended["region_host"] >= 32 * MIB, suspended
+    assert suspended["main_device"] == 0
+    assert suspended["state"] == "active"  # moved with the job, not paused: its own pause is the job's
+    assert resumed["region_device"] >= 32 * MIB and resumed["region_host"] == 0, resumed
+    assert resumed["main_device"] >= 16 * MIB
+    assert result["same"]
+
+
 # The cap arrives while an op runs (work launched outside ATen, held open):
 # the safe point the cap's own command runs cannot drain it and gives up. The
 # job then idles, so no op entry comes to retry; the job channel's polls
