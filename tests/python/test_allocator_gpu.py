@@ -635,6 +635,48 @@ def test_a_cap_set_through_the_coordinator_reaches_a_running_job():
         assert result["host"] >= 128 * MIB
 
 
+REGION_JOB = r'''
+import json, os, time, torch, cotenant
+from cotenant.coordinator import client
+sock = os.environ["COTENANT_SOCKET"]
+assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
+with cotenant.region("kv"):
+    kv = torch.full((64 << 20,), 3, dtype=torch.uint8, device="cuda")  # 64 MiB
+x = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+def now():
+    row = [r for r in cotenant.regions() if r["name"] == "kv"][0]
+    s = cotenant.memory_stats()
+    return {"cap": s["memory_cap"], "main_device": s["device_bytes"], "region_device": row["device_bytes"]}
+deadline = time.time() + 60
+while time.time() < deadline and not (now()["cap"] is not None and now()["cap"] <= 128 << 20
+                                      and now()["main_device"] <= now()["cap"]):
+    time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
+capped = now()
+client.send_command("regionjob", "suspend", sock)  # no op runs on this thread while suspended
+while time.time() < deadline and not (now()["region_device"] == 0 and now()["main_device"] == 0):
+    time.sleep(0.05)
+suspended = now()
+client.send_command("regionjob", "resume", sock)
+while time.time() < deadline and now()["region_device"] < 64 << 20:
+    time.sleep(0.05)
+print(json.dumps({"capped": capped, "suspended": suspended, "resumed": now(),
+                  "x": int(x.sum().item()), "kv": int(kv.sum().item())}))
+'''
+
+
+def test_the_coordinators_cap_counts_a_jobs_region_and_suspend_moves_the_region_too():
+    from coordinator_harness import cap_a_job_through_the_coordinator
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTENANT_")}
+    result = cap_a_job_through_the_coordinator(REGION_JOB, "192MiB", env, name="regionjob")
+    assert result["capped"]["cap"] == 128 * MIB  # the job's 192 MiB less the region's 64
+    assert result["capped"]["main_device"] <= 128 * MIB
+    # Suspended, nothing of the job is on the device (main's cap rose to the job's: the region left it).
+    assert result["suspended"]["main_device"] == 0 and result["suspended"]["region_device"] == 0
+    assert result["resumed"]["region_device"] == 64 * MIB
+    assert result["x"] == 256 * MIB and result["kv"] == 3 * 64 * MIB  # the bytes survived both moves
+
+
 def test_cap_changes_from_another_thread_during_training_keep_losses_identical():
     native = run_script("print(json.dumps(train('transformer', 40)))", use_cotenant=False)
     out = run_script("""
