@@ -53,16 +53,10 @@ std::vector<DeviceAllocators*> devices_holding(const std::string& name, const ch
 
 // Runs `fn` on one device at a safe point. A CUDA graph capture on the
 // device refuses (the table's message names the fix).
+// With launches paused: the device synchronized, `fn` moving pages, the
+// copies finished before any launch may touch them.
 template <typename Fn>
-std::size_t at_safe_point(DeviceAllocators& d, const std::string& name, const char* what, Fn&& fn) {
-  d.regions->set_graph_capture(d.pools->routing());
-  // During a capture nothing may synchronize: the table refuses, naming the fix.
-  if (d.pools->routing()) return fn();
-  LaunchPause pause(kRegionDrainTimeout);
-  if (!pause) {
-    throw Error(std::string("cannot ") + what + " region '" + name + "': CUDA ops running on other threads "
-                "did not finish within 10 s. Call it again when those threads are between ops.");
-  }
+std::size_t moving_pages(DeviceAllocators& d, Fn&& fn) {
   d.backend->synchronize_device();
   d.backend->set_quiescent(true);
   std::size_t bytes = 0;
@@ -79,6 +73,19 @@ std::size_t at_safe_point(DeviceAllocators& d, const std::string& name, const ch
   }
   d.backend->set_quiescent(false);
   return bytes;
+}
+
+template <typename Fn>
+std::size_t at_safe_point(DeviceAllocators& d, const std::string& name, const char* what, Fn&& fn) {
+  d.regions->set_graph_capture(d.pools->routing());
+  // During a capture nothing may synchronize: the table refuses, naming the fix.
+  if (d.pools->routing()) return fn();
+  LaunchPause pause(kRegionDrainTimeout);
+  if (!pause) {
+    throw Error(std::string("cannot ") + what + " region '" + name + "': CUDA ops running on other threads "
+                "did not finish within 10 s. Call it again when those threads are between ops.");
+  }
+  return moving_pages(d, fn);
 }
 
 std::size_t pause_region(const std::string& name, bool keep) {
@@ -133,22 +140,7 @@ std::size_t move_region_pages(DeviceAllocators& d, std::chrono::microseconds dra
   if (d.pools->routing()) return 0;  // a capture: nothing may synchronize; the caller retries later
   LaunchPause pause(drain_timeout);
   if (!pause) return 0;
-  d.backend->synchronize_device();
-  d.backend->set_quiescent(true);
-  std::size_t bytes = 0;
-  try {
-    bytes = d.regions->apply_pending_migrations();
-    d.backend->finish_copies();  // before any launch may touch the moved pages
-  } catch (...) {
-    try {
-      d.backend->finish_copies();
-    } catch (...) {
-    }
-    d.backend->set_quiescent(false);
-    throw;
-  }
-  d.backend->set_quiescent(false);
-  return bytes;
+  return moving_pages(d, [&] { return d.regions->apply_pending_migrations(); });
 }
 
 COTENANT_TORCH_BINDINGS(regions) {
