@@ -620,6 +620,25 @@ c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::getDeviceStats(c
   return device_stats(*d);
 }
 
+namespace {
+
+// Calls fn(const AllocatorStats&) for each allocator of `d` but its main one:
+// each pool read under the pool table's lock (this runs on every allocation,
+// beside threads that may drop a pool), the regions, and the MemPools with
+// an allocator of their own, whose memory counts as device-resident.
+template <typename Fn>
+void for_each_allocator_besides_main(DeviceAllocators& d, Fn&& fn) {
+  d.pools->for_each_pool([&](PoolId, const CachingAllocator& pool) { fn(pool.stats()); });
+  for (auto& [name, region] : d.regions->allocators()) fn(region->stats());  // regions are never dropped
+  std::lock_guard<std::mutex> lock(d.foreign_mutex);
+  AllocatorStats foreign = d.foreign_stats;
+  foreign.device_resident_bytes.current = foreign.reserved_bytes.all.current;
+  foreign.device_resident_bytes.peak = foreign.reserved_bytes.all.peak;
+  fn(foreign);
+}
+
+}  // namespace
+
 c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::summed_stats(
     DeviceAllocators& d, c10::CachingDeviceAllocator::DeviceStats* highest_own) {
   using c10::CachingAllocator::StatArray;
@@ -633,27 +652,15 @@ c10::CachingDeviceAllocator::DeviceStats CotenantCudaAllocator::summed_stats(
       for (std::size_t i = 0; i < highest.size(); ++i) highest[i].peak = std::max(highest[i].peak, one[i].peak);
     }, *highest_own, own);
   };
-  // As allocators_of(d, kDefaultPool), with each pool read under the pool
-  // table's lock: this runs on every allocation, beside threads that may
-  // drop a pool.
+  // As allocators_of(d, kDefaultPool), each read under its table's lock.
   add(d.main->stats());
-  d.pools->for_each_pool([&](PoolId, const CachingAllocator& pool) { add(pool.stats()); });
-  for (auto& [name, region] : d.regions->allocators()) add(region->stats());  // regions are never dropped
-  std::lock_guard<std::mutex> lock(d.foreign_mutex);
-  add(d.foreign_stats);
+  for_each_allocator_besides_main(d, add);
   return out;
 }
 
 AllocatorStats CotenantCudaAllocator::stats_besides_main(DeviceAllocators& d) {
   AllocatorStats out;
-  // As summed_stats: each pool read under the pool table's lock.
-  d.pools->for_each_pool([&](PoolId, const CachingAllocator& pool) { out.add(pool.stats()); });
-  for (auto& [name, region] : d.regions->allocators()) out.add(region->stats());  // regions are never dropped
-  std::lock_guard<std::mutex> lock(d.foreign_mutex);
-  AllocatorStats foreign = d.foreign_stats;
-  foreign.device_resident_bytes.current = foreign.reserved_bytes.all.current;
-  foreign.device_resident_bytes.peak = foreign.reserved_bytes.all.peak;
-  out.add(foreign);
+  for_each_allocator_besides_main(d, [&](const AllocatorStats& stats) { out.add(stats); });
   return out;
 }
 

@@ -46,19 +46,19 @@ bool TorchJobProcess::follow_job_cap(bool always) {
   }
   // Unchanged, main's cap is left as it is: the job may have set its own.
   if (!always && want == main_cap_) return false;
-  main_.set_memory_cap(want);
+  allocator().set_memory_cap(want);
   main_cap_ = want;
   return true;
 }
 
 AllocatorStats TorchJobProcess::job_stats() {
-  AllocatorStats stats = main_.stats();
+  AllocatorStats stats = allocator().stats();
   stats.add(cuda_.stats_besides_main(device_));
   return stats;
 }
 
 void TorchJobProcess::spill_job() {
-  main_.spill_all();
+  allocator().spill_all();
   std::vector<std::string> spilled = device_.regions->spill_active();
   std::lock_guard<std::mutex> lock(regions_mutex_);
   // A second spill before a restore adds nothing new to bring back.
@@ -70,7 +70,7 @@ void TorchJobProcess::spill_job() {
 }
 
 void TorchJobProcess::restore_job() {
-  main_.restore_all();
+  allocator().restore_all();
   std::lock_guard<std::mutex> lock(regions_mutex_);
   device_.regions->restore_spilled(spilled_regions_);
   spilled_regions_.clear();

@@ -18,9 +18,9 @@ namespace cotenant::torch_ext {
 class TorchJobProcess final : public JobProcess {
  public:
   TorchJobProcess(CotenantCudaAllocator& allocator, DeviceAllocators& device)
-      : cuda_(allocator), device_(device), main_(*device.main) {}
+      : cuda_(allocator), device_(device) {}
   ~TorchJobProcess() override;
-  CachingAllocator& allocator() override { return main_; }
+  CachingAllocator& allocator() override { return *device_.main; }
   // The coordinator's cap covers the job's device memory: its graph pools,
   // regions and MemPools' own allocators hold device memory that is never
   // capped or moved, so the main allocator's cap is the job's less what
@@ -58,8 +58,7 @@ class TorchJobProcess final : public JobProcess {
   bool follow_job_cap(bool always);
 
   CotenantCudaAllocator& cuda_;
-  DeviceAllocators& device_;
-  CachingAllocator& main_;
+  DeviceAllocators& device_;  // its main allocator is the job's allocator()
   std::atomic<bool> paused_{false};
   std::mutex cap_mutex_;                  // the two below
   std::uint64_t job_cap_ = kNoCap;        // the coordinator's, as a cap word
