@@ -221,22 +221,32 @@ def test_run_help_describes_allow_uncapped():
     assert "--allow-uncapped" in sub.choices["run"].format_help()
 
 
-# ---- values that start with a minus sign -----------------------------------------------------
+# ---- values that start with a minus sign, or are empty ---------------------------------------
 
 
-@pytest.mark.parametrize("args", [
-    ["set-cap", "trainer", "-1G"],
-    ["set-cap", "trainer", "-0.5"],
-    ["run", "--opportunistic", "--cap", "-1G", "--", "true"],
-    ["run", "--opportunistic", "--cap=-1G", "--", "true"],
-])
-def test_a_negative_cap_is_refused_as_negative_not_as_a_missing_argument(args, capsys):
+NEGATIVE = "a cap cannot be negative"
+EMPTY = 'it is empty (write "none" for no cap)'
+
+
+@pytest.mark.parametrize("args, why", [
     # argparse used to read "-1G" as an unknown option: "expected one argument", or "the following
     # arguments are required: size", with nothing about the sign.
+    (["set-cap", "trainer", "-1G"], NEGATIVE),
+    (["set-cap", "trainer", "-0.5"], NEGATIVE),
+    (["run", "--opportunistic", "--cap", "-1G", "--", "true"], NEGATIVE),
+    (["run", "--opportunistic", "--cap=-1G", "--", "true"], NEGATIVE),
+    # An unset shell variable (`cotenant set-cap trainer "$CAP"`) used to lift the job's cap bound,
+    # and `run --cap ""` to start the job uncapped, without a word.
+    (["set-cap", "trainer", ""], EMPTY),
+    (["set-cap", "trainer", " "], EMPTY),
+    (["run", "--opportunistic", "--cap", "", "--", "true"], EMPTY),
+    (["run", "--opportunistic", "--cap=", "--", "true"], EMPTY),
+])
+def test_a_negative_or_empty_cap_is_refused_saying_which(args, why, capsys):
     code = cli.main(args)
     err = capsys.readouterr().err
     assert code == cli.EXIT_USAGE, err
-    assert "a cap cannot be negative" in err and "required" not in err and "expected one argument" not in err
+    assert why in err and "required" not in err and "expected one argument" not in err
 
 
 @pytest.mark.parametrize("interval", ["-1", "0", "nan"])
@@ -246,18 +256,3 @@ def test_status_watch_refuses_an_interval_that_is_not_positive(interval, capsys)
     assert exited.value.code == 2
     assert f"seconds between refreshes: a number more than 0 (such as 1 or 0.5), not {interval!r}" in \
         capsys.readouterr().err
-
-
-@pytest.mark.parametrize("args", [
-    ["set-cap", "trainer", ""],
-    ["set-cap", "trainer", " "],
-    ["run", "--opportunistic", "--cap", "", "--", "true"],
-    ["run", "--opportunistic", "--cap=", "--", "true"],
-])
-def test_an_empty_cap_is_refused_not_taken_for_no_cap(args, capsys):
-    # An unset shell variable (`cotenant set-cap trainer "$CAP"`) used to lift the job's cap bound,
-    # and `run --cap ""` to start the job uncapped, without a word.
-    code = cli.main(args)
-    err = capsys.readouterr().err
-    assert code == cli.EXIT_USAGE, err
-    assert 'it is empty (write "none" for no cap)' in err

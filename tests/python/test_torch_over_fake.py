@@ -1206,6 +1206,18 @@ import over_fake
 fake = over_fake.Fake({library!r})  # no reset: the start-up hook may have enabled cotenant already
 import torch, cotenant
 over_fake.check_torch_sees_the_fake(torch)
+
+def wait_under_the_cap(most, deadline):
+    # Until a cap of at most `most` is set and the job is under it, or the
+    # deadline; the last statistics. The job is idle: the job channel's
+    # thread moves the pages.
+    while True:
+        s = cotenant.memory_stats()
+        if s["memory_cap"] is not None and s["memory_cap"] <= most and s["device_bytes"] <= s["memory_cap"]:
+            return s
+        if time.time() >= deadline:
+            return s
+        time.sleep(0.05)
 '''
 
 
@@ -1219,12 +1231,7 @@ CAPPED_JOB = r'''
 assert cotenant.is_enabled(), "cotenant run did not enable cotenant"
 data = torch.arange(32 << 20, dtype=torch.int32)  # 128 MiB
 x = data.to("cuda")
-deadline = time.time() + 60
-while time.time() < deadline:
-    s = cotenant.memory_stats()
-    if s["memory_cap"] is not None and s["memory_cap"] <= 64 << 20 and s["device_bytes"] <= s["memory_cap"]:
-        break
-    time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
+s = wait_under_the_cap(64 << 20, time.time() + 60)
 print(json.dumps({"cap": s["memory_cap"], "device": s["device_bytes"], "host": s["host_bytes"],
                   "headroom": s["host_headroom_bytes"], "refusals": s["host_headroom_refusals"],
                   "same": bool(torch.equal(x.to("cpu"), data)), "violations": fake.violations()}))
@@ -1256,11 +1263,7 @@ with cotenant.region("kv"):
 data = torch.arange(32 << 20, dtype=torch.int32)  # 128 MiB
 x = data.to("cuda")
 deadline = time.time() + 60
-while time.time() < deadline:
-    s = cotenant.memory_stats()
-    if s["memory_cap"] is not None and s["memory_cap"] <= 64 << 20 and s["device_bytes"] <= s["memory_cap"]:
-        break
-    time.sleep(0.05)  # the job is idle: the job channel's thread moves the pages
+s = wait_under_the_cap(64 << 20, deadline)
 seen = {}
 while time.time() < deadline:  # the report follows within a poll
     seen = [j for j in client.status(os.environ["COTENANT_SOCKET"])["jobs"] if j["name"] == "capjob"][0]
