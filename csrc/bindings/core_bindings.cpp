@@ -235,12 +235,16 @@ py::dict result_dict(const ReplayResult& r) {
   d["num_iterations"] = r.maps_per_iteration.size();
   d["maps_per_iteration"] = r.maps_per_iteration;
   d["host_touched_bytes_per_iteration"] = r.host_touched_bytes_per_iteration;
+  d["host_live_bytes_per_iteration"] = r.host_live_bytes_per_iteration;
+  d["host_live_floor_bytes_per_iteration"] = r.host_live_floor_bytes_per_iteration;
   d["moved_bytes_per_iteration"] = r.moved_bytes_per_iteration;
   d["safe_points_per_iteration"] = r.safe_points_per_iteration;
   d["num_safe_points"] = r.num_safe_points;
   auto or_none = [](double value) { return value < 0 ? py::object(py::none()) : py::object(py::float_(value)); };
   d["steady_maps_per_iteration"] = or_none(r.steady_maps_per_iteration);
   d["steady_host_touched_bytes_per_iteration"] = or_none(r.steady_host_touched_bytes_per_iteration);
+  d["steady_host_live_bytes"] = or_none(r.steady_host_live_bytes);
+  d["steady_host_live_floor_bytes"] = or_none(r.steady_host_live_floor_bytes);
   d["steady_moved_bytes_per_iteration"] = or_none(r.steady_moved_bytes_per_iteration);
   d["steady_safe_points_per_iteration"] = or_none(r.steady_safe_points_per_iteration);
   d["at_peak_live_bytes"] = r.at_peak_live_bytes;

@@ -107,6 +107,9 @@ struct CachingAllocator::State {
   static constexpr double kSpillAheadShare = 0.25;
   static constexpr double kSpillAheadCapShare = 0.125;
   static constexpr double kGrowthSlack = 0.05;
+  // A safe point is called for once this share of the cap of live host
+  // pages could come to the device (see live_host_pages_fit_on_the_device()).
+  static constexpr double kFillShare = 1.0 / 64;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
   // Host pages kept after their last use (options.keep_host_pages, the
@@ -440,6 +443,40 @@ struct CachingAllocator::State {
   void trim_spill_targets() {
     const std::uint64_t over = device_bytes() > effective_cap() ? device_bytes() - effective_cap() : 0;
     while (spill_targets.size() * page_bytes >= over + page_bytes) give_back_page(take_spill_target());
+  }
+
+  // Bytes of host pages that hold a live block, and pinned fallback
+  // allocations in use: what kernels reach over the bus.
+  std::size_t host_live_bytes() const {
+    std::size_t pinned_in_use = 0;  // pinned fallback segments, one block each, that are not kept free
+    if (stats.pinned_fallback_bytes.current != 0) {
+      for (const auto& [base, segment] : segments) {
+        if (segment->pinned_fallback && !segment->first->in_pool) pinned_in_use += segment->size;
+      }
+    }
+    return live_host_page_bytes() + pinned_in_use;
+  }
+  // Bytes of host pages that hold a live block (kRemap).
+  std::size_t live_host_page_bytes() const {
+    return static_cast<std::size_t>(stats.host_resident_bytes.current - stats.pinned_fallback_bytes.current) -
+           cached_bytes[static_cast<int>(Residency::kHost)] - spill_targets.size() * page_bytes;
+  }
+  // Whether a safe point would bring at least kFillShare of the cap (and
+  // kPagesPerWait pages) of live host pages to the device, into free device
+  // pages' places (plan_migrations' into_free) or room under the cap: a
+  // free device page appears when a step frees a block, and a live host
+  // page when the step places a block on a host page of its layout; one
+  // without the other calls for no safe point, which on a GPU waits for
+  // the device. O(1): the allocation and free paths ask.
+  bool live_host_pages_fit_on_the_device() const {
+    if (mode() != SpillMode::kRemap || spill_everything) return false;
+    const std::uint64_t limit = effective_cap();
+    const std::uint64_t room = limit == kNoCap ? kNoCap : limit > device_bytes() ? limit - device_bytes() : 0;
+    const std::uint64_t free_device = cached_bytes[static_cast<int>(Residency::kDevice)];
+    const std::uint64_t fits = room == kNoCap ? kNoCap : room + free_device;
+    const double least = std::max(static_cast<double>(kPagesPerWait * page_bytes),
+                                  limit == kNoCap ? 0.0 : static_cast<double>(limit) * kFillShare);
+    return static_cast<double>(std::min<std::uint64_t>(fits, live_host_page_bytes())) >= least;
   }
 
   // Whether one more device page over the cap is matched by a live device
@@ -913,14 +950,17 @@ struct CachingAllocator::State {
     std::size_t index;
   };
 
-  // Plans moves over the live pages against the effective cap.
+  // Plans moves over the live pages and the free device pages against the
+  // effective cap.
   MigrationPlan plan(std::vector<LivePage>* pages) const {
     std::vector<PageCandidate> candidates;
     for (const auto& [base, segment] : segments) {
       for (std::size_t i = 0; i < segment->pages.size(); ++i) {
         const Page& page = segment->pages[i];
-        if (!page.handle || page.live_blocks == 0) continue;
-        candidates.push_back({pages->size(), page.handle.where, page.last_use});
+        if (!page.handle) continue;
+        const bool live = page.live_blocks != 0;
+        if (!live && page.handle.where != Residency::kDevice) continue;
+        candidates.push_back({pages->size(), page.handle.where, page.last_use, live});
         pages->push_back({segment.get(), i});
       }
     }
@@ -943,12 +983,14 @@ struct CachingAllocator::State {
       std::vector<LivePage> pages;
       const MigrationPlan moves = plan(&pages);
       stats.pending_spill_bytes = static_cast<std::int64_t>(moves.to_host.size() * page_bytes);
-      stats.pending_restore_bytes = static_cast<std::int64_t>(moves.to_device.size() * page_bytes);
+      stats.pending_restore_bytes =
+          static_cast<std::int64_t>((moves.to_device.size() + moves.into_free.size()) * page_bytes);
     }
     flag.store(stats.pending_spill_bytes + stats.pending_restore_bytes > 0, std::memory_order_release);
   }
 
   DevicePtr address_of(const LivePage& live) const { return live.segment->base + live.index * page_bytes; }
+  static bool holds_no_block(const LivePage& live) { return live.segment->pages[live.index].live_blocks == 0; }
   // The page backing a live page in the books (the old one until moved_page()).
   static PageHandle backing(const LivePage& live) { return live.segment->pages[live.index].handle; }
 
@@ -1134,6 +1176,7 @@ struct CachingAllocator::State {
       const PageHandle target = spill_target(targets.copied.size() * page_bytes < over);
       if (!target) break;  // the host is exhausted: the device stays over the cap
       targets.copied.push_back({&pages[id], target});
+      if (holds_no_block(pages[id])) continue;  // a free device page: nothing to copy
       try {
         backend.copy_out(address_of(pages[id]), target);
       } catch (...) {
@@ -1183,9 +1226,14 @@ struct CachingAllocator::State {
     count_mapped(segment, where, true);
     page.handle = target;
     emit(AllocatorEvent::Kind::kPageMoved, address, page_bytes, segment.stream, where);
-    const auto bytes = static_cast<std::int64_t>(page_bytes);
-    (where == Residency::kHost ? stats.spilled_bytes : stats.restored_bytes) += bytes;
-    ++stats.num_migrations;
+    if (page.live_blocks == 0) {  // a free page: its place moved, no bytes were copied
+      cached_of(old.where) -= page_bytes;
+      cached_of(where) += page_bytes;
+    } else {
+      const auto bytes = static_cast<std::int64_t>(page_bytes);
+      (where == Residency::kHost ? stats.spilled_bytes : stats.restored_bytes) += bytes;
+      ++stats.num_migrations;
+    }
     // Last: the move is in the books. A release the driver refuses leaves the
     // old page with the process until it exits, and the error goes on.
     if (old.where == Residency::kDevice) {
@@ -1193,6 +1241,75 @@ struct CachingAllocator::State {
     } else {
       give_back_page(old);  // the copy just issued may still read it: the backend keeps it till then
     }
+  }
+
+  // Live host pages take free device pages' places (plan_migrations'
+  // into_free), kPagesPerWait at a time: the host page's bytes are copied
+  // into the free device page where it is mapped, then the two trade
+  // addresses, the device page backing the live one and the host page the
+  // free one. No page is created or released and the device's bytes stay
+  // as they are; the layout stays mapped. A failed copy moves nothing of
+  // its group; a failed remap puts that pair's pages back where they were.
+  // Returns the bytes moved to the device.
+  std::size_t fill_free_device_pages(const std::vector<PageSwap>& swaps, const std::vector<LivePage>& pages) {
+    std::size_t moved = 0;
+    std::vector<const PageSwap*> copied;
+    for (std::size_t begin = 0; begin < swaps.size(); begin += kPagesPerWait) {
+      copied.clear();
+      for (std::size_t i = begin; i < std::min(swaps.size(), begin + kPagesPerWait); ++i) {
+        const LivePage &live = pages[swaps[i].host_page], &free = pages[swaps[i].free_device_page];
+        // Planned before this safe point's spills: a free page released
+        // since (the host could not take a spill) stays out of the swap.
+        const Page& free_page = free.segment->pages[free.index];
+        if (!free_page.handle || free_page.handle.where != Residency::kDevice || free_page.live_blocks != 0) continue;
+        backend.copy_into(address_of(free), backing(live));
+        copied.push_back(&swaps[i]);
+      }
+      backend.finish_copies();
+      for (const PageSwap* swap : copied) {
+        trade_backings(pages[swap->host_page], pages[swap->free_device_page]);
+        moved += page_bytes;
+      }
+    }
+    return moved;
+  }
+
+  // The live host page `live` and the free device page `free` trade
+  // addresses (the copy is done). On a failed driver call both pages go
+  // back where they were, and the error goes on.
+  void trade_backings(const LivePage& live, const LivePage& free) {
+    Page& host_page = live.segment->pages[live.index];
+    Page& device_page = free.segment->pages[free.index];
+    const PageHandle host = host_page.handle, device = device_page.handle;
+    const DevicePtr live_address = address_of(live), free_address = address_of(free);
+    int step = 0;  // driver calls done: unmap live, unmap free, map device at live, map host at free
+    try {
+      backend.unmap(live_address);
+      ++step;
+      backend.unmap(free_address);
+      ++step;
+      backend.map(live_address, device);
+      ++step;
+      backend.map(free_address, host);
+      ++step;
+    } catch (...) {
+      if (step >= 3) backend.unmap(live_address);
+      if (step >= 2) backend.map(free_address, device);
+      if (step >= 1) backend.map(live_address, host);
+      throw;
+    }
+    host_page.handle = device;
+    device_page.handle = host;
+    count_mapped(*live.segment, Residency::kHost, false);
+    count_mapped(*live.segment, Residency::kDevice, true);
+    count_mapped(*free.segment, Residency::kDevice, false);
+    count_mapped(*free.segment, Residency::kHost, true);
+    cached_of(Residency::kDevice) -= page_bytes;
+    cached_of(Residency::kHost) += page_bytes;
+    emit(AllocatorEvent::Kind::kPageMoved, live_address, page_bytes, live.segment->stream, Residency::kDevice);
+    emit(AllocatorEvent::Kind::kPageMoved, free_address, page_bytes, free.segment->stream, Residency::kHost);
+    stats.restored_bytes += static_cast<std::int64_t>(page_bytes);
+    ++stats.num_migrations;
   }
 
   // Releases the cached host pages, coldest first, as far as the device has
@@ -1221,17 +1338,17 @@ struct CachingAllocator::State {
         }
       }
     } release_targets{*this};
-    // Cached pages hold no data: release instead of moving them, those the
-    // loop no longer uses (unused_before()). Host cache goes as far as the
-    // device has room for it (a block reusing it would run on the host
-    // needlessly), that the loop no longer uses always; the rest of the
-    // loop's stays mapped: a block placed there runs on the host, where
-    // released it would come back as a new page, and under the cap a colder
-    // page's spill, in every step. Over the cap, the loop's device cache goes
-    // only for what the live device pages cannot spill.
+    // Cached pages hold no data: release instead of moving them. Host cache
+    // stays mapped while host pages are kept (released, a page would only
+    // go to the host pool, pinned still, and the loop's next block there
+    // would map it again); otherwise what the loop no longer uses
+    // (unused_before()) goes. A block placed on a host page of the layout
+    // moves to the device at a safe point, into room under the cap or a
+    // free device page's place (plan_migrations). Over the cap, the loop's
+    // device cache goes only for what the live device pages cannot spill.
     const Residency host = Residency::kHost, device = Residency::kDevice;
-    release_cached_pages(&host, SIZE_MAX, /*synchronized=*/false, unused_before());
-    release_host_cache_the_device_has_room_for();
+    if (!keeping_host_pages()) release_cached_pages(&host, SIZE_MAX, /*synchronized=*/false, unused_before());
+    if (spill_everything) release_cached_pages(&device);  // the device is to be left, not its cache kept on the host
     if (device_bytes() > effective_cap()) {
       release_cached_pages(&device, device_bytes() - effective_cap(), /*synchronized=*/false, unused_before());
     }
@@ -1242,7 +1359,7 @@ struct CachingAllocator::State {
     std::vector<LivePage> pages;
     const MigrationPlan moves = plan(&pages);
     if (moves.empty()) return 0;
-    *planned = (moves.to_host.size() + moves.to_device.size()) * page_bytes;
+    *planned = (moves.to_host.size() + moves.to_device.size() + moves.into_free.size()) * page_bytes;
     backend.synchronize_device();
     // Device pages the spills give up back the restores of the batch (a
     // host page hotter than a device page swaps places with it): a page
@@ -1263,7 +1380,11 @@ struct CachingAllocator::State {
     const std::size_t spilled = spill_pages(moves.to_host, pages, given_up.pages);
     // Spills the host could not take (its headroom): the loop's cache goes instead.
     if (device_bytes() > effective_cap()) release_cached_pages(&device, device_bytes() - effective_cap());
-    return spilled + restore_pages(moves.to_device, pages, given_up.pages);
+    const std::size_t restored = restore_pages(moves.to_device, pages, given_up.pages);
+    // A spill the host could not take left the device over the cap: its free
+    // pages went above, and the swaps wait for the next safe point.
+    if (device_bytes() > effective_cap()) return spilled + restored;
+    return spilled + restored + fill_free_device_pages(moves.into_free, pages);
   }
 
   // ---- invariants ---------------------------------------------------------
@@ -1502,6 +1623,8 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream, OnOutOf
     // Placed over the cap in colder pages' stead: they move at the next safe point.
     s.stats.pending_spill_bytes = static_cast<std::int64_t>(s.device_bytes() - s.effective_cap());
     pending_migrations_.store(true, std::memory_order_release);
+  } else if (s.stats.host_resident_bytes.current != 0 && s.live_host_pages_fit_on_the_device()) {
+    pending_migrations_.store(true, std::memory_order_release);  // placed on the host while device pages are free
   }
   return block->address;
 }
@@ -1521,6 +1644,11 @@ void CachingAllocator::free(DevicePtr address) {
   // books as they were, so a caller that must not throw (a tensor's deleter)
   // can report the error and go on.
   s.free_live(it);
+  // Device pages freed while live pages sit on the host: they trade places
+  // at the next safe point.
+  if (s.stats.host_resident_bytes.current != 0 && s.live_host_pages_fit_on_the_device()) {
+    pending_migrations_.store(true, std::memory_order_release);
+  }
 }
 
 void CachingAllocator::record_stream(DevicePtr address, StreamId stream) {
@@ -1635,6 +1763,11 @@ std::size_t CachingAllocator::host_bytes_of(DevicePtr address) const {
   return bytes;
 }
 
+std::size_t CachingAllocator::host_live_bytes() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->host_live_bytes();
+}
+
 void CachingAllocator::set_memory_cap(std::uint64_t bytes) {
   if (bytes == 0) Cap::of_bytes(0);  // throws the one message for a zero cap
   State& s = *state_;
@@ -1732,6 +1865,7 @@ AllocatorStats CachingAllocator::stats() const {
   AllocatorStats out = state_->stats;
   out.host_pool_bytes = state_->host_pages->kept();
   out.num_host_headroom_refusals = state_->host_pages->headroom_refusals();
+  out.host_live_bytes = static_cast<std::int64_t>(state_->host_live_bytes());
   out.memory_cap = state_->cap;
   out.spilled_all = state_->spill_everything;
   out.mode = state_->mode();

@@ -94,6 +94,11 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   // Per-iteration counters: maps at the last mark, host bytes touched since it.
   std::int64_t maps_at_mark = allocator.stats().num_device_alloc;
   std::int64_t host_touched = 0;
+  // Live host bytes, and live bytes over the cap, summed after each op
+  // since the mark, and the ops; the live bytes (rounded sizes).
+  double host_live_sum = 0, host_live_floor_sum = 0;
+  std::int64_t ops_since_mark = 0;
+  std::uint64_t live_bytes = 0;
   auto moved = [](const AllocatorStats& stats) { return stats.spilled_bytes + stats.restored_bytes; };
   std::int64_t moved_at_mark = moved(allocator.stats());
   std::int64_t safe_points_at_mark = 0;
@@ -122,6 +127,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
           result.alloc_ns_total += elapsed_ns(start, end);
           ++result.num_allocs;
           trace.live.emplace(op.id, address);
+          if (address != 0) live_bytes += allocator.allocation_size(address);
           const std::int64_t reserved = allocator.stats().reserved_bytes.all.current;
           if (reserved > reserved_peak) {
             reserved_peak = reserved;
@@ -146,6 +152,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         // A 0-byte allocation has address 0 and nothing to give back.
         if (address != 0) {
           host_touched += static_cast<std::int64_t>(allocator.host_bytes_of(address));
+          live_bytes -= allocator.allocation_size(address);
           const auto start = Clock::now();
           allocator.free(address);
           const auto end = Clock::now();
@@ -182,6 +189,11 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         const AllocatorStats at_mark = allocator.stats();
         result.maps_per_iteration.push_back(at_mark.num_device_alloc - maps_at_mark);
         result.host_touched_bytes_per_iteration.push_back(host_touched);
+        const auto ops = static_cast<double>(std::max<std::int64_t>(1, ops_since_mark));
+        result.host_live_bytes_per_iteration.push_back(static_cast<std::int64_t>(host_live_sum / ops));
+        result.host_live_floor_bytes_per_iteration.push_back(static_cast<std::int64_t>(host_live_floor_sum / ops));
+        host_live_sum = host_live_floor_sum = 0;
+        ops_since_mark = 0;
         result.moved_bytes_per_iteration.push_back(moved(at_mark) - moved_at_mark);
         result.safe_points_per_iteration.push_back(result.num_safe_points - safe_points_at_mark);
         safe_points_at_mark = result.num_safe_points;
@@ -194,6 +206,12 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         throw ReplayError(index, fmt::format("unknown operation kind {}", static_cast<int>(op.kind)));
     }
     ++result.num_ops;
+    if (op.kind != ReplayOpKind::kIteration) {
+      host_live_sum += static_cast<double>(allocator.host_live_bytes());
+      const std::uint64_t cap = allocator.memory_cap();
+      if (cap != kNoCap && live_bytes > cap) host_live_floor_sum += static_cast<double>(live_bytes - cap);
+      ++ops_since_mark;
+    }
   }
 
   const AllocatorStats stats = allocator.stats();
@@ -226,6 +244,8 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
   }
   result.steady_maps_per_iteration = warm_mean(result.maps_per_iteration);
   result.steady_host_touched_bytes_per_iteration = warm_mean(result.host_touched_bytes_per_iteration);
+  result.steady_host_live_bytes = warm_mean(result.host_live_bytes_per_iteration);
+  result.steady_host_live_floor_bytes = warm_mean(result.host_live_floor_bytes_per_iteration);
   result.steady_moved_bytes_per_iteration = warm_mean(result.moved_bytes_per_iteration);
   result.steady_safe_points_per_iteration = warm_mean(result.safe_points_per_iteration);
   result.final_stats = stats;

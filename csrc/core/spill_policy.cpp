@@ -5,15 +5,18 @@
 
 namespace cotenant {
 
-MigrationPlan plan_migrations(const std::vector<PageCandidate>& live_pages, std::uint64_t device_bytes,
+MigrationPlan plan_migrations(const std::vector<PageCandidate>& pages, std::uint64_t device_bytes,
                               std::uint64_t cap, std::size_t page_bytes, std::uint64_t ahead) {
   MigrationPlan plan;
+  // Device pages coldest first: free ones (nothing to copy, nothing a kernel
+  // reads) before any live one, then by heat.
   std::vector<const PageCandidate*> device, host;
-  for (const PageCandidate& page : live_pages) {
+  for (const PageCandidate& page : pages) {
+    if (!page.holds_data && page.where != Residency::kDevice) continue;  // a free host page: no candidate
     (page.where == Residency::kDevice ? device : host).push_back(&page);
   }
   std::sort(device.begin(), device.end(), [](const PageCandidate* a, const PageCandidate* b) {
-    return std::tie(a->last_use, a->id) < std::tie(b->last_use, b->id);
+    return std::make_tuple(a->holds_data, a->last_use, a->id) < std::make_tuple(b->holds_data, b->last_use, b->id);
   });
   std::sort(host.begin(), host.end(), [](const PageCandidate* a, const PageCandidate* b) {
     return std::make_tuple(b->last_use, a->id) < std::make_tuple(a->last_use, b->id);
@@ -29,7 +32,11 @@ MigrationPlan plan_migrations(const std::vector<PageCandidate>& live_pages, std:
     device_bytes += page_bytes;
   }
   while (coldest < device.size() && hottest < host.size() &&
-         host[hottest]->last_use > device[coldest]->last_use) {
+         (!device[coldest]->holds_data || host[hottest]->last_use > device[coldest]->last_use)) {
+    if (!device[coldest]->holds_data) {
+      plan.into_free.push_back({host[hottest++]->id, device[coldest++]->id});
+      continue;
+    }
     plan.to_host.push_back(device[coldest++]->id);
     plan.to_device.push_back(host[hottest++]->id);
   }

@@ -175,6 +175,7 @@ void CudaBackend::give_back_everything() {
   // Host pages still alive (a release the driver refused) lose their copy
   // mappings here, so that the ranges can go back.
   for (auto& [id, address] : shadows_) driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);
+  for (DevicePtr address : refused_shadows_) driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);
   for (DevicePtr range : shadow_ranges_) driver().cuMemAddressFree(range, kShadowRangePages * granularity_);
   std::lock_guard<std::mutex> lock(pinned_mutex_);
   for (auto& [address, host] : pinned_host_) driver().cuMemFreeHost(host);
@@ -384,15 +385,23 @@ void CudaBackend::release_host_page(PageHandle page) {
     if (auto it = shadows_.find(page.id); it != shadows_.end()) address = it->second;
   }
   if (address != 0) {
+    CUresult unmapped;
     {
       Timed timed(*this, DriverCall::kUnmap);
-      // A refusal leaves the page mapped there and with the process; the error goes on.
-      check_driver(driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_),
-                   "cuMemUnmap (a host page's copy address)");
+      unmapped = driver().cuMemUnmap(static_cast<CUdeviceptr>(address), granularity_);
     }
     std::lock_guard<std::mutex> lock(shadow_mutex_);
     shadows_.erase(page.id);
-    free_shadows_.push_back(address);
+    if (unmapped == CUDA_SUCCESS) {
+      free_shadows_.push_back(address);
+    } else {
+      // The page stays mapped there until the backend's end tries again; its
+      // handle goes now (the caller has given the page up), so the memory
+      // goes with that last mapping instead of staying with the process.
+      refused_shadows_.push_back(address);
+      driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page.id));
+      check_driver(unmapped, "cuMemUnmap (a host page's copy address)");
+    }
   }
   Timed timed(*this, DriverCall::kReleaseHostPage);
   check_driver(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page.id)), "cuMemRelease");

@@ -243,6 +243,10 @@ class CudaBackend final : public Backend {
   std::vector<DevicePtr> shadow_ranges_;
   std::vector<DevicePtr> free_shadows_;
   std::unordered_map<std::uint64_t, DevicePtr> shadows_;  // host page id -> shadow address
+  // Shadows whose unmap the driver refused at their page's release: the
+  // page's handle is released all the same (its memory goes when the last
+  // mapping does), and they are unmapped again at the backend's end.
+  std::vector<DevicePtr> refused_shadows_;
   std::vector<PageHandle> releases_after_copies_;         // guarded by copy_mutex_
 
   // Pinned-fallback allocations: device address -> host pointer for cuMemFreeHost.

@@ -160,6 +160,10 @@ class CachingAllocator {
   // Bytes of the live allocation at `address` that lie on host pages (all of
   // it for a pinned fallback allocation); 0 for an address that is not live.
   std::size_t host_bytes_of(DevicePtr address) const;
+  // Bytes of host pages that hold a live block, and of pinned fallback
+  // allocations in use: what kernels reach across the bus (stats()'s
+  // host_live_bytes). Host pages kept mapped with no live block are not counted.
+  std::size_t host_live_bytes() const;
 
   // The cap on device-resident bytes, as a resolved word (Cap::to_word():
   // kNoCap removes it), or as a Cap (a fraction resolves against the

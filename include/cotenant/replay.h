@@ -88,6 +88,14 @@ struct ReplayResult {
   // allocation or a free touched (bytes of the block on host pages).
   std::vector<std::int64_t> maps_per_iteration;
   std::vector<std::int64_t> host_touched_bytes_per_iteration;
+  // Live bytes on host pages (CachingAllocator::host_live_bytes()) after
+  // each op, averaged over the iteration's ops: what kernels would reach
+  // across the bus, whether or not an allocation or free touches it. On a
+  // GPU a capped step's time follows it (docs/allocator.md).
+  std::vector<std::int64_t> host_live_bytes_per_iteration;
+  // Its floor: live bytes over the cap after each op (0 under it), averaged
+  // the same way. No placement keeps less on the host (pages round it up).
+  std::vector<std::int64_t> host_live_floor_bytes_per_iteration;
   // Bytes page moves carried (spilled plus restored) in each iteration, and
   // the safe points that moved pages (on a GPU each waits for the device).
   std::vector<std::int64_t> moved_bytes_per_iteration;
@@ -97,6 +105,8 @@ struct ReplayResult {
   // -1 when the trace has fewer than 2 iteration marks.
   double steady_maps_per_iteration = -1.0;
   double steady_host_touched_bytes_per_iteration = -1.0;
+  double steady_host_live_bytes = -1.0;
+  double steady_host_live_floor_bytes = -1.0;
   double steady_moved_bytes_per_iteration = -1.0;
   double steady_safe_points_per_iteration = -1.0;
   std::int64_t num_safe_points = 0;  // safe points that moved pages, the whole replay

@@ -66,7 +66,7 @@ const char* spill_mode_name(SpillMode mode);
 #define COTENANT_COUNT_STATS(X) \
   X(num_alloc_retries) X(num_ooms) X(num_device_alloc) X(num_device_free) X(spilled_bytes) X(restored_bytes) \
   X(num_migrations) X(num_spilled_allocations) X(num_host_headroom_refusals)
-#define COTENANT_GAUGE_STATS(X) X(pending_spill_bytes) X(pending_restore_bytes)
+#define COTENANT_GAUGE_STATS(X) X(pending_spill_bytes) X(pending_restore_bytes) X(host_live_bytes)
 
 struct AllocatorStats {
   // Bytes and counts as torch.cuda.memory_stats() defines them. "allocated"
@@ -88,6 +88,10 @@ struct AllocatorStats {
   //   num_host_headroom_refusals      host pages not pinned: the host was at its
   //                                   headroom (the device's host pool's count)
   //   pending_spill/restore_bytes     marked, not yet moved
+  //   host_live_bytes                 host pages holding a live block and pinned
+  //                                   fallback allocations in use (part of
+  //                                   host_resident_bytes: what kernels reach
+  //                                   across the bus)
 #define COTENANT_DECLARE_POOLED(name) PooledStat name;
 #define COTENANT_DECLARE_PLAIN(name) Stat name;
 #define COTENANT_DECLARE_INT(name) std::int64_t name = 0;

@@ -825,11 +825,16 @@ def _iteration_rows(result: Dict[str, Any]) -> List[_Row]:
         return [_Row("iterations", str(marks), note=why)]
     host_bytes = _core().format_size(int(round(result["steady_host_touched_bytes_per_iteration"])))
     moved_bytes = _core().format_size(int(round(result["steady_moved_bytes_per_iteration"])))
+    live_bytes = _core().format_size(int(round(result["steady_host_live_bytes"])))
+    live_floor = _core().format_size(int(round(result["steady_host_live_floor_bytes"])))
     return [
         _Row("iterations", str(marks), note=f"(steady figures: the mean over the last {max(1, marks // 2)})"),
         _Row("maps per iteration", f'{result["steady_maps_per_iteration"]:.2f}', note="(steady; 0 is the target)"),
         _Row("host bytes per iteration", host_bytes,
              note="(steady: live bytes on host pages that allocs and frees touched; lower is better)"),
+        _Row("live bytes on the host", f"{live_bytes} (floor {live_floor})",
+             note="(steady: live bytes on host pages, the mean over a step's ops, which kernels read across the "
+                  "bus; the floor: live bytes over the cap; lower is better)"),
         _Row("bytes moved per iteration", moved_bytes,
              note="(steady: page moves to the host and back, each a copy; lower is better)"),
         _Row("safe points per iteration", f'{result["steady_safe_points_per_iteration"]:.2f}',

@@ -443,6 +443,63 @@ TEST_CASE("a_host_page_hotter_than_a_device_page_swaps_with_it_at_the_safe_point
   allocator.check_invariants();
 }
 
+// A live block on host pages is read across the bus by every kernel that
+// uses it; a free device page holds nothing a kernel reads. So when a free
+// leaves enough device pages free while live pages sit on the host, the next
+// safe point moves the live pages into the free pages' places and maps the
+// host pages where the free ones were: one copy per page, no page created
+// or released, the device's bytes unchanged (the cap holds), the layout
+// still mapped. A free that leaves too few calls for no safe point.
+TEST_CASE("live_host_pages_take_free_device_pages_places_at_the_safe_point_a_large_enough_free_calls_for",
+          "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(36 * kMiB);
+  const DevicePtr weights = allocator.allocate(16 * kMiB, 0);
+  fill(device, weights, 1, 16 * kMiB);
+  const DevicePtr early = allocator.allocate(16 * kMiB, 0);
+  const DevicePtr small = allocator.allocate(4 * kMiB, 0);  // the cap is full
+  const DevicePtr late = allocator.allocate(16 * kMiB, 0);  // in the colder weights' stead
+  fill(device, late, 2, 16 * kMiB);
+  REQUIRE(allocator.has_pending_migrations());
+  allocator.apply_pending_migrations();
+  CHECK_FALSE(allocator.is_device_resident(weights));
+  CHECK(allocator.stats().host_live_bytes == 16 * kMiB);
+  CHECK(allocator.stats().device_resident_bytes.current == 36 * kMiB);
+
+  allocator.free(small);  // 4 MiB free on the device: less than 8 pages' worth, no safe point
+  CHECK_FALSE(allocator.has_pending_migrations());
+  allocator.free(early);  // 20 MiB free: the weights fit
+  REQUIRE(allocator.has_pending_migrations());
+  const SimulatedCallCounts before = device.calls();
+  const AllocatorStats stats_before = allocator.stats();
+  CHECK(allocator.apply_pending_migrations() == 16 * kMiB);
+  CHECK(allocator.is_device_resident(weights));
+  CHECK(holds(device, weights, 1, 16 * kMiB));
+  CHECK(holds(device, late, 2, 16 * kMiB));
+  CHECK(device.calls().create_page == before.create_page);
+  CHECK(device.calls().release_page == before.release_page);
+  const AllocatorStats after = allocator.stats();
+  CHECK(after.host_live_bytes == 0);
+  CHECK(after.device_resident_bytes.current == 36 * kMiB);
+  CHECK(after.host_resident_bytes.current == 16 * kMiB);  // the host pages, free, where `early` was
+  CHECK(after.reserved_bytes.all.current == stats_before.reserved_bytes.all.current);
+  CHECK(after.restored_bytes - stats_before.restored_bytes == 16 * kMiB);
+  CHECK(after.spilled_bytes == stats_before.spilled_bytes);  // a free page's place costs no copy out
+  CHECK_FALSE(allocator.has_pending_migrations());
+
+  // The step's next block of that size lands where `early` was, on the host
+  // pages now there: nothing is mapped for it.
+  const auto created = device.calls().create_page;
+  const DevicePtr again = allocator.allocate(16 * kMiB, 0);
+  CHECK(again == early);
+  CHECK(device.calls().create_page == created);
+  CHECK(allocator.host_live_bytes() == 16 * kMiB);
+  allocator.check_invariants();
+  for (DevicePtr block : {weights, late, again}) allocator.free(block);
+  allocator.check_invariants();
+}
+
 // Pinning host memory costs more than copying it, so host pages a job gives
 // up under a cap stay with it: a job squeezed again pins nothing new.
 TEST_CASE("host_pages_given_up_under_a_cap_are_kept_and_the_next_spill_creates_none", "[cap]") {
@@ -500,11 +557,13 @@ TEST_CASE("an_allocation_over_the_cap_takes_a_kept_host_page_and_a_job_can_opt_o
   CHECK(device.host_bytes_in_use() == 0);
   const DevicePtr second = allocator.allocate(8 * kMiB, 0);
   allocator.free(second);
-  // Freed host pages stay cached in their arena until a safe point gives the
-  // host cache up: kept (keep) or released (not).
+  // Freed host pages stay cached in their arena: kept, they stay mapped
+  // there through a safe point (released, they would only go to the host
+  // pool, pinned still); not kept, the safe point releases them.
   allocator.apply_pending_migrations();
-  CHECK(allocator.stats().host_resident_bytes.current == 0);
-  CHECK(allocator.stats().host_pool_bytes.current == (keep ? 4 * kMiB : 0));
+  CHECK(allocator.stats().host_resident_bytes.current == (keep ? 4 * kMiB : 0));
+  CHECK(allocator.stats().host_live_bytes == 0);
+  CHECK(allocator.stats().host_pool_bytes.current == 0);
   CHECK(device.host_bytes_in_use() == (keep ? 4 * kMiB : 0));
   const auto created = device.calls().create_page;
   const DevicePtr third = allocator.allocate(8 * kMiB, 0);

@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <random>
 
 #include "cotenant/spill_policy.h"
@@ -11,6 +12,9 @@ constexpr std::size_t kPage = 2u << 20;
 constexpr std::uint64_t kNone = ~std::uint64_t{0};
 PageCandidate on_device(std::size_t id, std::uint64_t last_use) { return {id, Residency::kDevice, last_use}; }
 PageCandidate on_host(std::size_t id, std::uint64_t last_use) { return {id, Residency::kHost, last_use}; }
+PageCandidate free_on_device(std::size_t id, std::uint64_t last_use) {
+  return {id, Residency::kDevice, last_use, /*holds_data=*/false};
+}
 }  // namespace
 
 TEST_CASE("spill_policy_table", "[policy]") {
@@ -63,14 +67,56 @@ TEST_CASE("spill_policy_table", "[policy]") {
     const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage, c.ahead);
     CHECK(plan.to_host == c.to_host);
     CHECK(plan.to_device == c.to_device);
+    CHECK(plan.into_free.empty());
+  }
+}
+
+// Free device pages (mapped, no live block) take live host pages, hottest
+// first, coldest free page first, without changing the device's bytes: at
+// the cap too. Over the cap they take none (they are to go).
+TEST_CASE("spill_policy_live_host_pages_take_free_device_pages", "[policy]") {
+  struct Case {
+    const char* name;
+    std::vector<PageCandidate> pages;
+    std::uint64_t device_bytes;
+    std::uint64_t cap;
+    std::vector<std::size_t> to_host, to_device;
+    std::vector<PageSwap> into_free;
+  };
+  const std::vector<Case> cases = {
+      {"at the cap: the hottest host page takes the coldest free device page",
+       {on_device(0, 9), free_on_device(1, 6), free_on_device(2, 3), on_host(3, 4), on_host(4, 8)},
+       3 * kPage, 3 * kPage, {}, {}, {{4, 2}, {3, 1}}},
+      {"more free pages than host pages: the coldest free pages are taken",
+       {free_on_device(0, 6), free_on_device(1, 3), free_on_device(2, 1), on_host(3, 4)},
+       3 * kPage, 3 * kPage, {}, {}, {{3, 2}}},
+      {"room under the cap first, then free pages, then a swap with a colder live page",
+       {on_device(0, 1), free_on_device(1, 2), on_host(2, 9), on_host(3, 7), on_host(4, 5)},
+       2 * kPage, 3 * kPage, {0}, {2, 4}, {{3, 1}}},
+      {"free pages without live host pages: nothing", {on_device(0, 1), free_on_device(1, 2)},
+       2 * kPage, 2 * kPage, {}, {}, {}},
+      {"over the cap: a free device page goes first (no copy), then a hotter host page swaps with a live one",
+       {on_device(0, 1), on_device(1, 5), free_on_device(2, 2), on_host(3, 9)},
+       3 * kPage, 2 * kPage, {2, 0}, {3}, {}},
+      {"over the cap by more than the free pages: they go, then the coldest live pages",
+       {on_device(0, 4), on_device(1, 5), free_on_device(2, 9), on_host(3, 1)},
+       3 * kPage, kPage, {2, 0}, {}, {}},
+      {"spill_all's cap of 0: every device page goes, the free ones first", {free_on_device(0, 2), on_host(1, 9)},
+       kPage, 0, {0}, {}, {}},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage);
+    CHECK(plan.to_host == c.to_host);
+    CHECK(plan.to_device == c.to_device);
+    CHECK(plan.into_free == c.into_free);
   }
 }
 
 // A safe point that moved its whole plan does not plan again
 // (CachingAllocator::apply_pending_migrations): planning over the pages as
 // the plan left them must find nothing to move. Random pages, heats (ties
-// included), caps, bytes expected ahead and cached device bytes the plan
-// cannot move.
+// included), caps, bytes expected ahead and free device pages.
 TEST_CASE("spill_policy_a_plan_carried_out_leaves_nothing_to_plan", "[policy]") {
   std::mt19937_64 random(20261124);
   for (int round = 0; round < 2000; ++round) {
@@ -82,7 +128,11 @@ TEST_CASE("spill_policy_a_plan_carried_out_leaves_nothing_to_plan", "[policy]") 
       pages.push_back({id, device ? Residency::kDevice : Residency::kHost, random() % 12});
       live_device += device ? kPage : 0;
     }
-    const std::uint64_t cached = (random() % 4) * kPage;
+    const std::size_t free_pages = random() % 4;
+    for (std::size_t i = 0; i < free_pages; ++i) {
+      pages.push_back({count + i, Residency::kDevice, random() % 12, /*holds_data=*/false});
+    }
+    const std::uint64_t cached = free_pages * kPage;
     const std::uint64_t cap = random() % 5 == 0 ? kNone : random() % (28 * kPage);
     const std::uint64_t ahead = random() % 3 == 0 ? 0 : random() % (6 * kPage);
     std::uint64_t device_bytes = live_device + cached;
@@ -96,8 +146,16 @@ TEST_CASE("spill_policy_a_plan_carried_out_leaves_nothing_to_plan", "[policy]") 
       pages[id].where = Residency::kDevice;
       device_bytes += kPage;
     }
+    for (const PageSwap& swap : plan.into_free) {  // the free page goes to the host: no candidate any more
+      pages[swap.host_page].where = Residency::kDevice;
+      pages[swap.free_device_page].where = Residency::kHost;
+    }
+    pages.erase(std::remove_if(pages.begin(), pages.end(),
+                               [](const PageCandidate& page) { return !page.holds_data && page.where == Residency::kHost; }),
+                pages.end());
     const MigrationPlan again = plan_migrations(pages, device_bytes, cap, kPage, ahead);
     CHECK(again.to_host.empty());
     CHECK(again.to_device.empty());
+    CHECK(again.into_free.empty());
   }
 }

@@ -209,22 +209,27 @@ def test_blocks_on_host_pages_count_as_host_bytes_touched_per_iteration(tmp_path
     assert result["steady_moved_bytes_per_iteration"] == 0
 
 
-def test_a_capped_training_loop_moves_its_pages_in_few_safe_points_once_warm():
-    # resnet_train under a cap of half its peak. A safe point that must spill
-    # also spills a share of what the step still allocates (docs/allocator.md,
-    # "Spilling ahead"): without that, 20 safe points moved pages in each warm
-    # step; with it, 4. The loop now keeps its layout under the cap ("A warm
-    # loop under a cap keeps its layout"): once warm it maps no page and
-    # moves none (50 maps and 4 safe points a warm step before).
+def test_a_capped_training_loop_keeps_little_more_than_the_floor_on_the_host_and_maps_nothing_once_warm():
+    # resnet_train under a cap of half its peak. Kernels read live host pages
+    # across the bus (on a GPU a capped step's time followed the bytes kept
+    # there, docs/allocator.md), so a warm loop moves its blocks on host pages
+    # into free device pages' places at safe points: 92 MiB live on the host
+    # on average over a step against a floor of 70 (live bytes over the cap),
+    # where keeping the layout as it lay held 130. What it trades: 15 safe
+    # points and 426 MiB of page moves a warm step (0 and 0 before). Once
+    # warm it still maps no page.
     trace = replay.load_trace(next(path for path in SYNTHETIC_TRACES if path.endswith("resnet_train.jsonl.gz")))
     cap = replay.replay_trace(trace)["peak_allocated_bytes"] // 2
     result = replay.replay_trace(trace, cap=cap)
     assert result["num_iterations"] == len(result["safe_points_per_iteration"]) == 8
+    assert len(result["host_live_bytes_per_iteration"]) == len(result["host_live_floor_bytes_per_iteration"]) == 8
     assert sum(result["safe_points_per_iteration"]) <= result["num_safe_points"]
-    assert result["num_safe_points"] > 0
-    assert result["steady_safe_points_per_iteration"] <= 1
+    floor = result["steady_host_live_floor_bytes"]
+    assert floor > 0
+    assert floor <= result["steady_host_live_bytes"] <= 1.5 * floor
     assert result["steady_maps_per_iteration"] == 0
-    assert result["steady_moved_bytes_per_iteration"] <= 100 * MiB  # 170 MiB without spilling ahead
+    assert result["steady_safe_points_per_iteration"] <= 16
+    assert result["steady_moved_bytes_per_iteration"] <= 512 * MiB
 
 
 def test_the_table_shows_driver_and_steady_iteration_figures(tmp_path, capsys):

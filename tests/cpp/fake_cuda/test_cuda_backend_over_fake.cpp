@@ -805,6 +805,55 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_during_page_moves_loses_no_by
   device.check_clean_after_failing(entry);
 }
 
+// A live host page taking a free device page's place (plan_migrations'
+// into_free) over the fake: the page's bytes are copied into the free page
+// where it is mapped, then the two trade addresses. With any of the safe
+// point's driver or runtime calls failing once, the safe point throws, the
+// next one finishes the move, the weights keep their bytes and end on the
+// device, and nothing leaks.
+TEST_CASE("cuda_backend_over_fake_a_live_host_page_takes_a_free_device_pages_place_despite_any_failing_call",
+          "[fake_cuda][backend][failure]") {
+  const FailingEntry failing =
+      GENERATE(FailingEntry{"cuMemUnmap", 4}, FailingEntry{"cuMemMap", 4}, FailingEntry{"cuMemSetAccess", 4},
+               FailingEntry{"cudaMemcpyAsync", 4}, FailingEntry{"cudaStreamSynchronize", 1},
+               FailingEntry{"cudaDeviceSynchronize", 1});
+  const char* entry = failing.name;
+  const int nth = std::min(GENERATE(1, 2, 4), failing.calls);
+  CAPTURE(entry, nth);
+  FakeCudaDevice device;
+  {
+    CachingAllocator allocator(device.backend());
+    allocator.set_memory_cap(36 * kMiB);
+    const DevicePtr weights = allocator.allocate(16 * kMiB, 0);
+    device.fill(weights, 1, 16 * kMiB);
+    const DevicePtr early = allocator.allocate(16 * kMiB, 0);
+    const DevicePtr small = allocator.allocate(4 * kMiB, 0);
+    const DevicePtr late = allocator.allocate(16 * kMiB, 0);  // the weights move out for it
+    device.fill(late, 2, 16 * kMiB);
+    migrate_at_safe_point(allocator, device.cuda_backend());
+    REQUIRE_FALSE(allocator.is_device_resident(weights));
+    allocator.free(small);
+    allocator.free(early);
+    REQUIRE(allocator.has_pending_migrations());
+    const std::uint64_t calls_before = fake_cuda::calls(entry);
+    fail_once(entry, nth);
+    for (int attempt = 0; attempt < 3 && allocator.has_pending_migrations(); ++attempt) {
+      despite_failure([&] { migrate_at_safe_point(allocator, device.cuda_backend()); });
+    }
+    CHECK(fake_cuda::calls(entry) >= calls_before + static_cast<std::uint64_t>(nth));  // the failure fired
+    CHECK_FALSE(allocator.has_pending_migrations());
+    CHECK(allocator.is_device_resident(weights));
+    CHECK(allocator.host_live_bytes() == 0);
+    CHECK(device.holds(weights, 1, 16 * kMiB));
+    CHECK(device.holds(late, 2, 16 * kMiB));
+    CHECK(fake_cuda::accessible(reinterpret_cast<void*>(early), 16 * kMiB));  // the free range stays mapped
+    allocator.check_invariants();
+    allocator.free(weights);
+    allocator.free(late);
+  }
+  device.check_clean_after_failing(entry);
+}
+
 // The same sweep over a job's own calls under a cap: allocations (over the cap
 // too, in colder pages' stead), frees, safe points and empty_cache(), each
 // driver or runtime call failing once at one of its first 13 calls. An allocation
@@ -815,7 +864,7 @@ TEST_CASE("cuda_backend_over_fake_any_call_failing_in_a_capped_job_loses_no_byte
           "[fake_cuda][backend][failure]") {
   const FailingEntry failing = GENERATE(
       FailingEntry{"cuMemCreate", 13}, FailingEntry{"cuMemMap", 13}, FailingEntry{"cuMemSetAccess", 13},
-      FailingEntry{"cuMemUnmap", 13}, FailingEntry{"cuMemRelease", 13}, FailingEntry{"cudaMemcpyAsync", 10},
+      FailingEntry{"cuMemUnmap", 13}, FailingEntry{"cuMemRelease", 13}, FailingEntry{"cudaMemcpyAsync", 9},
       FailingEntry{"cudaStreamSynchronize", 2},
       FailingEntry{"cudaDeviceSynchronize", 4}, FailingEntry{"cuMemAddressReserve", 3});
   const char* entry = failing.name;
