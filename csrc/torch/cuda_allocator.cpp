@@ -232,6 +232,7 @@ DeviceAllocators& CotenantCudaAllocator::on(c10::DeviceIndex device) {
                 ", which is not a valid CUDA device index.");
   }
   if (DeviceAllocators* d = devices_[device].load(std::memory_order_acquire)) return *d;
+  note_cuda_in_use();  // before the backend makes the device's context current: a child forked from now cannot use it
   auto created = std::make_unique<DeviceAllocators>(device);
   created->host_pages->set_headroom(host_headroom_.load(std::memory_order_relaxed));
   DeviceAllocators* raw = created.get();

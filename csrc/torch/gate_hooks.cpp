@@ -4,7 +4,6 @@
 #include <ATen/record_function.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
-#include <pthread.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <unistd.h>
@@ -176,11 +175,10 @@ bool launches_no_kernel(const char* op_name) {
   return ops.count(std::string_view(op_name)) != 0;
 }
 
-// Set in a child forked after activation (DataLoader workers): the child
-// has no pulse thread and must not touch CUDA, and its CPU ops must never
-// wait for the guaranteed job. The gate is off there.
-std::atomic<bool> in_forked_child{false};
-std::once_flag atfork_registered;
+// In a child forked after activation (DataLoader workers; activation notes
+// CUDA in use, see op_interceptor.h) the gate is off: the child has no pulse
+// thread and must not touch CUDA, and its CPU ops must never wait for the
+// guaranteed job.
 
 // Per thread: this thread's outermost op was admitted and awaits launched();
 // depth of ops seen by the exit callback; depth of explicit gate_enter().
@@ -203,7 +201,7 @@ void opportunistic_entry(const OpEntry& op, void* context) {
   if (explicit_depth > 0 || admitted_op) return;  // inside admitted work
   if (launches_no_kernel(op.name)) return;        // nothing for the GPU: nothing to wait for or mark
   if (!may_use_cuda(op)) return;                  // CPU work (model set-up, data): never waits for the GPU
-  if (in_forked_child.load(std::memory_order_relaxed)) return;
+  if (in_forked_child()) return;
   try {
     if (capturing(state->activation.device)) return;
     admit_letting_the_gil_go_to_wait(*state->gate);
@@ -243,7 +241,7 @@ void launched_at_explicit_op_exit(void* context) {
       admitted_op = false;
       state->gate->launched();
     } else if (state->busy_tracker && !state->stopping.load(std::memory_order_acquire) &&
-               !in_forked_child.load(std::memory_order_relaxed)) {
+               !in_forked_child()) {
       state->busy_tracker->on_op_launched();
     }
   } catch (const std::exception&) {
@@ -256,7 +254,7 @@ void launched_at_explicit_op_exit(void* context) {
 void guaranteed_launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
   if (exit_depth == 0) return;  // installed while this op ran
   if (--exit_depth > 0) return;
-  if (in_forked_child.load(std::memory_order_relaxed)) return;
+  if (in_forked_child()) return;
   try {
     ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
     if (state != nullptr && state->busy_tracker && !state->stopping.load(std::memory_order_acquire)) {
@@ -317,9 +315,7 @@ void activate_gate(const GateActivation& activation) {
                 "one role on one GPU");
   }
   if (activation.role == GateRole::kNone) return;
-  std::call_once(atfork_registered, [] {
-    ::pthread_atfork(nullptr, nullptr, [] { in_forked_child.store(true, std::memory_order_relaxed); });
-  });
+  note_cuda_in_use();
 
   auto state = std::make_unique<ProcessGate>();
   state->activation = activation;
@@ -420,7 +416,7 @@ double process_effective_share() {
 
 void gate_enter() {
   if (explicit_depth++ > 0 || admitted_op) return;  // inside admitted work already
-  if (in_forked_child.load(std::memory_order_relaxed)) return;
+  if (in_forked_child()) return;
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   if (state == nullptr || !state->gate || state->stopping.load(std::memory_order_acquire)) return;
   admit_letting_the_gil_go_to_wait(*state->gate);
@@ -429,7 +425,7 @@ void gate_enter() {
 void gate_exit() {
   if (explicit_depth == 0) return;
   if (--explicit_depth > 0 || admitted_op) return;
-  if (in_forked_child.load(std::memory_order_relaxed)) return;
+  if (in_forked_child()) return;
   ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
   if (state == nullptr || !state->gate) return;
   state->gate->launched();

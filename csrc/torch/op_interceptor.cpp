@@ -47,16 +47,36 @@ std::mutex pause_mutex;
 std::condition_variable pause_released;  // entering threads wait on this
 std::condition_variable ops_drained;     // the pausing thread waits on this
 
-// Set in a child forked from this process (see the header): the pause, the
-// op count and the hooks' state are the parent's, copied.
+// Set once cotenant has used CUDA in this process (note_cuda_in_use()).
+std::atomic<bool> cuda_in_use{false};
+// Set in a child forked from this process after cotenant used CUDA in it,
+// or while a pause was in effect (see the header): the child cannot use
+// CUDA, and the pause is the parent's, copied.
 std::atomic<bool> forked_child{false};
-[[maybe_unused]] const int fork_noted = ::pthread_atfork(nullptr, nullptr, [] { forked_child.store(true, std::memory_order_relaxed); });
-
 // This thread's op nesting depth: only the outermost op runs the hooks.
 thread_local int op_depth = 0;
 // Set while this thread runs hooks: a hook that runs an op (e.g. a
 // synchronize through ATen) must not re-enter the hooks.
 thread_local bool running_hooks = false;
+
+// Around fork: pause_mutex is held, so the child's copy is not locked by a
+// thread it does not have. In the child, where the parent had not used CUDA
+// through cotenant and held no pause, interception goes on (a worker forked
+// before the parent's first CUDA tensor may use the GPU, and a cap there
+// must move pages at op entry); the ops counted in flight are the forking
+// thread's own, the parent's other threads are not here.
+void before_fork() { pause_mutex.lock(); }
+void after_fork_in_parent() { pause_mutex.unlock(); }
+void after_fork_in_child() {
+  const bool paused = pause_depth.load(std::memory_order_relaxed) != 0;
+  pause_mutex.unlock();
+  if (cuda_in_use.load(std::memory_order_relaxed) || paused) {
+    forked_child.store(true, std::memory_order_relaxed);
+    return;
+  }
+  outermost_ops.store(op_depth > 0 && !running_hooks ? 1 : 0, std::memory_order_relaxed);
+}
+[[maybe_unused]] const int fork_noted = ::pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
 
 void run_hooks(const char* name, const at::RecordFunction* record) {
   const int slots = highest_slot_plus_one.load(std::memory_order_acquire);
@@ -259,6 +279,10 @@ void set_explicit_op_exit_hook(ExplicitOpExitHook hook, void* context) {
 }
 
 std::int64_t ops_in_flight() { return outermost_ops.load(std::memory_order_acquire); }
+
+void note_cuda_in_use() { cuda_in_use.store(true, std::memory_order_relaxed); }
+
+bool in_forked_child() { return forked_child.load(std::memory_order_relaxed); }
 
 bool inside_op_on_this_thread() { return op_depth > 0; }
 

@@ -22,11 +22,14 @@
 // can synchronize the device and remap memory with no kernel being launched.
 // Threads entering ops wait until the pause ends.
 //
-// In a child forked from the process (a DataLoader's worker) none of this
+// In a child forked after cotenant used CUDA in the process (a DataLoader's
+// worker; note_cuda_in_use()), or while a pause was in effect, none of this
 // runs: the child may not use CUDA, has none of the parent's threads (one
 // of them may hold a pause the child copied, with nobody left to end it),
 // and its ops run no hooks and never wait; pause_launches() there returns
-// false and resume_launches() does nothing.
+// false and resume_launches() does nothing. A child forked before that (the
+// job enabled cotenant, then forked workers that use the GPU) intercepts
+// as any process does, counting only its own ops.
 #pragma once
 
 #include <chrono>
@@ -115,6 +118,13 @@ void set_explicit_op_exit_hook(ExplicitOpExitHook hook, void* context);
 
 // Number of outermost ops currently running in this process (all threads).
 std::int64_t ops_in_flight();
+
+// Called when cotenant first uses CUDA in the process (an allocator's
+// device, the launch gate's activation): a child forked from then on
+// cannot, and intercepts nothing (see the file comment).
+void note_cuda_in_use();
+// True in such a child: the launch gate is off there too.
+bool in_forked_child();
 
 // True on a thread that is inside an op (a hook or a kernel launch path).
 bool inside_op_on_this_thread();

@@ -86,10 +86,15 @@ def library():
         pytest.skip(f"{error} (COTENANT_PYTORCH_REPLAY names the core build's pytorch_replay)")
 
 
-def run(library, body, capacity=1 << 30, garbage=False, host_vmm=True, host_capacity=None):
-    """Runs `body` after the prelude in a fresh process over the fake; the JSON it prints."""
+def run(library, body, capacity=1 << 30, garbage=False, host_vmm=True, host_capacity=None, check_device=True):
+    """Runs `body` after the prelude in a fresh process over the fake; the JSON it prints.
+    `check_device=False`: the prelude does not ask torch for the device (which
+    initializes CUDA); the body must call over_fake.check_torch_sees_the_fake(torch)
+    before its first CUDA work."""
     code = PRELUDE.format(over_fake_dir=OVER_FAKE_DIR, library=library, capacity=capacity, garbage=garbage,
                           host_vmm=host_vmm, host_capacity=host_capacity)
+    if not check_device:
+        code = code.replace("over_fake.check_torch_sees_the_fake(torch)\n", "", 1)
     code += textwrap.dedent(body) + EPILOGUE
     result = run_json(code, env=over_fake.environment(library))
     assert result.pop("violations") == [], "the fake CUDA driver saw calls a real one would refuse"
@@ -655,6 +660,34 @@ def test_a_child_forked_while_launches_are_paused_runs_its_ops(library):
         out["parent"] = x.to("cpu").tolist()  # the parent's ops run on after the pause
     """)
     assert out == {"child": 0, "parent": [0, 1, 2, 3]}
+
+
+def test_a_child_forked_before_cotenant_used_cuda_enables_it_and_moves_its_pages_at_op_entry(library):
+    """A process that loaded cotenant's extension but has not used CUDA
+    through it forks workers that enable cotenant themselves: each child is
+    a job like any other, and a cap there must move pages at op entry. (A
+    child forked after cotenant used CUDA cannot use CUDA and intercepts
+    nothing: the test above; enable() itself initializes CUDA.)"""
+    out = run(library, """
+        import os, signal
+        from cotenant import _C  # loaded, CUDA untouched
+        child = os.fork()
+        if child == 0:
+            signal.alarm(20)
+            over_fake.check_torch_sees_the_fake(torch)
+            cotenant.enable()
+            data = pattern(4 << 20, seed=8)  # 16 MiB: 8 pages
+            x = data.to("cuda")
+            _C.set_memory_cap(0, 8 * MIB)  # pending: the next op's entry moves the pages
+            y = data[:4].to("cuda")  # an op: its entry moves the pages (the fake runs copies, not kernels)
+            moved = cotenant.memory_stats()["host_bytes"] >= 8 * MIB
+            os._exit(0 if moved and same(x, data) and same(y, data[:4]) else 1)
+        out["child"] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+        over_fake.check_torch_sees_the_fake(torch)
+        cotenant.enable()
+        out["parent"] = torch.arange(3).to("cuda").to("cpu").tolist()
+    """, check_device=False)
+    assert out == {"child": 0, "parent": [0, 1, 2]}
 
 
 def test_an_op_waiting_at_the_gate_lets_the_other_python_threads_run(library):
