@@ -495,7 +495,11 @@ def worker_spilled(allocator: str, args) -> Dict:
             counted["before"] = _move_counters(cotenant)
 
         out[f"{pct}pct_s"] = _timed_steps(torch, step, args.warmup, args.steps, after_warmup=start_counting)
-        out[f"{pct}pct_host_bytes"] = cotenant.memory_stats()["host_bytes"]
+        stats = cotenant.memory_stats()
+        out[f"{pct}pct_host_bytes"] = stats["host_bytes"]
+        # Of those, the pages holding a live block at the step's end: what
+        # kernels read across the bus (the rest is the layout's free pages).
+        out[f"{pct}pct_host_live_bytes"] = stats["host_live_bytes"]
         # Where a spilled step's time goes: the page moves of the timed steps
         # and the driver calls they made, per step.
         after = _move_counters(cotenant)

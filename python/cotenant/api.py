@@ -446,6 +446,7 @@ def summarize_stats(raw: Dict[str, Any]) -> Dict[str, Any]:
         "memory_cap": None if cap is None or cap in (no_cap, -1) else int(cap),
         "device_bytes": int(raw.get("device_resident_bytes.current", 0)),
         "host_bytes": int(raw.get("host_resident_bytes.current", 0)),
+        "host_live_bytes": int(raw.get("host_live_bytes", 0)),
         "host_pool_bytes": int(raw.get("host_pool_bytes.current", 0)),
         "host_reserve_bytes": int(raw.get("host_reserve_bytes", 0)),
         "host_headroom_bytes": int(raw.get("host_headroom_bytes", 0)),

@@ -25,6 +25,7 @@ TEST_CASE("spill_policy_table", "[policy]") {
     std::uint64_t cap;
     std::vector<std::size_t> to_host, to_device;
     std::uint64_t ahead = 0;
+    std::vector<PageSwap> into_free = {};
   };
   const std::vector<Case> cases = {
       {"under the cap with nothing on the host: no moves",
@@ -61,52 +62,31 @@ TEST_CASE("spill_policy_table", "[policy]") {
        {on_host(1, 3), on_host(2, 8)}, 0, 2 * kPage, {}, {2}, kPage},
       {"at the cap with bytes ahead: a hotter host page still swaps with a colder device page",
        {on_device(0, 2), on_host(1, 5)}, kPage, kPage, {0}, {1}, kPage / 2},
+      // Free device pages (mapped, no live block) are colder than any live
+      // page: a live host page takes one's place (into_free) at the cap too,
+      // hottest host page first, coldest free page first; over the cap they
+      // go first, without a copy.
+      {"at the cap: the hottest host page takes the coldest free device page",
+       {on_device(0, 9), free_on_device(1, 6), free_on_device(2, 3), on_host(3, 4), on_host(4, 8)},
+       3 * kPage, 3 * kPage, {}, {}, 0, {{4, 2}, {3, 1}}},
+      {"more free pages than host pages: the coldest free pages are taken",
+       {free_on_device(0, 6), free_on_device(1, 3), free_on_device(2, 1), on_host(3, 4)},
+       3 * kPage, 3 * kPage, {}, {}, 0, {{3, 2}}},
+      {"room under the cap first, then free pages, then a swap with a colder live page",
+       {on_device(0, 1), free_on_device(1, 2), on_host(2, 9), on_host(3, 7), on_host(4, 5)},
+       2 * kPage, 3 * kPage, {0}, {2, 4}, 0, {{3, 1}}},
+      {"free pages without live host pages: nothing", {on_device(0, 1), free_on_device(1, 2)},
+       2 * kPage, 2 * kPage, {}, {}},
+      {"over the cap: a free device page goes first (no copy), then a hotter host page swaps with a live one",
+       {on_device(0, 1), on_device(1, 5), free_on_device(2, 2), on_host(3, 9)}, 3 * kPage, 2 * kPage, {2, 0}, {3}},
+      {"over the cap by more than the free pages: they go, then the coldest live pages",
+       {on_device(0, 4), on_device(1, 5), free_on_device(2, 9), on_host(3, 1)}, 3 * kPage, kPage, {2, 0}, {}},
+      {"spill_all's cap of 0: every device page goes, the free ones first", {free_on_device(0, 2), on_host(1, 9)},
+       kPage, 0, {0}, {}},
   };
   for (const Case& c : cases) {
     INFO(c.name);
     const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage, c.ahead);
-    CHECK(plan.to_host == c.to_host);
-    CHECK(plan.to_device == c.to_device);
-    CHECK(plan.into_free.empty());
-  }
-}
-
-// Free device pages (mapped, no live block) take live host pages, hottest
-// first, coldest free page first, without changing the device's bytes: at
-// the cap too. Over the cap they take none (they are to go).
-TEST_CASE("spill_policy_live_host_pages_take_free_device_pages", "[policy]") {
-  struct Case {
-    const char* name;
-    std::vector<PageCandidate> pages;
-    std::uint64_t device_bytes;
-    std::uint64_t cap;
-    std::vector<std::size_t> to_host, to_device;
-    std::vector<PageSwap> into_free;
-  };
-  const std::vector<Case> cases = {
-      {"at the cap: the hottest host page takes the coldest free device page",
-       {on_device(0, 9), free_on_device(1, 6), free_on_device(2, 3), on_host(3, 4), on_host(4, 8)},
-       3 * kPage, 3 * kPage, {}, {}, {{4, 2}, {3, 1}}},
-      {"more free pages than host pages: the coldest free pages are taken",
-       {free_on_device(0, 6), free_on_device(1, 3), free_on_device(2, 1), on_host(3, 4)},
-       3 * kPage, 3 * kPage, {}, {}, {{3, 2}}},
-      {"room under the cap first, then free pages, then a swap with a colder live page",
-       {on_device(0, 1), free_on_device(1, 2), on_host(2, 9), on_host(3, 7), on_host(4, 5)},
-       2 * kPage, 3 * kPage, {0}, {2, 4}, {{3, 1}}},
-      {"free pages without live host pages: nothing", {on_device(0, 1), free_on_device(1, 2)},
-       2 * kPage, 2 * kPage, {}, {}, {}},
-      {"over the cap: a free device page goes first (no copy), then a hotter host page swaps with a live one",
-       {on_device(0, 1), on_device(1, 5), free_on_device(2, 2), on_host(3, 9)},
-       3 * kPage, 2 * kPage, {2, 0}, {3}, {}},
-      {"over the cap by more than the free pages: they go, then the coldest live pages",
-       {on_device(0, 4), on_device(1, 5), free_on_device(2, 9), on_host(3, 1)},
-       3 * kPage, kPage, {2, 0}, {}, {}},
-      {"spill_all's cap of 0: every device page goes, the free ones first", {free_on_device(0, 2), on_host(1, 9)},
-       kPage, 0, {0}, {}, {}},
-  };
-  for (const Case& c : cases) {
-    INFO(c.name);
-    const MigrationPlan plan = plan_migrations(c.pages, c.device_bytes, c.cap, kPage);
     CHECK(plan.to_host == c.to_host);
     CHECK(plan.to_device == c.to_device);
     CHECK(plan.into_free == c.into_free);

@@ -219,6 +219,7 @@ def test_memory_stats_split_device_host_and_cached_bytes():
         "reserved_bytes.all.current": 10 * MIB,
         "device_resident_bytes.current": 8 * MIB,
         "host_resident_bytes.current": 2 * MIB,
+        "host_live_bytes": 1 * MIB,
         "memory_cap": 8 * MIB,
         "mode": "remap",
         "host_page_kind": "host-numa",
@@ -226,6 +227,7 @@ def test_memory_stats_split_device_host_and_cached_bytes():
     stats = api.summarize_stats(raw)
     assert stats["device_bytes"] == 8 * MIB
     assert stats["host_bytes"] == 2 * MIB
+    assert stats["host_live_bytes"] == 1 * MIB  # of host_bytes, the pages that hold a live block
     assert stats["cached_bytes"] == 4 * MIB
     assert stats["device_bytes"] + stats["host_bytes"] == stats["reserved_bytes"]
     assert stats["memory_cap"] == 8 * MIB and stats["mode"] == "remap"
