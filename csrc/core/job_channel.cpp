@@ -184,6 +184,13 @@ void JobChannel::stop_launches_locked() {
 }
 
 void JobChannel::publish_locked() {
+  if (hooks_.settle) {
+    try {
+      hooks_.settle();
+    } catch (...) {
+      ++report_.apply_errors;  // the statistics below still go out: the coordinator sees where the job stands
+    }
+  }
   if (hooks_.stats) {
     try {
       AllocatorStats stats = hooks_.stats();

@@ -26,10 +26,8 @@ JobChannelHooks job_channel_hooks(JobProcess& process) {
     }
     return process.launches_paused() || process.pause_launches();
   };
-  hooks.stats = [&process] {
-    process.settle();
-    return process.job_stats();
-  };
+  hooks.settle = [&process] { process.settle(); };
+  hooks.stats = [&process] { return process.job_stats(); };
   hooks.iterations = [&process] { return process.iterations(); };
   hooks.effective_share = [&process] { return process.effective_share(); };
   hooks.host_room = [&process] { return process.allocator().host_room(); };

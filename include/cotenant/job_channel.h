@@ -52,6 +52,10 @@ struct JobChannelHooks {
   // effect; a suspension that did not is retried at every poll. Without
   // it, suspend sets the share to 0.
   std::function<bool(bool suspended)> set_suspended;
+  // Called at every poll before the statistics are read (JobProcess::settle:
+  // pending pages move where the job's own ops give no safe point). A throw
+  // is counted in apply_errors and the report is published all the same.
+  std::function<void()> settle;
   // The job's allocator statistics; without it, memory numbers stay 0.
   std::function<AllocatorStats()> stats;
   // The job's iteration times (its IterationTracker); without it, 0.

@@ -185,6 +185,28 @@ TEST_CASE("a_throwing_hook_is_counted_and_not_retried", "[job_channel]") {
   CHECK(shm::read_report(coordinator.block()).apply_errors == 1);
 }
 
+// A settle that throws at every poll (a safe point the driver keeps
+// refusing) is counted each time, and the report keeps moving: the
+// coordinator sees the job's bytes as they are, not as they were.
+TEST_CASE("a_settle_that_throws_is_counted_and_the_report_still_moves", "[job_channel]") {
+  CoordinatorBlock coordinator("settle");
+  std::int64_t allocated = 1 * MiB;
+  JobChannelHooks hooks;
+  hooks.settle = [] { throw Error("refused"); };
+  hooks.stats = [&] {
+    AllocatorStats stats;
+    stats.allocated_bytes.all.current = allocated;
+    return stats;
+  };
+  JobChannel channel(coordinator.region.name(), hooks);
+  channel.poll_once();
+  allocated = 3 * MiB;
+  channel.poll_once();
+  const shm::JobReport report = shm::read_report(coordinator.block());
+  CHECK(report.allocated_bytes == 3 * MiB);
+  CHECK(report.apply_errors >= 2);
+}
+
 TEST_CASE("iteration_times_are_the_trackers_figures_in_nanoseconds", "[job_channel]") {
   CoordinatorBlock coordinator("iterations");
   SimulatedJob job;
