@@ -58,13 +58,15 @@ def _gpu_list(text: str) -> List[int]:
 
 
 def _device_index(text: str) -> int:
+    from cotenant.api import parse_device  # the one parser for devices, enable()'s
+
     try:
-        index = int(text)
-    except ValueError:
-        index = -1
-    if index < 0:
-        raise argparse.ArgumentTypeError(f"{text} is no CUDA device index; give a number from 0, such as 0 or 1 "
-                                         "(as CUDA_VISIBLE_DEVICES numbers the GPUs)")
+        index = parse_device(text)
+    except (TypeError, ValueError):
+        index = None
+    if index is None:  # "cuda" alone names no device
+        raise argparse.ArgumentTypeError(f"{text} is no CUDA device index; give a number from 0, such as 0 or 1, "
+                                         "or cuda:1 (as CUDA_VISIBLE_DEVICES numbers the GPUs)")
     return index
 
 

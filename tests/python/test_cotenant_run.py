@@ -123,8 +123,17 @@ def test_a_program_that_cannot_be_executed_is_named_with_the_way_to_run_it(tmp_p
     assert str(no_shebang) in err and "#!" in err
 
 
-@pytest.mark.parametrize("device", ["-1", "-3"])
-def test_run_refuses_a_negative_device_before_starting_the_program(device, monkeypatch, capsys):
+@pytest.mark.parametrize("device, index", [("1", "1"), ("cuda:1", "1"), (" 2 ", "2")])
+def test_run_reads_a_device_as_enable_does(device, index, monkeypatch):
+    monkeypatch.setattr(launch, "driver_problem", lambda device: None)  # as on a GPU machine
+    started = []
+    monkeypatch.setattr(launch, "exec_job", lambda command, env: started.append(env))
+    cli.main(["run", "--guaranteed", "--allow-uncapped", "--device", device, "--", sys.executable, "-c", "pass"])
+    assert [env["COTENANT_DEVICE"] for env in started] == [index]
+
+
+@pytest.mark.parametrize("device", ["-1", "-3", "cuda", "cpu:0"])
+def test_run_refuses_what_names_no_cuda_device_before_starting_the_program(device, monkeypatch, capsys):
     monkeypatch.setattr(launch, "driver_problem", lambda device: None)  # as on a GPU machine
     started = []
     monkeypatch.setattr(launch, "exec_job", lambda command, env: started.append(command))
