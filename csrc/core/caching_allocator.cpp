@@ -109,7 +109,7 @@ struct CachingAllocator::State {
   static constexpr double kGrowthSlack = 0.05;
   // A safe point is called for once this share of the cap of live host
   // pages could come to the device (see live_host_pages_fit_on_the_device()).
-  static constexpr double kFillShare = 1.0 / 64;
+  static constexpr double kFillShare = 1.0 / 32;
   // Host pages taken at allocation for the spills the next safe point owes.
   std::vector<PageHandle> spill_targets;
   // Host pages kept after their last use (options.keep_host_pages, the
