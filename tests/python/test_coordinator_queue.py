@@ -363,3 +363,37 @@ def test_a_queued_job_whose_pid_now_names_another_process_has_ended():
     assert same.ticket in service.queue.jobs
     assert reused.ticket not in service.queue.jobs
     assert service.outcomes[reused.ticket] == ("finished", "its process exited")
+
+
+def test_a_suspended_report_left_from_an_earlier_suspend_does_not_free_the_gpus_before_the_job_applies_this_one():
+    # A job suspended, resumed and suspended again may still report "suspended" from the first time
+    # when the second suspend is sent (it has not applied the resume yet): its GPUs are free only once
+    # it applied the suspend the queue sent, or the newcomer would share them with a running job.
+    from types import SimpleNamespace
+
+    from cotenant.coordinator.daemon import process_start_ticks
+    from cotenant.coordinator.queue_service import QueueService
+
+    me, parent = os.getpid(), os.getppid()
+    sent = []
+
+    def send_command(command):
+        sent.append(command)
+        return 7
+
+    registered = SimpleNamespace(pid=me, share=1.0, report={"state": "suspended", "applied_command_sequence": 6},
+                                 send_command=send_command)
+    coordinator = SimpleNamespace(jobs={1: registered}, config=SimpleNamespace(gpus=[0]), gpu_memory={},
+                                  _device_total=lambda gpu: 16 << 30)
+    service = QueueService(coordinator, DiscretizedLas(thresholds_gpu_s=(1.0,), starvation_factor=0))
+    a = service.queue.submit(0.0, "a", me, os.getuid(), "guaranteed", 1, 0, 0, process_start_ticks(me))
+    service.decide(0.0)
+    service.queue.advance(2.0)  # past the threshold
+    b = service.queue.submit(2.0, "b", parent, os.getuid(), "guaranteed", 1, 0, 0, process_start_ticks(parent))
+    service.decide(2.0)
+    assert sent == [SUSPEND]  # carries sequence 7
+    service.tick(2.1)  # "suspended", but from sequence 6
+    assert b.gpus in (None, ()) and a.gpus == (0,)
+    registered.report["applied_command_sequence"] = 7
+    service.tick(2.2)
+    assert b.gpus == (0,)

@@ -35,6 +35,9 @@ class QueueService:
         self.outcomes: Dict[int, Tuple[str, str]] = {}  # ticket -> (state, reason) once it left the queue
         self._ended: Deque[int] = collections.deque()
         self._undelivered: Dict[int, str] = {}  # ticket -> command for a process not registered yet
+        # ticket -> the sequence its last suspend carries: a "suspended" report counts once the job
+        # applied that one (a report left from an earlier suspend is not this one's)
+        self._suspend_sequence: Dict[int, int] = {}
         self._unsuspendable_warned: set = set()
         self._stranded_warned: set = set()
         self._saved_shape: Any = None  # the queue's shape when the daemon last saved its state
@@ -140,8 +143,11 @@ class QueueService:
                 registered = self._registered(job.pid)
                 if registered is not None and job.ticket in self._undelivered:
                     self._send(job, self._undelivered.pop(job.ticket))
-                elif registered is not None and registered.report.get("state") == "suspended":
+                elif (registered is not None and registered.report.get("state") == "suspended"
+                      and int(registered.report.get("applied_command_sequence", 0))
+                      >= self._suspend_sequence.get(job.ticket, 0)):
                     self.queue.stopped(job.ticket, now)
+                    self._suspend_sequence.pop(job.ticket, None)
         shares = {}
         for job in self.queue.jobs.values():
             registered = self._registered(job.pid)
@@ -196,6 +202,10 @@ class QueueService:
                       command=command, reason=str(error))
             return
         self._log(_SENT[command], job=job.name, ticket=job.ticket, sequence=sequence)
+        if command == SUSPEND:
+            self._suspend_sequence[job.ticket] = int(sequence)
+        else:
+            self._suspend_sequence.pop(job.ticket, None)
 
     def _node(self) -> Tuple[List[int], Optional[int]]:
         """The GPUs the queue schedules (the managed ones, else those known, else GPU 0) and the
@@ -215,6 +225,7 @@ class QueueService:
         if not already_removed:
             self.queue.remove(ticket)
         self._undelivered.pop(ticket, None)
+        self._suspend_sequence.pop(ticket, None)
         self.outcomes[ticket] = (state, reason)
         self._ended.append(ticket)
         while len(self._ended) > _REMEMBERED_OUTCOMES:
