@@ -938,3 +938,25 @@ def test_gpu_totals_reported_by_jobs_that_ended_are_not_kept_for_good(node):
                     device_total_bytes=2 << 30)
     assert next(g for g in node.status()["gpus"] if g["gpu"] == "GPU-real")["total_bytes"] == 2 << 30
     assert kept().get("GPU-real") == 2 << 30
+
+
+@pytest.mark.parametrize("uid_offset, start_offset, ends", [(0, 0, True), (1, 0, False), (0, 1, False)])
+def test_unregister_ends_only_the_jobs_of_the_asking_process_by_pid_uid_and_start_time(uid_offset, start_offset,
+                                                                                      ends):
+    # A reused pid names another process (another start time), possibly of another user: its
+    # unregister must not end a job whose own process died and was not reaped yet.
+    from types import SimpleNamespace
+
+    from cotenant.coordinator.daemon import Coordinator, process_start_ticks
+
+    me, uid = os.getpid(), os.getuid()
+    job = SimpleNamespace(name="j", pid=me, uid=uid + uid_offset, pid_start_ticks=process_start_ticks(me) + start_offset)
+    reclaimed = []
+    stand_in = SimpleNamespace(jobs={1: job}, _reclaim=lambda j, reason: reclaimed.append(j.name))
+    request = protocol.Request(id=1, op="unregister")
+    if ends:
+        assert Coordinator._dispatch(stand_in, request, me, uid, 0)["ok"]
+    else:
+        with pytest.raises(protocol.ProtocolError, match="has no registered job to unregister"):
+            Coordinator._dispatch(stand_in, request, me, uid, 0)
+    assert reclaimed == (["j"] if ends else [])
