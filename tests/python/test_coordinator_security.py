@@ -960,3 +960,37 @@ def test_unregister_ends_only_the_jobs_of_the_asking_process_by_pid_uid_and_star
         with pytest.raises(protocol.ProtocolError, match="has no registered job to unregister"):
             Coordinator._dispatch(stand_in, request, me, uid, 0)
     assert reclaimed == (["j"] if ends else [])
+
+
+_HOLD_A_JOB = """
+import json, socket, sys
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+sock.sendall(json.dumps({"v": 1, "id": 1, "op": "register", "role": "opportunistic", "device": 0,
+                         "gpu_uuid": sys.argv[2], "device_total_bytes": int(sys.argv[3])}).encode() + b"\\n")
+print(sock.makefile("rb").readline().decode().strip(), flush=True)
+sys.stdin.read()  # holds the job while the test runs
+"""
+
+
+def test_jobs_that_disagree_on_their_gpus_size_leave_the_least_they_said(node):
+    # Without a GPU listing the jobs' registrations say how large their GPU is: a later job saying
+    # more must not raise it (the coordinator would hand out memory the GPU lacks); one saying less
+    # lowers it.
+    node.args = ["--headroom", "128MiB", "--memory-host-headroom", "0"]  # no --gpu-memory
+    node.start_coordinator()
+    uuid = "GPU-00000000-size-test"
+    holders = []
+    try:
+        for size in (32 << 30, 64 << 30, 16 << 30):
+            holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_JOB, node.socket, uuid, str(size)],
+                                      env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            holders.append(holder)
+            assert json.loads(holder.stdout.readline())["ok"]
+            expected = min(32 << 30, size)
+            assert wait_until(lambda: (read_json(paths.state_path(node.socket)) or {}).get("_gpu_totals", {})
+                              .get(uuid) == expected, timeout=10), (size, read_json(paths.state_path(node.socket)))
+    finally:
+        for holder in holders:
+            holder.stdin.close()
+            holder.wait(timeout=30)

@@ -1176,9 +1176,16 @@ class Coordinator:
                                 f"uid {uid} already has {held} jobs registered with the coordinator, the most it "
                                 "allows one user (--max-jobs-per-uid); let some end, or start the coordinator "
                                 "with a larger --max-jobs-per-uid", req.id)
-        if "device_total_bytes" in args and device not in self.gpu_totals:
-            self.gpu_totals[device] = args["device_total_bytes"]
-            self._state_dirty = True
+        if "device_total_bytes" in args:
+            # Where the node lists no GPUs, its jobs say how large theirs is; the least said is kept, so
+            # one job's wrong (larger) figure cannot make the coordinator hand out memory the GPU lacks.
+            known, said = self.gpu_totals.get(device), args["device_total_bytes"]
+            if known is None or said < known:
+                if known is not None:
+                    _event("GPU size lowered", logging.WARNING, gpu=device, job=args.get("name"), pid=pid,
+                           was=known, now=said, reason="a job reports less memory on this GPU than one before it")
+                self.gpu_totals[device] = said
+                self._state_dirty = True
         if gpus.is_synthetic(device):
             _event("job without a GPU UUID", logging.DEBUG, pid=pid, note=gpus.gpu_key_note(device))
         persistent = args.get("persistent_bytes", 0)
