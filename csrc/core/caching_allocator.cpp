@@ -469,7 +469,7 @@ struct CachingAllocator::State {
   // without the other calls for no safe point, which on a GPU waits for
   // the device. O(1): the allocation and free paths ask.
   bool live_host_pages_fit_on_the_device() const {
-    if (mode() != SpillMode::kRemap || spill_everything) return false;
+    if (stats.host_resident_bytes.current == 0 || mode() != SpillMode::kRemap || spill_everything) return false;
     const std::uint64_t limit = effective_cap();
     const std::uint64_t room = limit == kNoCap ? kNoCap : limit > device_bytes() ? limit - device_bytes() : 0;
     const std::uint64_t free_device = cached_bytes[static_cast<int>(Residency::kDevice)];
@@ -1623,7 +1623,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream, OnOutOf
     // Placed over the cap in colder pages' stead: they move at the next safe point.
     s.stats.pending_spill_bytes = static_cast<std::int64_t>(s.device_bytes() - s.effective_cap());
     pending_migrations_.store(true, std::memory_order_release);
-  } else if (s.stats.host_resident_bytes.current != 0 && s.live_host_pages_fit_on_the_device()) {
+  } else if (s.live_host_pages_fit_on_the_device()) {
     pending_migrations_.store(true, std::memory_order_release);  // placed on the host while device pages are free
   }
   return block->address;
@@ -1646,7 +1646,7 @@ void CachingAllocator::free(DevicePtr address) {
   s.free_live(it);
   // Device pages freed while live pages sit on the host: they trade places
   // at the next safe point.
-  if (s.stats.host_resident_bytes.current != 0 && s.live_host_pages_fit_on_the_device()) {
+  if (s.live_host_pages_fit_on_the_device()) {
     pending_migrations_.store(true, std::memory_order_release);
   }
 }

@@ -1108,11 +1108,11 @@ class Coordinator:
                 self._save_state()  # before the reply: an acknowledged ticket survives a restart
             return reply
         if op == "unregister":
-            # The process's own jobs: the same pid, uid and start time (a reused pid, even of the same
-            # uid, names another process, whose request must not end a dead job not yet reaped).
-            started = process_start_ticks(pid)
-            mine = [j for j in self.jobs.values() if j.pid == pid and j.uid == uid
-                    and (not j.pid_start_ticks or not started or j.pid_start_ticks == started)]
+            # The process's own jobs: the same uid, and a pid that still names the job's process (a
+            # reused pid, even of the same uid, names another, whose request must not end a dead job
+            # not yet reaped).
+            mine = [j for j in self.jobs.values()
+                    if j.pid == pid and j.uid == uid and process_alive(pid, j.pid_start_ticks)]
             if not mine:
                 raise ProtocolError(protocol.OUT_OF_ORDER,
                                     f"process {pid} has no registered job to unregister; register first", req.id)
