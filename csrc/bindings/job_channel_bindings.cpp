@@ -112,7 +112,8 @@ class PyJobBlock {
                                             const std::string& job_name, const std::string& role,
                                             std::uint32_t device, std::uint64_t pid, std::uint64_t uid,
                                             const py::object& memory_cap, double share, const std::string& gpu_uuid,
-                                            std::uint64_t pid_start_ticks, std::uint64_t owner_token) {
+                                            std::uint64_t pid_start_ticks, std::uint64_t owner_token,
+                                            double silence_limit_s) {
     if (job_name.size() >= shm::kJobNameBytes) {
       throw Error("a job name holds at most " + std::to_string(shm::kJobNameBytes - 1) + " bytes; '" + job_name +
                   "' has " + std::to_string(job_name.size()) + " (UTF-8)");
@@ -133,8 +134,24 @@ class PyJobBlock {
     control.memory_cap = cap_from_python(memory_cap);
     control.share = share_from_python(share);
     auto block = std::make_unique<PyJobBlock>(ShmRegion::create(name, shm::kJobBlockBytes), control);
-    shm::initialize_job_block(block->block(), identity, control, owner_token);
+    shm::initialize_job_block(block->block(), identity, control, owner_token, silence_limit_ns(silence_limit_s));
     return block;
+  }
+
+  // The coordinator's heartbeat, with the silence after which the job runs
+  // on its own (0: never).
+  void beat(double silence_limit_s) {
+    shm::CoordinatorHeartbeat heartbeat;
+    heartbeat.heartbeat_ns = shm::monotonic_ns();
+    heartbeat.silence_limit_ns = silence_limit_ns(silence_limit_s);
+    if (!shm::try_write_coordinator_heartbeat(block(), heartbeat)) throw lost_pages();
+  }
+  static std::uint64_t silence_limit_ns(double seconds) {
+    if (!std::isfinite(seconds) || seconds < 0) {
+      throw Error("the silence after which a job runs on its own must be 0 (never) or a positive number of "
+                  "seconds, not " + std::to_string(seconds));
+    }
+    return static_cast<std::uint64_t>(seconds * 1e9);
   }
 
   // Adopts an existing block. The control values are read once, here
@@ -286,7 +303,10 @@ COTENANT_CORE_BINDINGS(job_channel) {
                   py::arg("job_name"), py::arg("role"), py::arg("device"), py::arg("pid"), py::arg("uid"),
                   py::arg("memory_cap") = py::none(), py::arg("share") = 1.0, py::arg("gpu_uuid") = "",
                   py::arg("pid_start_ticks") = 0, py::arg("owner_token") = 0,
-                  "Creates the block (refuses an existing name) with its identity and initial control.")
+                  py::arg("silence_limit_s") = static_cast<double>(shm::kDefaultCoordinatorSilenceLimitNs) / 1e9,
+                  "Creates the block (refuses an existing name) with its identity and initial control. "
+                  "silence_limit_s: how long the job waits on a silent coordinator before it runs on its own "
+                  "(0: for good).")
       .def_static("open", &PyJobBlock::open, py::arg("name"),
                   "Opens an existing block; raises Error if it is not a block of this version.")
       .def_property_readonly("name", &PyJobBlock::name)
@@ -316,6 +336,19 @@ COTENANT_CORE_BINDINGS(job_channel) {
              JobBlock copy;
              self.copy(copy);
              return shm::read_heartbeat_ns(copy);
+           })
+      .def("beat", &PyJobBlock::beat, py::arg("silence_limit_s"),
+           "The coordinator's heartbeat (every tick), with how long the job may then wait on a silent "
+           "coordinator before it runs on its own (0: for good).")
+      .def("coordinator_heartbeat",
+           [](PyJobBlock& self) {
+             JobBlock copy;
+             self.copy(copy);
+             const shm::CoordinatorHeartbeat beat = shm::read_coordinator_heartbeat(copy);
+             py::dict d;
+             d["heartbeat_ns"] = beat.heartbeat_ns;
+             d["silence_limit_ns"] = beat.silence_limit_ns;
+             return d;
            })
       .def("set_control", &PyJobBlock::set_control, py::kw_only(), py::arg("memory_cap") = py::ellipsis(),
            py::arg("share") = py::ellipsis(),
@@ -382,6 +415,8 @@ COTENANT_CORE_BINDINGS(job_channel) {
            py::arg("share"), "The simulated job's own share (the coordinator's caps it).")
       .def_property_readonly("launches_paused", [](PyJobChannel& self) { return self.process().launches_paused(); })
       .def_property_readonly("running", [](PyJobChannel& self) { return self.channel().running(); })
+      .def_property_readonly("coordinator_lost", [](PyJobChannel& self) { return self.channel().coordinator_lost(); },
+                             "Whether the coordinator's heartbeat went silent past its limit: the job runs on its own.")
       .def_property_readonly("block_name", [](PyJobChannel& self) { return self.channel().block_name(); })
       .def("identity", [](PyJobChannel& self) { return identity_dict(self.channel().identity()); })
       .def("control", [](PyJobChannel& self) { return control_dict(self.channel().control()); })

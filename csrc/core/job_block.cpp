@@ -163,7 +163,7 @@ std::uint64_t monotonic_ns() {
 }
 
 void initialize_job_block(JobBlock& block, const JobIdentity& identity, const JobControl& control,
-                          std::uint64_t owner_token) {
+                          std::uint64_t owner_token, std::uint64_t silence_limit_ns) {
   auto& id = block.identity;
   id.job_id.store(identity.job_id, kRelaxed);
   id.role.store(static_cast<std::uint64_t>(identity.role), kRelaxed);
@@ -182,6 +182,8 @@ void initialize_job_block(JobBlock& block, const JobIdentity& identity, const Jo
   report.device = identity.device;
   write_report(block, report);
   block.heartbeat_ns.store(0, kRelaxed);  // 0 = the job has not attached yet
+  block.coordinator_heartbeat_ns.store(monotonic_ns(), kRelaxed);
+  block.coordinator_silence_limit_ns.store(silence_limit_ns, kRelaxed);
   block.owner_token.store(owner_token, kRelaxed);
   block.block_bytes.store(sizeof(JobBlock), kRelaxed);
   block.version.store(kJobBlockVersion, kRelaxed);
@@ -323,6 +325,20 @@ std::uint64_t read_heartbeat_ns(const JobBlock& block) {
 
 void write_heartbeat_ns(JobBlock& block, std::uint64_t ns) {
   block.heartbeat_ns.store(ns, std::memory_order_release);
+}
+
+bool try_write_coordinator_heartbeat(JobBlock& block, const CoordinatorHeartbeat& heartbeat) {
+  return access_guarded(&block, sizeof(JobBlock), [&] {
+    block.coordinator_silence_limit_ns.store(heartbeat.silence_limit_ns, kRelaxed);
+    block.coordinator_heartbeat_ns.store(heartbeat.heartbeat_ns, std::memory_order_release);
+  });
+}
+
+CoordinatorHeartbeat read_coordinator_heartbeat(const JobBlock& block) {
+  CoordinatorHeartbeat heartbeat;
+  heartbeat.heartbeat_ns = block.coordinator_heartbeat_ns.load(std::memory_order_acquire);
+  heartbeat.silence_limit_ns = block.coordinator_silence_limit_ns.load(kRelaxed);
+  return heartbeat;
 }
 
 }  // namespace cotenant::shm

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "cotenant/errors.h"
+#include "cotenant/size.h"
 
 namespace cotenant {
 
@@ -92,14 +94,85 @@ void JobChannel::run() {
 bool JobChannel::poll_once() {
   std::lock_guard<std::mutex> lock(mutex_);
   bool applied = false;
-  try {
-    applied = apply_locked(shm::read_control(*block_));
-  } catch (const Error&) {
-    // The coordinator died mid-write: keep the last applied values until a
-    // restarted coordinator writes again; keep reporting meanwhile.
+  if (!follow_coordinator_locked()) {
+    try {
+      applied = apply_locked(shm::read_control(*block_));
+    } catch (const Error&) {
+      // The coordinator died mid-write: keep the last applied values until a
+      // restarted coordinator writes again; keep reporting meanwhile.
+    }
+    if (rejoined_) {
+      rejoined_ = false;
+      // A suspension the coordinator still holds (none came to lift it)
+      // empties the device again; its launches stopped in apply_locked.
+      if (suspended_) {
+        if (hooks_.spill_all) {
+          try {
+            hooks_.spill_all();
+          } catch (...) {
+            ++report_.apply_errors;
+          }
+        }
+        report_.state = JobState::kSuspended;
+      }
+      applied = true;
+    }
   }
   publish_locked();
   return applied;
+}
+
+bool JobChannel::coordinator_lost() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return coordinator_lost_;
+}
+
+bool JobChannel::follow_coordinator_locked() {
+  const shm::CoordinatorHeartbeat beat = shm::read_coordinator_heartbeat(*block_);
+  const std::uint64_t now = shm::monotonic_ns();
+  const std::uint64_t silent_ns = now > beat.heartbeat_ns ? now - beat.heartbeat_ns : 0;
+  const bool silent = beat.silence_limit_ns != 0 && silent_ns > beat.silence_limit_ns;
+  if (silent && !coordinator_lost_) {
+    run_on_own_locked(silent_ns);
+  } else if (!silent && coordinator_lost_) {
+    coordinator_lost_ = false;
+    rejoined_ = true;
+    reapply_share_ = true;  // the share the job ran at on its own was not the coordinator's
+    launches_stopped_ = false;  // so a suspension still in force stops them again
+    std::fprintf(stderr, "cotenant: job '%s' hears the coordinator again: its cap, share and commands apply again\n",
+                 identity_.name.c_str());
+  }
+  return coordinator_lost_;
+}
+
+void JobChannel::run_on_own_locked(std::uint64_t silent_ns) {
+  coordinator_lost_ = true;
+  auto guarded = [this](const std::function<void()>& action) {
+    try {
+      action();
+    } catch (...) {
+      ++report_.apply_errors;
+    }
+  };
+  const bool was_suspended = suspended_;
+  if (was_suspended) {
+    // suspended_ stays: it is the coordinator's word, applied again if it
+    // comes back without having lifted it.
+    if (hooks_.restore_all) guarded(hooks_.restore_all);
+    if (hooks_.set_suspended) guarded([&] { hooks_.set_suspended(false); });
+    launches_stopped_ = false;
+  }
+  if (hooks_.set_share) guarded([&] { hooks_.set_share(1.0); });
+  report_.state = JobState::kRunning;
+  const std::string cap = attempted_cap_ == kNoCap ? std::string("no cap") : "its cap of " + format_size(attempted_cap_);
+  std::fprintf(stderr,
+               "cotenant: job '%s' has not heard from the coordinator for %.0f s (stopped, hung or gone), longer "
+               "than the %.0f s it allows: the job now runs on its own, %sat full share, under %s (the launch gate "
+               "still yields to a guaranteed job). Start the coordinator again on the same socket and it takes "
+               "this job back\n",
+               identity_.name.c_str(), static_cast<double>(silent_ns) / 1e9,
+               static_cast<double>(shm::read_coordinator_heartbeat(*block_).silence_limit_ns) / 1e9,
+               was_suspended ? "resumed from its suspension, " : "", cap.c_str());
 }
 
 bool JobChannel::apply_locked(const shm::JobControl& control) {
@@ -118,7 +191,8 @@ bool JobChannel::apply_locked(const shm::JobControl& control) {
     applied = true;
   }
   const double share = std::isfinite(control.share) ? std::clamp(control.share, 0.0, 1.0) : attempted_share_;
-  if (share != attempted_share_) {
+  if (share != attempted_share_ || reapply_share_) {
+    reapply_share_ = false;
     attempted_share_ = share;
     // Without a launch stop, suspension is share 0: keep it until resume.
     if (hooks_.set_share && (!suspended_ || hooks_.set_suspended)) guarded([&] { hooks_.set_share(share); });
@@ -235,7 +309,7 @@ void JobChannel::publish_locked() {
       ++report_.apply_errors;
     }
   }
-  if (suspended_) {
+  if (suspended_ && !coordinator_lost_) {
     report_.effective_share = 0.0;
   } else if (hooks_.effective_share) {
     try {

@@ -15,7 +15,14 @@
 //
 // If the coordinator dies the block stays mapped, the thread keeps the last
 // applied cap and share and keeps publishing; a restarted coordinator opens
-// the same block and carries on.
+// the same block and carries on. A coordinator silent for longer than the
+// limit it wrote into the block (its heartbeat, every tick; 30 s by default)
+// is taken for gone: the job runs on its own, so that a suspended or paused
+// job does not wait for good. Its launches resume at share 1 (the launch gate,
+// which needs no coordinator, still yields to a guaranteed job), a suspended
+// job's pages come back within its cap, the cap stays, and one line on stderr
+// says so. When the heartbeat moves again the coordinator's control applies
+// again as it stands: its share, and its suspension where one is in force.
 //
 // Thread safety: every public method may be called from any thread. Hooks run
 // on the channel's thread (or on the caller's, in poll_once()), never two at
@@ -96,6 +103,10 @@ class JobChannel {
   // cap, share or command was applied in this round.
   bool poll_once();
 
+  // Whether the coordinator is taken for gone (see above) and the job runs on
+  // its own.
+  bool coordinator_lost() const;
+
   const shm::JobIdentity& identity() const { return identity_; }
   const std::string& block_name() const { return region_.name(); }
   shm::JobControl control() const;
@@ -106,6 +117,9 @@ class JobChannel {
   bool apply_locked(const shm::JobControl& control);
   void stop_launches_locked();
   void publish_locked();
+  // Follows the coordinator's heartbeat: true while it is taken for gone.
+  bool follow_coordinator_locked();
+  void run_on_own_locked(std::uint64_t silent_ns);
 
   shm::ShmRegion region_;
   shm::JobBlock* block_ = nullptr;
@@ -119,6 +133,9 @@ class JobChannel {
   double attempted_share_;
   bool suspended_ = false;        // a suspend command is in force
   bool launches_stopped_ = false;  // ... and set_suspended(true) took effect
+  bool coordinator_lost_ = false;  // its heartbeat went silent: the job runs on its own
+  bool rejoined_ = false;          // it came back this poll: its share and suspension apply again
+  bool reapply_share_ = false;     // apply the coordinator's share even if unchanged
   std::chrono::steady_clock::time_point host_room_read_{};  // when host_room last ran
 
   // The polling thread and what wakes it. A child forked while the thread

@@ -49,6 +49,13 @@ struct CoordinatorBlock {
     control.share = share;
     shm::write_control(block(), control);
   }
+  // The coordinator's heartbeat as of `age` ago, with its silence limit.
+  void beat(std::chrono::nanoseconds age, std::chrono::nanoseconds limit) {
+    shm::CoordinatorHeartbeat heartbeat;
+    heartbeat.heartbeat_ns = shm::monotonic_ns() - static_cast<std::uint64_t>(age.count());
+    heartbeat.silence_limit_ns = static_cast<std::uint64_t>(limit.count());
+    REQUIRE(shm::try_write_coordinator_heartbeat(block(), heartbeat));
+  }
   void command(shm::JobCommand command) {
     auto control = shm::read_control(block());
     control.command = command;
@@ -257,6 +264,107 @@ TEST_CASE("suspend_stops_launches_for_every_role_and_a_cap_change_brings_nothing
   CHECK(report.device_bytes >= 64 * MiB);
   CHECK(report.host_bytes == 0);
   for (auto address : live) allocator.free(address);
+}
+
+TEST_CASE("a_suspended_job_runs_on_its_own_while_its_coordinator_is_silent_and_suspends_again_when_it_returns",
+          "[job_channel]") {
+  CoordinatorBlock coordinator("silent-suspended");
+  SimulatedJob job;
+  auto& [backend, allocator, process] = job;
+  std::vector<DevicePtr> live;
+  for (int i = 0; i < 4; ++i) live.push_back(allocator.allocate(16 * MiB, 0));
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
+  coordinator.set(96 * MiB, 1.0);
+  coordinator.command(shm::JobCommand::kSuspend);
+  channel.poll_once();
+  REQUIRE(process.launches_paused());
+  REQUIRE(shm::read_report(coordinator.block()).device_bytes == 0);
+
+  // Silent for 5 s against a limit of 1 s: the coordinator is taken for gone.
+  coordinator.beat(5s, 1s);
+  channel.poll_once();
+  CHECK(channel.coordinator_lost());
+  CHECK_FALSE(process.launches_paused());
+  auto report = shm::read_report(coordinator.block());
+  CHECK(report.state == shm::JobState::kRunning);
+  CHECK(report.device_bytes >= 64 * MiB);  // its pages came back, within the cap it keeps
+  CHECK(report.host_bytes == 0);
+  CHECK(report.effective_share == 1.0);
+  CHECK(allocator.memory_cap() == 96 * MiB);
+  channel.poll_once();  // once: it stays on its own without doing it again
+  CHECK(channel.coordinator_lost());
+  CHECK(shm::read_report(coordinator.block()).num_migrations == report.num_migrations);
+
+  // The heartbeat moves again: the suspension the coordinator never lifted holds again.
+  coordinator.beat(0s, 1s);
+  channel.poll_once();
+  CHECK_FALSE(channel.coordinator_lost());
+  CHECK(process.launches_paused());
+  report = shm::read_report(coordinator.block());
+  CHECK(report.state == shm::JobState::kSuspended);
+  CHECK(report.device_bytes == 0);
+  CHECK(report.effective_share == 0.0);
+
+  coordinator.command(shm::JobCommand::kResume);
+  channel.poll_once();
+  CHECK_FALSE(process.launches_paused());
+  CHECK(shm::read_report(coordinator.block()).device_bytes >= 64 * MiB);
+  for (auto address : live) allocator.free(address);
+}
+
+TEST_CASE("a_job_the_coordinator_paused_runs_at_full_share_while_it_is_silent_and_takes_its_share_back",
+          "[job_channel]") {
+  CoordinatorBlock coordinator("silent-paused");
+  SimulatedJob job;
+  auto& process = job.process;
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
+  coordinator.set(kNoCap, 0.0);
+  channel.poll_once();
+  REQUIRE(shm::read_report(coordinator.block()).effective_share == 0.0);
+
+  coordinator.beat(3s, 2s);
+  channel.poll_once();
+  CHECK(channel.coordinator_lost());
+  CHECK(shm::read_report(coordinator.block()).effective_share == 1.0);
+  // While it is silent, what its control section holds is not the coordinator's word: nothing is applied.
+  coordinator.set(kNoCap, 0.5);
+  channel.poll_once();
+  CHECK(shm::read_report(coordinator.block()).effective_share == 1.0);
+
+  coordinator.beat(0s, 2s);
+  channel.poll_once();
+  CHECK_FALSE(channel.coordinator_lost());
+  auto report = shm::read_report(coordinator.block());
+  CHECK(report.applied_share == 0.5);
+  CHECK(report.effective_share == 0.5);
+  // The same share as before the silence is applied again too (the job ran at 1 meanwhile).
+  coordinator.set(kNoCap, 0.0);
+  channel.poll_once();
+  coordinator.beat(3s, 2s);
+  channel.poll_once();
+  REQUIRE(shm::read_report(coordinator.block()).effective_share == 1.0);
+  coordinator.beat(0s, 2s);
+  channel.poll_once();
+  CHECK(shm::read_report(coordinator.block()).effective_share == 0.0);
+}
+
+TEST_CASE("a_silence_limit_of_zero_keeps_the_job_waiting_for_its_coordinator", "[job_channel]") {
+  CoordinatorBlock coordinator("silent-forever");
+  SimulatedJob job;
+  auto& process = job.process;
+  JobChannel channel(coordinator.region.name(), job_channel_hooks(process));
+  coordinator.command(shm::JobCommand::kSuspend);
+  coordinator.beat(3600s, 0s);
+  channel.poll_once();
+  channel.poll_once();
+  CHECK_FALSE(channel.coordinator_lost());
+  CHECK(process.launches_paused());
+  // A fresh block carries the default limit and a heartbeat of its creation.
+  CoordinatorBlock fresh("silent-default");
+  const auto beat = shm::read_coordinator_heartbeat(fresh.block());
+  CHECK(beat.silence_limit_ns == shm::kDefaultCoordinatorSilenceLimitNs);
+  CHECK(beat.heartbeat_ns <= shm::monotonic_ns());
+  CHECK(shm::monotonic_ns() - beat.heartbeat_ns < 10'000'000'000ull);
 }
 
 TEST_CASE("a_launch_stop_that_did_not_take_is_retried_at_the_next_poll", "[job_channel]") {

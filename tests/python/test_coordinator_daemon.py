@@ -565,6 +565,38 @@ def test_suspend_moves_all_memory_to_the_host_and_resume_brings_it_back(node):
     assert node.job("o")["host_bytes"] == 0
 
 
+def test_a_job_suspended_by_a_coordinator_that_died_runs_on_its_own_and_is_suspended_again_on_its_return(node):
+    node.args += ["--jobs-on-their-own-after-s", "1"]
+    node.start_coordinator()
+    o = node.start_job("opportunistic", "o", hold_mib=96)
+    assert wait_until(lambda: node.job("o")["device_bytes"] == 96 * MiB)
+    client.send_command("o", "suspend", node.socket)
+    assert wait_until(lambda: node.job("o")["state"] == "suspended"), node.status()
+    node.kill_coordinator()
+    killed = time.monotonic()
+    block = _core.JobBlock.open(o.registration["block_name"])
+
+    def report():
+        return block.report() or {}
+
+    assert block.coordinator_heartbeat()["silence_limit_ns"] == 1_000_000_000
+    assert report().get("state") == "suspended"  # the limit has not passed yet
+    assert wait_until(lambda: report().get("state") == "running" and report().get("device_bytes") == 96 * MiB,
+                      timeout=10), report()
+    assert time.monotonic() - killed >= 1.0
+    assert report()["host_bytes"] == 0 and report()["effective_share"] == 1.0
+    assert "has not heard from the coordinator" in node.read_log()
+    block.close()
+
+    node.start_coordinator()  # adopts the job, whose suspension it never lifted
+    assert wait_until(lambda: (j := node.job("o")) and j["state"] == "suspended" and j["device_bytes"] == 0,
+                      timeout=10), node.status()
+    assert "hears the coordinator again" in node.read_log()
+    client.send_command("o", "resume", node.socket)
+    assert wait_until(lambda: node.job("o")["state"] == "running" and node.job("o")["device_bytes"] == 96 * MiB)
+    assert o.alive()
+
+
 def test_job_on_a_gpu_the_coordinator_does_not_manage_is_refused_with_the_managed_list(node):
     node.args += ["--gpus", "0,1"]
     node.start_coordinator()

@@ -23,6 +23,10 @@
 //             one iteration measurement: IterationTracker's, nanoseconds),
 //             which control values it has applied, and a heartbeat. The
 //             coordinator validates every number it reads.
+// Two more words sit outside the sections: the job's heartbeat (written with
+// each report) and the coordinator's, which the coordinator writes at every
+// tick beside how long a job waits on a silent coordinator before it runs on
+// its own (JobChannel: a suspended or paused job must not stay so for good).
 // Control and report are each guarded by a seqlock: the writer makes the
 // sequence odd, writes, makes it even; a reader retries until it sees the
 // same even sequence before and after. A writer never trusts the sequence it
@@ -46,6 +50,8 @@
 // GPU UUID, owner token, effective share; coordinator-owned control.
 // Version 3: host_pool_bytes (pinned host pages the job holds for spills).
 // Version 4: host_room_bytes (what the job may still pin on the host).
+// Version 5: the coordinator's heartbeat and the silence after which a job
+// runs on its own.
 #pragma once
 
 #include <atomic>
@@ -62,9 +68,14 @@
 namespace cotenant::shm {
 
 inline constexpr std::uint64_t kJobBlockMagic = 0x4b4c424f4a4e4f43ull;  // "CONJOBLK" little-endian
-inline constexpr std::uint32_t kJobBlockVersion = 4;
+inline constexpr std::uint32_t kJobBlockVersion = 5;
 inline constexpr std::size_t kJobNameBytes = 64;          // including the terminating NUL
 inline constexpr std::size_t kGpuUuidBytes = 48;         // "GPU-xxxxxxxx-...", NUL-terminated
+// How long a job waits on a silent coordinator before it runs on its own, by
+// default: long enough for a coordinator's restart (well under 1 s) and a
+// slow tick, short enough that a suspended job does not wait for good on a
+// coordinator that is gone.
+inline constexpr std::uint64_t kDefaultCoordinatorSilenceLimitNs = 30'000'000'000ull;
 
 // guaranteed: has the GPU first; opportunistic: runs in its idle slots;
 // cap_only: a memory cap and nothing else (no launch gate, no share).
@@ -181,6 +192,12 @@ struct alignas(64) JobBlock {
 
   // Outside the report seqlock: the coordinator reads it often and alone.
   alignas(64) Word heartbeat_ns;
+
+  // Written by the coordinator only, outside the control seqlock: the job
+  // reads them at every poll. CLOCK_MONOTONIC of the coordinator's last tick,
+  // and the silence (ns) after which the job stops waiting for it; 0 = never.
+  alignas(64) Word coordinator_heartbeat_ns;
+  Word coordinator_silence_limit_ns;
 };
 
 inline constexpr std::size_t kJobBlockBytes = sizeof(JobBlock);
@@ -188,7 +205,8 @@ inline constexpr std::size_t kJobBlockBytes = sizeof(JobBlock);
 // Coordinator side: fills a zeroed block (fresh ShmRegion) with the header,
 // identity and initial control. Not for a block a job already uses.
 void initialize_job_block(JobBlock& block, const JobIdentity& identity, const JobControl& control,
-                          std::uint64_t owner_token = 0);
+                          std::uint64_t owner_token = 0,
+                          std::uint64_t silence_limit_ns = kDefaultCoordinatorSilenceLimitNs);
 // Throws cotenant::Error with a sentence if the bytes are not a complete
 // block of this version.
 void check_job_block(const JobBlock& block, std::size_t mapped_bytes);
@@ -229,6 +247,16 @@ bool try_write_control(JobBlock& block, const JobControl& control);
 
 std::uint64_t read_heartbeat_ns(const JobBlock& block);
 void write_heartbeat_ns(JobBlock& block, std::uint64_t ns);
+
+// The coordinator's side of its heartbeat: written at every tick (and at
+// creation); the silence limit travels with it, so a restarted coordinator's
+// setting replaces its predecessor's. false where the block lost its pages.
+struct CoordinatorHeartbeat {
+  std::uint64_t heartbeat_ns = 0;      // CLOCK_MONOTONIC
+  std::uint64_t silence_limit_ns = 0;  // 0: the job never stops waiting
+};
+bool try_write_coordinator_heartbeat(JobBlock& block, const CoordinatorHeartbeat& heartbeat);
+CoordinatorHeartbeat read_coordinator_heartbeat(const JobBlock& block);
 
 // Calls visit(name, value) for each field, in layout order: the one place
 // that turns records into name/value pairs (the Python dictionaries).

@@ -425,6 +425,7 @@ class CoordinatorConfig:
     history_interval_s: float = 0.25
     stale_heartbeat_s: float = 3.0
     attach_timeout_s: float = 10.0     # a registered job's channel must start within this
+    on_their_own_after_s: float = 30.0  # a job that hears no tick this long runs on its own (0: it waits for good)
     baseline_timeout_s: float = 30.0   # give up waiting for a guaranteed job's first iteration
     history_max_bytes: int = 64 << 20  # the history file rotates to <name>.1 beyond this
     detect_gpus: bool = True
@@ -711,6 +712,7 @@ class Coordinator:
         now = time.monotonic() if now is None else now
         now_ns = _core().monotonic_ns()
         for job in list(self.jobs.values()):
+            self._beat(job)
             if process_alive(job.pid, job.pid_start_ticks):  # a dead job's block is not read: it may be stuck mid-update
                 self._read_report(job)  # never waits: keeps the last report while the job's writer is mid-update
             reason = self._death_reason(job, now_ns)
@@ -735,6 +737,15 @@ class Coordinator:
             self.metrics.update(self.jobs, meminfo)
         if self._state_dirty:
             self._save_state()
+
+    def _beat(self, job: Job) -> None:
+        """The coordinator's heartbeat in the job's block: a job that stops
+        hearing it for `on_their_own_after_s` runs on its own (a suspended or
+        paused job resumes) until it hears it again."""
+        try:
+            job.block.beat(self.config.on_their_own_after_s)
+        except _core().Error:
+            pass  # its job shrank its block away: the report's read says so, and death is checked below
 
     def _send_waiting_command(self, job: Job) -> None:
         try:
@@ -1214,7 +1225,8 @@ class Coordinator:
             block = _core().JobBlock.create(block_name, job_id=job_id, job_name=name, role=role, device=index,
                                             pid=pid, uid=uid, memory_cap=user_cap, share=share,
                                             pid_start_ticks=start_ticks, owner_token=owner_token,
-                                            gpu_uuid=uuid or "")
+                                            gpu_uuid=uuid or "",
+                                            silence_limit_s=self.config.on_their_own_after_s)
         except _core().Error as error:  # e.g. /dev/shm is full: this job is refused, the others go on
             _event("job block not created", logging.WARNING, job=name, pid=pid, reason=str(error))
             raise ProtocolError(protocol.RESOURCE_EXHAUSTED,

@@ -149,6 +149,9 @@ SETTINGS = (
             "a job silent this long is checked for death"),
     Setting("jobs", "attach_timeout_s", ("attach_timeout_s",), _POSITIVE_SECONDS,
             "a registered job must attach to its block within this"),
+    Setting("jobs", "on_their_own_after_s", ("on_their_own_after_s",), _number(0.0, float("inf")),
+            "a job that hears nothing from the coordinator this long runs on its own (a suspended or paused job "
+            "resumes) until the coordinator is back; 0: it waits for good"),
     Setting("jobs", "max_per_uid", ("max_jobs_per_uid",), _whole(1),
             "registered jobs one user may hold, and as many queued tickets; more are refused"),
     Setting("history", "interval_s", ("history_interval_s",), _POSITIVE_SECONDS, "seconds between history samples"),
