@@ -126,15 +126,20 @@ COTENANT_TORCH_BINDINGS(allocator) {
   // job's other Python threads run on. The allocator is found first, with
   // the GIL (creating a device's allocators may call into Python).
   m.def("set_memory_cap", [](int device, std::optional<std::uint64_t> bytes) {
-    CachingAllocator& allocator = main_allocator(device);
+    auto& allocator = installed_allocator();
+    DeviceAllocators& d = allocator.on(static_cast<c10::DeviceIndex>(device));
     py::gil_scoped_release release;
-    allocator.set_memory_cap(cap_word(bytes));
-  }, py::arg("device"), py::arg("bytes"), "Bytes, or None to remove the cap.");
+    allocator.set_job_cap(d, CotenantCudaAllocator::CapSource::kUser, cap_word(bytes));
+    allocator.follow_job_cap(d, /*always=*/true);
+  }, py::arg("device"), py::arg("bytes"),
+     "The user's cap on the job's device memory (all its allocators), bytes, or None to remove it; a "
+     "coordinator's lower cap holds over it.");
   m.def("memory_cap", [](int device) -> py::object {
-    const std::uint64_t cap = main_allocator(device).memory_cap();
+    auto& allocator = installed_allocator();
+    const std::uint64_t cap = allocator.job_cap(allocator.on(static_cast<c10::DeviceIndex>(device)));
     if (cap == kNoCap) return py::none();
     return py::int_(cap);
-  }, py::arg("device"), "The cap in bytes, or None.");
+  }, py::arg("device"), "The job's cap in bytes (the lower of the user's and the coordinator's), or None.");
 
   m.def("capped_device_bytes", [](int device) -> py::object {
     // Never creates a device's allocators: a query about a device the job
@@ -142,10 +147,11 @@ COTENANT_TORCH_BINDINGS(allocator) {
     auto& allocator = CotenantCudaAllocator::instance();
     DeviceAllocators* d = allocator.installed() ? allocator.existing(static_cast<c10::DeviceIndex>(device)) : nullptr;
     if (d == nullptr) return py::none();
-    const std::uint64_t cap = d->main->memory_cap();
+    const std::uint64_t cap = allocator.job_cap(*d);
     if (cap == kNoCap) return py::none();
-    return py::make_tuple(cap, d->main->stats().device_resident_bytes.current);
-  }, py::arg("device"), "(cap, device-resident bytes) of the capped allocator, or None without a cap.");
+    const std::int64_t others = allocator.stats_besides_main(*d).device_resident_bytes.current;
+    return py::make_tuple(cap, d->main->stats().device_resident_bytes.current + std::max<std::int64_t>(others, 0));
+  }, py::arg("device"), "(the job's cap, the job's device-resident bytes, all its allocators), or None without a cap.");
 
   m.def("_driver_call_times", [](int device) {
     using Call = cuda::CudaBackend::DriverCall;

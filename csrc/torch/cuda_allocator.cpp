@@ -266,8 +266,36 @@ void CotenantCudaAllocator::mark_iteration() {
   const int count = device_count_.load(std::memory_order_relaxed);
   for (int d = 0; d < count && d < static_cast<int>(devices_.size()); ++d) {
     DeviceAllocators* state = devices_[d].load(std::memory_order_acquire);
-    if (state != nullptr) state->main->mark_iteration();
+    if (state == nullptr) continue;
+    state->main->mark_iteration();
+    // The job's cap follows its pools and regions once a step, coordinator or not.
+    if (state->several_allocators.load(std::memory_order_acquire)) follow_job_cap(*state);
   }
+}
+
+void CotenantCudaAllocator::set_job_cap(DeviceAllocators& d, CapSource source, std::uint64_t cap_word) {
+  std::lock_guard<std::mutex> lock(d.cap_mutex);
+  (source == CapSource::kUser ? d.user_cap : d.coordinator_cap) = cap_word;
+}
+
+std::uint64_t CotenantCudaAllocator::job_cap(DeviceAllocators& d) {
+  std::lock_guard<std::mutex> lock(d.cap_mutex);
+  return std::min(d.user_cap, d.coordinator_cap);
+}
+
+bool CotenantCudaAllocator::follow_job_cap(DeviceAllocators& d, bool always) {
+  std::lock_guard<std::mutex> lock(d.cap_mutex);
+  const std::uint64_t cap = std::min(d.user_cap, d.coordinator_cap);
+  std::uint64_t want = kNoCap;
+  if (cap != kNoCap) {
+    const AllocatorStats others = stats_besides_main(d);
+    const auto held = static_cast<std::uint64_t>(std::max<std::int64_t>(others.device_resident_bytes.current, 0));
+    want = cap > held ? cap - held : 1;  // 0 is no cap word: 1 byte holds no page
+  }
+  if (!always && want == d.main_cap) return false;
+  d.main->set_memory_cap(want);
+  d.main_cap = want;
+  return true;
 }
 
 void CotenantCudaAllocator::run_safe_point_at_op_entry() {
@@ -715,7 +743,7 @@ void CotenantCudaAllocator::resetPeakStats(c10::DeviceIndex device) {
 
 double CotenantCudaAllocator::getMemoryFraction(c10::DeviceIndex device) {
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
-  std::uint64_t cap = d.main->memory_cap();
+  std::uint64_t cap = job_cap(d);
   if (cap == kNoCap) return 1.0;
   return static_cast<double>(cap) / static_cast<double>(d.backend->device_total_bytes());
 }
@@ -724,9 +752,12 @@ void CotenantCudaAllocator::setMemoryFraction(double fraction, c10::DeviceIndex 
   TORCH_CHECK(fraction > 0.0 && fraction <= 1.0, "torch.cuda.set_per_process_memory_fraction(",
               fraction, ") is outside (0, 1]; pass a fraction of the device's memory, e.g. 0.5.");
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
-  // Under cotenant the fraction is a memory cap: memory above it spills to
-  // the host instead of raising OutOfMemoryError.
-  translate_errors([&] { d.main->set_memory_cap(Cap::of_fraction(fraction)); });
+  // Under cotenant the fraction is the user's memory cap on the job: memory
+  // above it spills to the host instead of raising OutOfMemoryError.
+  translate_errors([&] {
+    set_job_cap(d, CapSource::kUser, Cap::of_fraction(fraction).to_word(d.backend->device_total_bytes()));
+    follow_job_cap(d, /*always=*/true);
+  });
 }
 
 std::vector<c10_alloc::StreamSegmentSize> CotenantCudaAllocator::getExpandableSegmentSizes(

@@ -102,6 +102,19 @@ struct DeviceAllocators {
   std::atomic<bool> several_allocators{false};
   std::mutex peaks_mutex;
   c10::CachingDeviceAllocator::DeviceStats peaks;  // only the `peak` fields are kept
+
+  // The job's cap on this device, from its two sources: the user's
+  // (cotenant.set_memory_cap, torch.cuda.set_per_process_memory_fraction)
+  // and the coordinator's; the lower holds. It covers every allocator above:
+  // graph pools, regions and MemPools' own allocators are never capped or
+  // moved, so `main`'s cap is the job's less what they hold on the device
+  // (at least one byte: then every page of main is on the host), followed
+  // as they grow and shrink (CotenantCudaAllocator::follow_job_cap). Only
+  // follow_job_cap sets main's cap.
+  std::mutex cap_mutex;                    // the three below, and main's cap
+  std::uint64_t user_cap = kNoCap;         // cap words (kNoCap: none)
+  std::uint64_t coordinator_cap = kNoCap;
+  std::uint64_t main_cap = kNoCap;         // what follow_job_cap last set on main
 };
 
 class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
@@ -138,6 +151,16 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   // added up (AllocatorStats::add): what the job holds outside its cap. A
   // MemPool's own allocator's memory counts as device-resident.
   AllocatorStats stats_besides_main(DeviceAllocators& d);
+
+  // The job's cap on `d` (see DeviceAllocators::user_cap): one source's
+  // cap word set, main's cap follows at once. May spill or restore pages.
+  enum class CapSource { kUser, kCoordinator };
+  void set_job_cap(DeviceAllocators& d, CapSource source, std::uint64_t cap_word);
+  // The lower of the two (kNoCap: none).
+  std::uint64_t job_cap(DeviceAllocators& d);
+  // Main's cap for the job's cap and what the others hold now; true when it
+  // changed (always: set it even if unchanged).
+  bool follow_job_cap(DeviceAllocators& d, bool always = false);
 
   // True when some device has pages waiting for a safe point (lock-free).
   bool has_pending_migrations() const;

@@ -32,23 +32,8 @@ double TorchJobProcess::effective_share() const { return process_effective_share
 IterationStats TorchJobProcess::iterations() const { return process_iterations(); }
 
 void TorchJobProcess::set_job_memory_cap(std::uint64_t cap_word) {
-  std::lock_guard<std::mutex> lock(cap_mutex_);
-  job_cap_ = cap_word;
-  follow_job_cap(/*always=*/true);
-}
-
-bool TorchJobProcess::follow_job_cap(bool always) {
-  std::uint64_t want = kNoCap;
-  if (job_cap_ != kNoCap) {
-    const AllocatorStats others = cuda_.stats_besides_main(device_);
-    const auto held = static_cast<std::uint64_t>(std::max<std::int64_t>(others.device_resident_bytes.current, 0));
-    want = job_cap_ > held ? job_cap_ - held : 1;  // 0 is no cap word: 1 byte holds no page
-  }
-  // Unchanged, main's cap is left as it is: the job may have set its own.
-  if (!always && want == main_cap_) return false;
-  allocator().set_memory_cap(want);
-  main_cap_ = want;
-  return true;
+  cuda_.set_job_cap(device_, CotenantCudaAllocator::CapSource::kCoordinator, cap_word);
+  cuda_.follow_job_cap(device_, /*always=*/true);
 }
 
 AllocatorStats TorchJobProcess::job_stats() {
@@ -82,10 +67,7 @@ std::size_t TorchJobProcess::run_safe_point() {
 }
 
 void TorchJobProcess::settle() {
-  {
-    std::lock_guard<std::mutex> lock(cap_mutex_);
-    if (job_cap_ != kNoCap) follow_job_cap(/*always=*/false);  // the others grew or shrank
-  }
+  cuda_.follow_job_cap(device_);  // the others grew or shrank
   if (cuda_.has_pending_migrations()) cuda_.run_safe_point_at_op_entry();
   move_region_pages(device_, kSuspendDrainTimeout);  // a spill or restore an op held off
 }

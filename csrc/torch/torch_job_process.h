@@ -21,11 +21,9 @@ class TorchJobProcess final : public JobProcess {
       : cuda_(allocator), device_(device) {}
   ~TorchJobProcess() override;
   CachingAllocator& allocator() override { return *device_.main; }
-  // The coordinator's cap covers the job's device memory: its graph pools,
-  // regions and MemPools' own allocators hold device memory that is never
-  // capped or moved, so the main allocator's cap is the job's less what
-  // they hold, at least one byte (then every page of main is on the host),
-  // followed as they grow and shrink (settle()). No cap lifts main's.
+  // The coordinator's cap on the job (DeviceAllocators::coordinator_cap):
+  // with the user's, the lower holds, over all of the job's device memory;
+  // main's cap follows what the job's other allocators hold (settle()).
   void set_job_memory_cap(std::uint64_t cap_word) override;
   // Every allocator of the job's device, added up (AllocatorStats::add).
   AllocatorStats job_stats() override;
@@ -54,15 +52,9 @@ class TorchJobProcess final : public JobProcess {
   static constexpr std::chrono::milliseconds kSuspendDrainTimeout{100};
 
  private:
-  // Main's cap for the job's cap and what the others hold now; true when it changed.
-  bool follow_job_cap(bool always);
-
   CotenantCudaAllocator& cuda_;
   DeviceAllocators& device_;  // its main allocator is the job's allocator()
   std::atomic<bool> paused_{false};
-  std::mutex cap_mutex_;                  // the two below
-  std::uint64_t job_cap_ = kNoCap;        // the coordinator's, as a cap word
-  std::uint64_t main_cap_ = kNoCap;       // what follow_job_cap() last set on main
   std::mutex regions_mutex_;
   std::vector<std::string> spilled_regions_;  // what spill_job() marked, for restore_job()
 };

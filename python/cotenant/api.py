@@ -416,7 +416,11 @@ def set_memory_cap(size: SizeLike, device: Any = None) -> Optional[int]:
     size: bytes (int), a string such as "6GiB" or "512MiB", or a fraction of
     the device such as 0.5. Lowering the cap below what the job holds moves its
     coldest pages to host memory at once (no OutOfMemoryError); raising it
-    brings them back. Returns the cap in bytes (None for no cap).
+    brings them back. The cap covers all of the job's device memory: its
+    regions and CUDA graph pools are never capped or moved, so the rest of
+    its memory gets what they leave (followed at each iteration mark).
+    With a coordinator, the lower of this cap and the coordinator's holds.
+    Returns the cap in bytes (None for no cap).
     """
     cap = to_cap(size)
     index = _resolve_device(device)
@@ -428,7 +432,8 @@ def set_memory_cap(size: SizeLike, device: Any = None) -> Optional[int]:
 
 
 def memory_cap(device: Any = None) -> Optional[int]:
-    """The current cap in bytes, or None when there is none."""
+    """The job's cap in bytes (the lower of set_memory_cap()'s and a
+    coordinator's), or None when there is none."""
     index = _resolve_device(device)
     cap = _extension().memory_cap(index)
     return None if cap is None else int(cap)
@@ -468,8 +473,10 @@ def memory_stats(device: Any = None) -> Dict[str, Any]:
     ("remap": pages move both ways keeping their addresses; "pinned_fallback":
     over-cap memory comes from mapped pinned host memory), plus every raw
     counter under "raw" (torch.cuda.memory_stats() names and cotenant's).
-    The numbers are the capped allocator's; "regions" lists the named
-    regions on the device (see region()), whose memory is counted apart."""
+    The numbers are the main allocator's, its cap included: what the job's
+    cap (memory_cap()) leaves it beside the regions' and CUDA graph pools'
+    device memory; "regions" lists the named regions on the device (see
+    region()), whose memory is counted apart."""
     index = _resolve_device(device)
     _C = _extension()
     stats = summarize_stats(_C.stats(index))

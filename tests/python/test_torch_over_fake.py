@@ -406,6 +406,95 @@ def test_mem_get_info_reports_the_cap_so_a_job_that_sizes_itself_fits_under_it(l
     assert out["same"]
 
 
+def test_the_users_cap_covers_the_jobs_region_and_follows_it_as_it_grows(library):
+    """cotenant.set_memory_cap caps the job, its region included: the region
+    is never capped or moved, so the main allocator gets the rest, and follows
+    the region as it grows at the next iteration mark."""
+    out = run(library, """
+        cotenant.enable()
+        with cotenant.region("kv"):
+            kv = pattern(8 << 20, seed=2).to("cuda")  # 32 MiB
+        data = pattern(16 << 20, seed=3).to("cuda")  # 64 MiB
+        cotenant.set_memory_cap("64MiB")
+        cotenant.safe_point()
+
+        def now():
+            stats = cotenant.memory_stats()
+            region = [r for r in cotenant.regions() if r["name"] == "kv"][0]
+            return {"cap": cotenant.memory_cap(), "stats_cap": stats["memory_cap"],
+                    "main_cap": stats["raw"]["memory_cap"], "main_device": stats["device_bytes"],
+                    "main_host": stats["host_bytes"], "region_device": region["device_bytes"],
+                    "info": list(torch.cuda.mem_get_info()), "fraction": torch.cuda.get_per_process_memory_fraction()}
+
+        out["first"] = now()
+        with cotenant.iteration():
+            with cotenant.region("kv"):
+                more = pattern(4 << 20, seed=4).to("cuda")  # 16 MiB more in the region
+        cotenant.safe_point()
+        out["grown"] = now()
+        cotenant.set_memory_cap(None)
+        cotenant.safe_point()
+        out["lifted"] = now()
+        out["same"] = same(kv, pattern(8 << 20, seed=2)) and same(data, pattern(16 << 20, seed=3)) and \
+            same(more, pattern(4 << 20, seed=4))
+    """)
+    first, grown, lifted = out["first"], out["grown"], out["lifted"]
+    assert first["cap"] == 64 * MIB
+    assert first["main_cap"] == first["stats_cap"] == 32 * MIB  # 64 MiB less the region's 32
+    assert first["region_device"] == 32 * MIB
+    assert first["main_device"] <= 32 * MIB and first["main_host"] >= 32 * MIB
+    # mem_get_info speaks of the job: the cap is its total, free what all of it may still place.
+    assert first["info"] == [64 * MIB - 32 * MIB - first["main_device"], 64 * MIB]
+    assert first["fraction"] == 64 / 1024
+    assert grown["cap"] == 64 * MIB and grown["region_device"] == 48 * MIB
+    assert grown["main_cap"] == 16 * MIB and grown["main_device"] <= 16 * MIB
+    assert lifted["cap"] is None and lifted["main_cap"] in (None, 2**64 - 1, -1)
+    assert lifted["main_host"] == 0
+    assert out["same"]
+
+
+def test_a_coordinators_cap_and_the_users_hold_together_the_lower_one_binding(library):
+    """The job's cap has two sources, the user's and the coordinator's; the
+    lower holds, and lifting one leaves the other in force."""
+    out = run(library, """
+        import os, time
+        from cotenant import _core, _C
+        cotenant.enable()
+        data = pattern(16 << 20, seed=5).to("cuda")  # 64 MiB
+        name = f"/cotenant-test-caps-{os.getpid()}"
+        block = _core.JobBlock.create(name, job_id=1, job_name="caps", role="cap_only", device=0,
+                                      pid=os.getpid(), uid=os.getuid())
+        _C.start_job_channel(name, 0)
+
+        def settled(cap):
+            deadline = time.time() + 30
+            while time.time() < deadline and cotenant.memory_cap() != cap:
+                time.sleep(0.01)
+            cotenant.safe_point()
+            return {"cap": cotenant.memory_cap(), "device": cotenant.memory_stats()["device_bytes"]}
+
+        block.set_control(memory_cap=48 * MIB)
+        out["coordinator"] = settled(48 * MIB)
+        cotenant.set_memory_cap("32MiB")
+        out["user_lower"] = settled(32 * MIB)
+        cotenant.set_memory_cap(None)
+        out["user_lifted"] = settled(48 * MIB)
+        cotenant.set_memory_cap("96MiB")
+        out["user_higher"] = settled(48 * MIB)
+        block.set_control(memory_cap=None)
+        out["coordinator_lifted"] = settled(96 * MIB)
+        _C.stop_job_channel()
+        block.unlink()
+        out["same"] = same(data, pattern(16 << 20, seed=5))
+    """)
+    assert out["coordinator"] == {"cap": 48 * MIB, "device": 48 * MIB}
+    assert out["user_lower"] == {"cap": 32 * MIB, "device": 32 * MIB}
+    assert out["user_lifted"] == {"cap": 48 * MIB, "device": 48 * MIB}
+    assert out["user_higher"] == {"cap": 48 * MIB, "device": 48 * MIB}
+    assert out["coordinator_lifted"] == {"cap": 96 * MIB, "device": 64 * MIB}
+    assert out["same"]
+
+
 def test_a_cap_cut_below_the_working_set_and_raised_again_keeps_the_values(library):
     out = run(library, """
         cotenant.enable()
