@@ -596,3 +596,15 @@ def test_a_start_the_agent_cannot_carry_out_leaves_the_job_waiting_not_running(g
     assert two.status == RUNNING and "two-w0" in agent.started
     events = [e for e in global_scheduler.events if e["event"] == "job not started"]
     assert [e["job"] for e in events] == ["one"] and "it waits" in events[0]["reason"]
+
+
+def test_a_number_names_a_job_by_id_and_a_job_cannot_be_named_by_a_number():
+    # `cotenant cluster cancel 2` means job id 2: a job named "1" would make it ambiguous.
+    s = cluster()
+    first = s.submit(JobSpec("two", CMD, min_gpus=1, max_gpus=1), 0.0)
+    second = s.submit(JobSpec("job-1", CMD, min_gpus=1, max_gpus=1), 0.0)
+    assert s.find(str(second.job_id)) is second and s.find("two") is first
+    assert s.find(str(second.job_id + 10)) is None and s.find("missing") is None
+    with pytest.raises(ValueError, match=r"the job name '1' is a number.*'job-1'"):
+        s.submit(JobSpec("1", CMD, min_gpus=1, max_gpus=1), 0.0)
+    assert len(s.jobs) == 2  # nothing of the refused one stays

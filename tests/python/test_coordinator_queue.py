@@ -2,6 +2,7 @@
 `cancel` and `status` with simulated jobs (real client, shared memory, CachingAllocator on the
 SimulatedBackend) under the real daemon, with FIFO, 2D-LAS and time-slicing."""
 
+import json
 import os
 import subprocess
 import sys
@@ -393,6 +394,14 @@ def test_a_suspended_report_left_from_an_earlier_suspend_does_not_free_the_gpus_
     service.decide(2.0)
     assert sent == [SUSPEND]  # carries sequence 7
     service.tick(2.1)  # "suspended", but from sequence 6
+    assert b.gpus in (None, ()) and a.gpus == (0,)
+
+    # The coordinator restarts before the job applies it: the new one waits for sequence 7 too.
+    saved = json.loads(json.dumps(service.state()))  # as the state file holds it
+    service = QueueService(coordinator, DiscretizedLas(thresholds_gpu_s=(1.0,), starvation_factor=0))
+    service.restore(saved)
+    a, b = service.queue.jobs[a.ticket], service.queue.jobs[b.ticket]
+    service.tick(2.15)
     assert b.gpus in (None, ()) and a.gpus == (0,)
     registered.report["applied_command_sequence"] = 7
     service.tick(2.2)

@@ -251,7 +251,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     name = args.name or f"{os.path.basename(command[0])}-{os.getpid()}"
     from cotenant.coordinator.protocol import job_name_problem
 
-    problem = job_name_problem(name + "-w000")
+    problem = job_name_problem(name) or job_name_problem(name + "-w000")
     if problem:
         raise ValueError(f"--name: {problem}")
     spec = JobSpec(name=name, command=tuple(command), tenant=args.tenant, min_gpus=args.gpus[0],

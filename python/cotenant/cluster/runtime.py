@@ -418,7 +418,8 @@ class GlobalScheduler:
     def _find(self, ref: str) -> ClusterJob:
         job = self.core.find(ref)
         if job is None:
-            raise ValueError(f"no cluster job named {ref!r}; `cotenant cluster status` lists them")
+            what = f"with id {ref}" if ref.isdigit() else f"named {ref!r}"
+            raise ValueError(f"no cluster job {what}; `cotenant cluster status` lists them")
         return job
 
     def cancel(self, ref: str) -> Dict[str, Any]:

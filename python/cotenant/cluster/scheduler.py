@@ -182,6 +182,9 @@ class ClusterScheduler:
         among them, refuses every one."""
         taken = {j.name for j in self.jobs.values() if j.status not in (FINISHED, FAILED)}
         for spec in specs:
+            if spec.name.isdigit():  # `cluster cancel 12` means job id 12
+                raise ValueError(f"the job name {spec.name!r} is a number, which would be taken for a job id; "
+                                 f"use e.g. 'job-{spec.name}'")
             if spec.name in taken:
                 raise ValueError(f"a job named {spec.name!r} is already in the cluster; choose another --name")
             taken.add(spec.name)
@@ -194,8 +197,12 @@ class ClusterScheduler:
         return jobs
 
     def find(self, ref: str) -> Optional[ClusterJob]:
+        """A number is a job id, anything else a name (names are never numbers); the newest job of
+        that name."""
+        if ref.isdigit():
+            return self.jobs.get(int(ref))
         for job in sorted(self.jobs.values(), key=lambda j: -j.job_id):
-            if job.name == ref or str(job.job_id) == ref:
+            if job.name == ref:
                 return job
         return None
 

@@ -105,7 +105,8 @@ class QueueService:
 
     def state(self) -> Dict[str, Any]:
         """The queue for the daemon's durable state (then `saved()`, once it is on disk)."""
-        return {**self.queue.to_state(), "undelivered": {str(t): c for t, c in self._undelivered.items()}}
+        return {**self.queue.to_state(), "undelivered": {str(t): c for t, c in self._undelivered.items()},
+                "suspend_sequences": {str(t): n for t, n in self._suspend_sequence.items()}}
 
     def saved(self) -> None:
         self._saved_shape = self.queue.shape()
@@ -123,6 +124,10 @@ class QueueService:
         for ticket, command in saved.get("undelivered", {}).items():
             if int(ticket) in self.queue.jobs:
                 self._undelivered[int(ticket)] = command
+        # A suspend sent before the restart and not applied yet: its GPUs are still the job's until it is.
+        for ticket, sequence in saved.get("suspend_sequences", {}).items():
+            if int(ticket) in self.queue.jobs:
+                self._suspend_sequence[int(ticket)] = int(sequence)
         for job in self.queue.jobs.values():
             self._log("queued job re-adopted", job=job.name, ticket=job.ticket, state=job.status,
                       gpus=list(job.gpus or job.suspended_on))
