@@ -21,7 +21,7 @@ AllocatorOptions PoolTable::pool_options() {
 
 PoolTable::Pool& PoolTable::create_or_incref_locked(PoolId id) {
   Pool& pool = pools_[id];
-  if (!pool.allocator) pool.allocator = std::make_unique<CachingAllocator>(backend_, pool_options(), host_pages_);
+  if (!pool.allocator) pool.allocator = std::make_shared<CachingAllocator>(backend_, pool_options(), host_pages_);
   ++pool.use_count;
   return pool;
 }
@@ -72,12 +72,12 @@ void PoolTable::release(PoolId id) {
   drop_if_done_locked(it);
 }
 
-CachingAllocator* PoolTable::route_for(StreamId stream, PoolId* id) {
+std::shared_ptr<CachingAllocator> PoolTable::route_for(StreamId stream, PoolId* id) {
   std::lock_guard lock(mutex_);
   for (auto& [routed, filter] : routes_) {
     if (!filter(stream)) continue;
     if (id != nullptr) *id = routed;
-    return pools_.at(routed).allocator.get();
+    return pools_.at(routed).allocator;
   }
   return nullptr;
 }
@@ -88,16 +88,16 @@ int PoolTable::use_count(PoolId id) const {
   return it == pools_.end() ? 0 : it->second.use_count;
 }
 
-CachingAllocator* PoolTable::find(PoolId id) {
+std::shared_ptr<CachingAllocator> PoolTable::find(PoolId id) {
   std::lock_guard lock(mutex_);
   auto it = pools_.find(id);
-  return it == pools_.end() ? nullptr : it->second.allocator.get();
+  return it == pools_.end() ? nullptr : it->second.allocator;
 }
 
-std::vector<std::pair<PoolId, CachingAllocator*>> PoolTable::pools() const {
+std::vector<std::pair<PoolId, std::shared_ptr<CachingAllocator>>> PoolTable::pools() const {
   std::lock_guard lock(mutex_);
-  std::vector<std::pair<PoolId, CachingAllocator*>> out;
-  for (const auto& [id, pool] : pools_) out.emplace_back(id, pool.allocator.get());
+  std::vector<std::pair<PoolId, std::shared_ptr<CachingAllocator>>> out;
+  for (const auto& [id, pool] : pools_) out.emplace_back(id, pool.allocator);
   return out;
 }
 

@@ -358,6 +358,7 @@ std::size_t CotenantCudaAllocator::run_safe_point(std::chrono::microseconds drai
 void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream) {
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
   CachingAllocator* target = d.main.get();
+  std::shared_ptr<CachingAllocator> held_pool;  // the pool allocated in, held (Owner::pool)
   bool graph_pool = false;
   std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
   if (d.pools->routing()) {
@@ -365,7 +366,7 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
     // thread call the driver while another stream captures.
     relaxed.emplace(cudaStreamCaptureModeRelaxed);
     PoolId routed{};
-    if (CachingAllocator* pool =
+    if (std::shared_ptr<CachingAllocator> pool =
             d.pools->route_for(static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream)), &routed)) {
       if (std::optional<void*> ptr = allocate_foreign(d, routed, nbytes, stream)) {
         if (*ptr != nullptr) {
@@ -376,7 +377,8 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
         }
         return *ptr;
       }
-      target = pool;
+      target = pool.get();
+      held_pool = std::move(pool);
       graph_pool = true;
     }
   }
@@ -425,7 +427,7 @@ void* CotenantCudaAllocator::allocate_on(c10::DeviceIndex device, size_t nbytes,
   if (ptr != nullptr) {
     {
       std::lock_guard<std::mutex> lock(owners_mutex_);
-      owners_[ptr] = Owner{target, device, graph_pool};
+      owners_[ptr] = Owner{target, std::move(held_pool), device, graph_pool};
     }
     if (target != d.main.get()) d.several_allocators.store(true, std::memory_order_release);
     note_device_peaks(d);
@@ -604,15 +606,19 @@ void CotenantCudaAllocator::init(int device_count) {
   device_count_.store(device_count, std::memory_order_release);
 }
 
-std::vector<CachingAllocator*> CotenantCudaAllocator::allocators_of(DeviceAllocators& d,
-                                                                    c10::MempoolId_t mempool_id) {
-  std::vector<CachingAllocator*> out;
+std::vector<std::shared_ptr<CachingAllocator>> CotenantCudaAllocator::allocators_of(DeviceAllocators& d,
+                                                                                    c10::MempoolId_t mempool_id) {
+  // Not owned: the device's own allocators (an empty owner, the pointer kept).
+  auto device_owned = [](CachingAllocator* allocator) {
+    return std::shared_ptr<CachingAllocator>(std::shared_ptr<void>(), allocator);
+  };
+  std::vector<std::shared_ptr<CachingAllocator>> out;
   if (mempool_id == kDefaultPool) {
-    out.push_back(d.main.get());
-    for (auto& [id, pool] : d.pools->pools()) out.push_back(pool);
-    for (auto& [name, region] : d.regions->allocators()) out.push_back(region);
-  } else if (CachingAllocator* pool = d.pools->find(pool_id(mempool_id))) {
-    out.push_back(pool);
+    out.push_back(device_owned(d.main.get()));
+    for (auto& [id, pool] : d.pools->pools()) out.push_back(std::move(pool));
+    for (auto& [name, region] : d.regions->allocators()) out.push_back(device_owned(region));
+  } else if (std::shared_ptr<CachingAllocator> pool = d.pools->find(pool_id(mempool_id))) {
+    out.push_back(std::move(pool));
   }
   return out;
 }
@@ -719,7 +725,7 @@ void CotenantCudaAllocator::note_device_peaks(DeviceAllocators& d) {
 
 void CotenantCudaAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
   if (DeviceAllocators* d = existing(device)) {
-    for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_accumulated_stats();
+    for (const auto& a : allocators_of(*d, kDefaultPool)) a->reset_accumulated_stats();
     std::lock_guard<std::mutex> lock(d->foreign_mutex);
     d->foreign_stats.reset_accumulated();
   }
@@ -729,7 +735,7 @@ void CotenantCudaAllocator::resetPeakStats(c10::DeviceIndex device) {
   using c10::CachingAllocator::StatArray;
   DeviceAllocators* d = existing(device);
   if (d == nullptr) return;
-  for (CachingAllocator* a : allocators_of(*d, kDefaultPool)) a->reset_peak_stats();
+  for (const auto& a : allocators_of(*d, kDefaultPool)) a->reset_peak_stats();
   {
     std::lock_guard<std::mutex> lock(d->foreign_mutex);
     d->foreign_stats.reset_peaks();
@@ -826,9 +832,10 @@ c10_alloc::SnapshotInfo CotenantCudaAllocator::snapshot(c10::MempoolId_t mempool
       sources.emplace_back(kDefaultPool, d->main.get());
       for (auto& [name, region] : d->regions->allocators()) sources.emplace_back(kDefaultPool, region);
     }
-    for (auto& [id, pool] : d->pools->pools()) {
+    const auto pools = d->pools->pools();  // held while their segments are read
+    for (const auto& [id, pool] : pools) {
       const c10::MempoolId_t torch_id{id.first, id.second};
-      if (mempool_id == kDefaultPool || mempool_id == torch_id) sources.emplace_back(torch_id, pool);
+      if (mempool_id == kDefaultPool || mempool_id == torch_id) sources.emplace_back(torch_id, pool.get());
     }
     for (auto& [id, allocator] : sources) add_segments_to_snapshot(*d, *allocator, id, out);
     add_foreign_segments_to_snapshot(*d, mempool_id, out);
@@ -956,7 +963,7 @@ std::optional<void*> CotenantCudaAllocator::allocate_foreign(DeviceAllocators& d
     count_foreign(d.foreign_stats, nbytes, +1);
   }
   std::lock_guard<std::mutex> lock(owners_mutex_);
-  owners_[ptr] = Owner{nullptr, d.device, /*graph_pool=*/true, /*foreign=*/true};
+  owners_[ptr] = Owner{nullptr, nullptr, d.device, /*graph_pool=*/true, /*foreign=*/true};
   return ptr;
 }
 
@@ -1005,8 +1012,8 @@ bool CotenantCudaAllocator::checkPoolLiveAllocations(
   DeviceAllocators* d = existing(device);
   if (d == nullptr) return expected_live_allocations.empty();
   std::size_t live = 0;
-  for (CachingAllocator* a : allocators_of(*d, mempool_id)) {
-    if (mempool_id == kDefaultPool && a != d->main.get()) continue;
+  for (const auto& a : allocators_of(*d, mempool_id)) {
+    if (mempool_id == kDefaultPool && a.get() != d->main.get()) continue;
     for (const SegmentInfo& segment : a->snapshot()) {
       for (const BlockInfo& block : segment.blocks) {
         if (!block.allocated) continue;
@@ -1031,7 +1038,8 @@ struct PoolCheckpoint final : c10_alloc::AllocatorState {
 std::shared_ptr<c10_alloc::AllocatorState> CotenantCudaAllocator::getCheckpointState(c10::DeviceIndex device,
                                                                                    c10::MempoolId_t id) {
   DeviceAllocators* d = existing(device);
-  CachingAllocator* pool = d != nullptr && id != kDefaultPool ? d->pools->find(pool_id(id)) : nullptr;
+  const std::shared_ptr<CachingAllocator> pool =
+      d != nullptr && id != kDefaultPool ? d->pools->find(pool_id(id)) : nullptr;
   TORCH_CHECK(pool != nullptr, "cannot checkpoint memory pool (", id.first, ", ", id.second, ") of CUDA device ",
               static_cast<int>(device), ": cotenant knows no such graph pool there (checkpoints are of the pools "
               "CUDA graphs and torch.cuda.MemPool create)");
@@ -1049,7 +1057,7 @@ c10_alloc::CheckpointDelta CotenantCudaAllocator::setCheckpointPoolState(
               "cannot restore a memory pool checkpoint that cotenant did not take on CUDA device ",
               static_cast<int>(device), "; take it with torch._C._cuda_getCheckpointState on the same device");
   DeviceAllocators* d = existing(device);
-  CachingAllocator* pool = d != nullptr ? d->pools->find(pool_id(checkpoint->pool)) : nullptr;
+  const std::shared_ptr<CachingAllocator> pool = d != nullptr ? d->pools->find(pool_id(checkpoint->pool)) : nullptr;
   TORCH_CHECK(pool != nullptr, "cannot restore the checkpoint of memory pool (", checkpoint->pool.first, ", ",
               checkpoint->pool.second, "): the pool was released since");
   CachingAllocator::Restored restored;
@@ -1065,7 +1073,7 @@ c10_alloc::CheckpointDelta CotenantCudaAllocator::setCheckpointPoolState(
     std::lock_guard<std::mutex> lock(owners_mutex_);
     for (DevicePtr address : restored.freed) owners_.erase(reinterpret_cast<void*>(address));
     for (DevicePtr address : restored.allocated) {
-      owners_[reinterpret_cast<void*>(address)] = Owner{pool, device, /*graph_pool=*/true};
+      owners_[reinterpret_cast<void*>(address)] = Owner{pool.get(), pool, device, /*graph_pool=*/true};
     }
   }
   d->several_allocators.store(true, std::memory_order_release);

@@ -250,6 +250,9 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
 
   struct Owner {
     CachingAllocator* allocator = nullptr;  // null for a block of a MemPool's own allocator
+    // A graph or MemPool pool's allocator, held until the block's free has
+    // returned: the table may drop the pool once its last block is freed.
+    std::shared_ptr<CachingAllocator> pool;
     c10::DeviceIndex device = 0;
     bool graph_pool = false;
     bool foreign = false;  // the block is in the device's foreign_blocks
@@ -288,9 +291,11 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   bool defer_free_until_routes_end(void* ptr, const Owner& owner);
   // The held-back frees of `device`, once nothing is routed there.
   void release_deferred_frees(c10::DeviceIndex device);
-  // The allocators of one device (main first, then every pool), or of one
-  // pool when `mempool_id` is not {0, 0}.
-  std::vector<CachingAllocator*> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);
+  // The allocators of one device (main first, then every pool and region),
+  // or of one pool when `mempool_id` is not {0, 0}. Each is held: a pool
+  // dropped meanwhile on another thread lives until the caller lets it go
+  // (main and the regions' live as long as the device).
+  std::vector<std::shared_ptr<CachingAllocator>> allocators_of(DeviceAllocators& d, c10::MempoolId_t mempool_id);
 
   // ---- memory history (cuda_allocator_history.cpp) ----------------------------
   // Adds the trace trackers' listener to the device's history (and, with

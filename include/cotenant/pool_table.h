@@ -16,7 +16,10 @@
 // blocks freed during its capture), so a graph's memory stays where the
 // capture saw it.
 //
-// Thread-safe: every method takes the table's mutex.
+// Thread-safe: every method takes the table's mutex. The table shares each
+// pool's allocator with whoever asked for it (find, pools, route_for): a
+// pool dropped meanwhile (a release or empty_freeable on another thread) is
+// destroyed once the last of them lets it go, never under a caller's feet.
 #pragma once
 
 #include <atomic>
@@ -63,14 +66,14 @@ class PoolTable {
   // The pool an allocation on `stream` goes to while routes are active, or
   // nullptr (then it goes to the device's main allocator). `id`, when given,
   // receives the pool's id.
-  CachingAllocator* route_for(StreamId stream, PoolId* id = nullptr);
+  std::shared_ptr<CachingAllocator> route_for(StreamId stream, PoolId* id = nullptr);
   // Whether some route is active (lock-free: read on every allocation).
   bool routing() const { return routing_.load(std::memory_order_acquire); }
 
   int use_count(PoolId id) const;  // 0 for an unknown pool
-  CachingAllocator* find(PoolId id);
+  std::shared_ptr<CachingAllocator> find(PoolId id);
   // Every pool, in id order (statistics, snapshots).
-  std::vector<std::pair<PoolId, CachingAllocator*>> pools() const;
+  std::vector<std::pair<PoolId, std::shared_ptr<CachingAllocator>>> pools() const;
   // Calls fn(id, allocator) for every pool, in id order, under the table's
   // lock, so no pool is dropped meanwhile (a release on another thread may
   // drop one that pools() listed). fn must not call into the table.
@@ -87,7 +90,7 @@ class PoolTable {
 
  private:
   struct Pool {
-    std::unique_ptr<CachingAllocator> allocator;
+    std::shared_ptr<CachingAllocator> allocator;
     int use_count = 0;
   };
   Pool& create_or_incref_locked(PoolId id);

@@ -4,6 +4,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <memory>
+#include <thread>
+
 #include "cotenant/errors.h"
 #include "cotenant/pool_table.h"
 #include "test_helpers.h"
@@ -27,7 +31,7 @@ PoolTable::StreamFilter only(StreamId stream) {
 DevicePtr capture(PoolTable& table, PoolId id, SimulatedBackend& device, std::uint64_t seed,
                   DevicePtr* temporary = nullptr) {
   table.begin_route(id, only(kCaptureStream));
-  CachingAllocator* pool = table.route_for(kCaptureStream);
+  CachingAllocator* pool = table.route_for(kCaptureStream).get();
   REQUIRE(pool != nullptr);
   const DevicePtr scratch = pool->allocate(3 * kMiB, kCaptureStream);
   const DevicePtr output = pool->allocate(1 * kMiB, kCaptureStream);
@@ -128,7 +132,7 @@ TEST_CASE("a_pool_never_unmaps_cached_pages_to_grow", "[pools]") {
   SimulatedBackend device(device_config(256 * kMiB));
   PoolTable table(device);
   table.begin_route(kGraphA, only(kCaptureStream));
-  CachingAllocator* pool = table.route_for(kCaptureStream);
+  CachingAllocator* pool = table.route_for(kCaptureStream).get();
   const DevicePtr first = pool->allocate(12 * kMiB, kCaptureStream);
   const DevicePtr between = pool->allocate(2 * kMiB, kCaptureStream);
   pool->free(first);
@@ -154,4 +158,47 @@ TEST_CASE("a_released_pool_is_not_dropped_while_a_capture_runs", "[pools]") {
   table.end_route(kGraphB);
   CHECK(table.empty_freeable() == 1);
   CHECK(table.find(kGraphA) == nullptr);
+}
+
+TEST_CASE("a_pool_released_on_one_thread_outlives_a_reader_that_holds_it_on_another", "[pools]") {
+  // Statistics and snapshots walk every pool while another thread may
+  // release one (a graph freed, a MemPool collected): what the table handed
+  // out stays valid until the reader lets it go, and the pool is gone after.
+  SimulatedBackend device(device_config(256 * kMiB));
+  PoolTable table(device);
+  table.create_or_incref(kMemPool);
+  std::shared_ptr<CachingAllocator> held = table.find(kMemPool);
+  auto listed = table.pools();
+  REQUIRE(listed.size() == 1);
+  table.release(kMemPool);  // the last holder: dropped from the table at once (no live block)
+  CHECK(table.find(kMemPool) == nullptr);
+  CHECK(table.pools().empty());
+  CHECK(held->stats().allocated_bytes.all.current == 0);  // still an allocator, not freed memory
+  CHECK(listed[0].second->stats().reserved_bytes.all.current == 0);
+  std::weak_ptr<CachingAllocator> watch = held;
+  held.reset();
+  listed.clear();
+  CHECK(watch.expired());
+
+  // The same race on two threads, many times over (the sanitizer builds catch a use after free).
+  std::atomic<bool> done{false};
+  std::thread reader([&] {
+    while (!done.load()) {
+      for (const auto& [id, pool] : table.pools()) (void)pool->stats();
+      if (auto pool = table.find(kGraphA)) pool->reset_peak_stats();
+    }
+  });
+  for (int round = 0; round < 300; ++round) {
+    table.begin_route(kGraphA, only(kCaptureStream));
+    std::shared_ptr<CachingAllocator> pool = table.route_for(kCaptureStream);
+    const DevicePtr block = pool->allocate(1 * kMiB, kCaptureStream);
+    table.end_route(kGraphA);
+    pool->free(block);
+    pool.reset();
+    table.release(kGraphA);
+    table.empty_freeable();
+  }
+  done.store(true);
+  reader.join();
+  CHECK(table.pools().empty());
 }
