@@ -96,6 +96,17 @@ def test_settings_that_contradict_each_other_are_refused():
         parse("--share-target-slowdown", "1.05", "--share-tolerance", "0.1")
 
 
+def test_how_long_a_job_waits_on_a_silent_coordinator_is_zero_or_many_ticks():
+    assert parse("--jobs-on-their-own-after-s", "0").on_their_own_after_s == 0  # waits for good
+    assert parse("--jobs-on-their-own-after-s", "5").on_their_own_after_s == 5
+    assert parse().on_their_own_after_s == 30
+    with pytest.raises(coordinator_settings.SettingsError, match=r"on_their_own_after_s 0.5 must be 0 .* at least 20 "
+                                                                  r"ticks \(1 s at tick_s 0.05\)"):
+        parse("--jobs-on-their-own-after-s", "0.5")
+    with pytest.raises(coordinator_settings.SettingsError, match="on_their_own_after_s"):
+        parse("--jobs-on-their-own-after-s", "-1")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--headroom", "6 apples"], ["6 apples", "[memory] headroom"]),
     (["--share-decrease-factor", "1.5"], ["[share] decrease_factor", "below 1"]),

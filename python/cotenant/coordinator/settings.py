@@ -291,6 +291,11 @@ def _check_together(config: Any) -> None:
     if share.tolerance >= share.target_slowdown - 1.0:
         raise SettingsError(f"[share] tolerance {share.tolerance:g} must be below target_slowdown - 1 "
                             f"({share.target_slowdown - 1.0:g}), or the share would never grow")
+    alone = config.on_their_own_after_s
+    if alone and alone < 20 * config.tick_s:
+        raise SettingsError(f"[jobs] on_their_own_after_s {alone:g} must be 0 (jobs wait for good) or at least 20 "
+                            f"ticks ({20 * config.tick_s:g} s at tick_s {config.tick_s:g}), or a job would run on "
+                            f"its own whenever one tick is late")
 
 
 def format_toml(config: Any) -> str:
