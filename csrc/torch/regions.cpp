@@ -6,11 +6,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <vector>
 
 #include "../cuda/cuda_backend.h"
+#include "cotenant/all_or_none.h"
 #include "cotenant/errors.h"
 #include "cotenant/region_table.h"
 #include "cuda_allocator.h"
@@ -88,29 +90,55 @@ std::size_t at_safe_point(DeviceAllocators& d, const std::string& name, const ch
   return moving_pages(d, fn);
 }
 
-std::size_t pause_region(const std::string& name, bool keep) {
-  std::size_t bytes = 0;
-  for (DeviceAllocators* d : devices_holding(name, "pause")) {
-    bytes += at_safe_point(*d, name, "pause", [&] { return d->regions->pause(name, keep); });
+std::size_t resume_on(DeviceAllocators& d, const std::string& name) {
+  return at_safe_point(d, name, "resume", [&] {
+    try {
+      return d.regions->resume(name);
+    } catch (const OutOfMemoryError&) {
+      // The process's own cached pages may be what fills the device.
+      d.main->empty_cache();
+      d.pools->empty_freeable();
+      return d.regions->resume(name);
+    }
+  });
+}
+
+std::size_t pause_on(DeviceAllocators& d, const std::string& name, bool keep) {
+  return at_safe_point(d, name, "pause", [&] { return d.regions->pause(name, keep); });
+}
+
+// The devices where the region is (`paused`) or is not paused; all of them
+// when none is, so that the table refuses with its message (already paused,
+// not paused).
+std::vector<DeviceAllocators*> where_paused(const std::vector<DeviceAllocators*>& devices, const std::string& name,
+                                            bool paused) {
+  std::vector<DeviceAllocators*> out;
+  for (DeviceAllocators* d : devices) {
+    if ((d->regions->state(name) != RegionState::kActive) == paused) out.push_back(d);
   }
-  return bytes;
+  return out.empty() ? devices : out;
+}
+
+// On every device that holds the region, or on none: a device that fails
+// (host memory refused, the device full, ops that did not drain) leaves the
+// devices done before it as they were.
+std::size_t pause_region(const std::string& name, bool keep) {
+  return all_or_none(
+      where_paused(devices_holding(name, "pause"), name, /*paused=*/false),
+      [&](DeviceAllocators* d) { return pause_on(*d, name, keep); },
+      [&](DeviceAllocators* d) { resume_on(*d, name); });
 }
 
 std::size_t resume_region(const std::string& name) {
-  std::size_t bytes = 0;
-  for (DeviceAllocators* d : devices_holding(name, "resume")) {
-    bytes += at_safe_point(*d, name, "resume", [&] {
-      try {
-        return d->regions->resume(name);
-      } catch (const OutOfMemoryError&) {
-        // The process's own cached pages may be what fills the device.
-        d->main->empty_cache();
-        d->pools->empty_freeable();
-        return d->regions->resume(name);
-      }
-    });
-  }
-  return bytes;
+  const std::vector<DeviceAllocators*> devices = where_paused(devices_holding(name, "resume"), name, /*paused=*/true);
+  std::vector<bool> kept;
+  for (DeviceAllocators* d : devices) kept.push_back(d->regions->state(name) == RegionState::kPausedKept);
+  return all_or_none(
+      devices, [&](DeviceAllocators* d) { return resume_on(*d, name); },
+      [&](DeviceAllocators* d) {
+        const auto at = static_cast<std::size_t>(std::find(devices.begin(), devices.end(), d) - devices.begin());
+        pause_on(*d, name, kept[at]);
+      });
 }
 
 py::list region_list() {

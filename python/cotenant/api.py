@@ -643,8 +643,9 @@ def region(name: str) -> Region:
 def pause_region(name: str, *, keep: bool = True) -> int:
     """Pauses region ``name`` on every device that holds it: ``keep=True``
     moves its pages to host memory (contents kept, same addresses),
-    ``keep=False`` releases them (addresses kept; zeroed on resume). Returns
-    the bytes moved or released. RuntimeError for an unknown or already
+    ``keep=False`` releases them (addresses kept; zeroed on resume). On
+    every device or on none: where one fails, those done before it are
+    resumed. Returns the bytes moved or released. RuntimeError for an unknown or already
     paused region, or during a CUDA graph capture."""
     _require_enabled()
     if not isinstance(keep, bool):
@@ -656,6 +657,7 @@ def pause_region(name: str, *, keep: bool = True) -> int:
 def resume_region(name: str) -> int:
     """Resumes a paused region: kept pages come back to the device, discarded
     ones are backed again with zeroed device memory at the same addresses.
+    On every device where it is paused, or on none (see pause_region).
     Returns the bytes moved or mapped."""
     _require_enabled()
     return int(_extension().resume_region(_region_name(name)))

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <thread>
 
+#include "cotenant/all_or_none.h"
 #include "cotenant/errors.h"
 #include "cotenant/region_table.h"
 #include "test_helpers.h"
@@ -402,4 +403,45 @@ TEST_CASE("a_jobs_suspend_moves_its_active_regions_to_the_host_and_its_resume_br
   CHECK(holds(device, copy, 8, 2 * kMiB));
   CHECK(table.state("rollout") == RegionState::kPausedKept);
   for (CachingAllocator* a : {kv, weights, paused}) a->check_invariants();
+}
+
+TEST_CASE("a_region_paused_on_two_devices_is_paused_on_both_or_on_neither") {
+  // A process with the region on two devices: pausing it with keep moves
+  // both devices' pages, one after the other. The second device's host
+  // cannot take its pages, so the first is brought back: the region is
+  // active everywhere, every byte where it was, and a second try can work.
+  SimulatedBackend first(device_config(1 * kGiB));
+  SimulatedDeviceConfig small_host = device_config(1 * kGiB);
+  small_host.host_capacity = 4 * kMiB;  // two host pages for a region of four
+  SimulatedBackend second(small_host);
+  RegionTable first_table(first), second_table(second);
+  const DevicePtr a = allocate_in(first_table, "kv_cache", 8 * kMiB);
+  const DevicePtr b = allocate_in(second_table, "kv_cache", 8 * kMiB);
+  fill(first, a, 3, 8 * kMiB);
+  fill(second, b, 4, 8 * kMiB);
+  const std::vector<RegionTable*> tables{&first_table, &second_table};
+  int undone = 0;
+  auto pause = [](RegionTable* table) { return table->pause("kv_cache", /*keep=*/true); };
+  auto resume = [&](RegionTable* table) {
+    ++undone;
+    table->resume("kv_cache");
+  };
+  CHECK_THROWS_AS(all_or_none(tables, pause, resume), OutOfMemoryError);
+  CHECK(undone == 1);  // the first device, brought back; the second never paused
+  CHECK(first_table.state("kv_cache") == RegionState::kActive);
+  CHECK(second_table.state("kv_cache") == RegionState::kActive);
+  CHECK(first.residency_at(a) == Residency::kDevice);
+  CHECK(holds(first, a, 3, 8 * kMiB));
+  CHECK(holds(second, b, 4, 8 * kMiB));
+
+  // Where every device can, it is all of them, and the sum of their bytes.
+  const std::vector<RegionTable*> one{&first_table};
+  CHECK(all_or_none(one, pause, resume) == 8 * kMiB);
+  CHECK(first_table.state("kv_cache") == RegionState::kPausedKept);
+  // An undo that fails is passed over: the error that stopped the change is the one that comes out.
+  auto failing_undo = [](RegionTable*) { throw Error("undo failed"); };
+  CHECK_THROWS_WITH(all_or_none(tables, [](RegionTable* table) { return table->resume("kv_cache"); }, failing_undo),
+                    Catch::Contains("not paused"));  // the second's refusal, not the first's failed undo
+  CHECK(first_table.state("kv_cache") == RegionState::kActive);  // resumed, and its undo failed
+  CHECK(holds(first, a, 3, 8 * kMiB));
 }
