@@ -39,6 +39,7 @@ class StepPlan {
     repeating_ = repeats;
     recording_ = true;
     in_step_ = true;
+    differed_ = 0;
     previous_.swap(current_);
     current_.clear();
     made_ = 0;
@@ -65,6 +66,10 @@ class StepPlan {
     const std::size_t i = made_;
     if (i >= previous_.size() || previous_[i].stream != stream) {
       in_step_ = false;  // the step left the plan: no more hints until the next mark
+      return 0;
+    }
+    if (size != previous_[i].size && ++differed_ * kDifferShare > i + kDifferShare * kDifferSlack) {
+      in_step_ = false;  // more of its requests differ than a plan allows: the step left it
       return 0;
     }
     // A request larger than its planned range would run into the next ones.
@@ -118,6 +123,11 @@ class StepPlan {
   // The same number of requests on the same streams, and the same sizes
   // but for a few (at most 1 in kDifferShare).
   static constexpr std::size_t kDifferShare = 16;
+  // While a step runs, it follows the plan as long as no more than 1 in
+  // kDifferShare of its requests so far differed, past the first
+  // kDifferSlack (the first requests of a step may all be the few that
+  // differ).
+  static constexpr std::size_t kDifferSlack = 4;
   static bool similar_requests(const std::vector<Request>& a, const std::vector<Request>& b) {
     if (a.size() != b.size()) return false;
     std::size_t differ = 0;
@@ -140,6 +150,7 @@ class StepPlan {
   bool repeating_ = false;   // the plan (previous_) repeated the step before it
   bool in_step_ = false;     // this step's requests have all matched the plan's so far
   std::size_t made_ = 0;     // requests this step has made (past kMaxRequests, no longer recorded)
+  std::size_t differed_ = 0; // of them, those whose size was not the plan's
   std::vector<Request> current_;
   std::vector<Request> previous_;
   std::vector<Claim> claims_;              // the plan's ranges, by start

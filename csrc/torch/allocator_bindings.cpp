@@ -134,6 +134,14 @@ COTENANT_TORCH_BINDINGS(allocator) {
   }, py::arg("device"), py::arg("bytes"),
      "The user's cap on the job's device memory (all its allocators), bytes, or None to remove it; a "
      "coordinator's lower cap holds over it.");
+  m.def("lift_memory_caps", [](int device) {
+    auto& allocator = installed_allocator();
+    DeviceAllocators& d = allocator.on(static_cast<c10::DeviceIndex>(device));
+    py::gil_scoped_release release;
+    allocator.set_job_cap(d, CotenantCudaAllocator::CapSource::kUser, kNoCap);
+    allocator.set_job_cap(d, CotenantCudaAllocator::CapSource::kCoordinator, kNoCap);
+    allocator.follow_job_cap(d, /*always=*/true);
+  }, py::arg("device"), "Lifts the user's cap and the coordinator's (disable(), once the job left the coordinator).");
   m.def("memory_cap", [](int device) -> py::object {
     auto& allocator = installed_allocator();
     const std::uint64_t cap = allocator.job_cap(allocator.on(static_cast<c10::DeviceIndex>(device)));

@@ -399,7 +399,7 @@ def disable() -> None:
         _C = _extension()
         _stop_job_channel(_C)
         device = _state.device
-        _C.set_memory_cap(device, None)
+        _C.lift_memory_caps(device)  # the coordinator's too: the job has left it
         _C.restore_all(device)
         _C.safe_point()
         if _state.optimizer_hook is not None:

@@ -540,6 +540,39 @@ TEST_CASE("a_loop_whose_steps_differ_in_a_few_requests_still_follows_the_step_be
   other.check_invariants();
 }
 
+TEST_CASE("a_step_whose_requests_keep_differing_from_the_plan_leaves_it", "[allocator]") {
+  // A plan of 20 blocks of 1 MiB. A step that asks 512 KiB for its first k
+  // requests, then 1 MiB: after a few such requests it may still be the
+  // plan's step (its 1 MiB block goes where the plan had it); once more of
+  // them differ than a plan allows (1 in 16, past the first 4) it has left
+  // the plan, and the block goes to the best hole: the one `first` left.
+  auto run = [](int differing) {
+    SimulatedBackend device(device_config(256 * kMiB));
+    CachingAllocator a(device);
+    const DevicePtr first = a.allocate(kMiB, 0);
+    a.allocate(kMiB, 0);
+    a.mark_iteration();
+    std::vector<DevicePtr> plan;
+    for (int step = 0; step < 2; ++step) {
+      plan.clear();
+      for (int i = 0; i < 20; ++i) plan.push_back(a.allocate(kMiB, 0));
+      for (DevicePtr block : plan) a.free(block);
+      a.mark_iteration();
+    }
+    a.free(first);
+    for (int i = 0; i < differing; ++i) a.allocate(kMiB / 2, 0);
+    const DevicePtr block = a.allocate(kMiB, 0);
+    a.check_invariants();
+    return std::make_tuple(block, plan[static_cast<std::size_t>(differing)], first);
+  };
+  const auto [kept, planned, first] = run(3);
+  CHECK(kept == planned);
+  const auto [left, planned_too, first_too] = run(6);
+  CHECK(left == first_too);
+  CHECK(left != planned_too);
+  (void)first;
+}
+
 TEST_CASE("a_request_off_the_plan_goes_where_no_later_request_of_the_step_is_planned", "[allocator]") {
   SimulatedBackend device(device_config(256 * kMiB)), other_device(device_config(256 * kMiB));
   CachingAllocator allocator(device), other(other_device);

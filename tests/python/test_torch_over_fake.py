@@ -483,7 +483,12 @@ def test_a_coordinators_cap_and_the_users_hold_together_the_lower_one_binding(li
         out["user_higher"] = settled(48 * MIB)
         block.set_control(memory_cap=None)
         out["coordinator_lifted"] = settled(96 * MIB)
-        _C.stop_job_channel()
+        block.set_control(memory_cap=48 * MIB)
+        settled(48 * MIB)
+        _C.stop_job_channel()  # as disable() does for a channel it started
+        cotenant.disable()  # leaves the coordinator: its cap goes with it, the user's too
+        cotenant.safe_point()
+        out["disabled"] = {"cap": cotenant.memory_cap(), "device": cotenant.memory_stats()["device_bytes"]}
         block.unlink()
         out["same"] = same(data, pattern(16 << 20, seed=5))
     """)
@@ -492,6 +497,7 @@ def test_a_coordinators_cap_and_the_users_hold_together_the_lower_one_binding(li
     assert out["user_lifted"] == {"cap": 48 * MIB, "device": 48 * MIB}
     assert out["user_higher"] == {"cap": 48 * MIB, "device": 48 * MIB}
     assert out["coordinator_lifted"] == {"cap": 96 * MIB, "device": 64 * MIB}
+    assert out["disabled"] == {"cap": None, "device": 64 * MIB}
     assert out["same"]
 
 
