@@ -466,25 +466,29 @@ def test_a_coordinators_cap_and_the_users_hold_together_the_lower_one_binding(li
                                       pid=os.getpid(), uid=os.getuid())
         _C.start_job_channel(name, 0)
 
-        def settled(cap):
+        def settled(cap, device):
+            # The channel's thread applies the coordinator's cap and may run the safe point that
+            # moves the pages (a safe point on this thread then finds it taken): wait for both.
             deadline = time.time() + 30
-            while time.time() < deadline and cotenant.memory_cap() != cap:
+            while True:
+                cotenant.safe_point()
+                now = {"cap": cotenant.memory_cap(), "device": cotenant.memory_stats()["device_bytes"]}
+                if now == {"cap": cap, "device": device} or time.time() > deadline:
+                    return now
                 time.sleep(0.01)
-            cotenant.safe_point()
-            return {"cap": cotenant.memory_cap(), "device": cotenant.memory_stats()["device_bytes"]}
 
         block.set_control(memory_cap=48 * MIB)
-        out["coordinator"] = settled(48 * MIB)
+        out["coordinator"] = settled(48 * MIB, 48 * MIB)
         cotenant.set_memory_cap("32MiB")
-        out["user_lower"] = settled(32 * MIB)
+        out["user_lower"] = settled(32 * MIB, 32 * MIB)
         cotenant.set_memory_cap(None)
-        out["user_lifted"] = settled(48 * MIB)
+        out["user_lifted"] = settled(48 * MIB, 48 * MIB)
         cotenant.set_memory_cap("96MiB")
-        out["user_higher"] = settled(48 * MIB)
+        out["user_higher"] = settled(48 * MIB, 48 * MIB)
         block.set_control(memory_cap=None)
-        out["coordinator_lifted"] = settled(96 * MIB)
+        out["coordinator_lifted"] = settled(96 * MIB, 64 * MIB)
         block.set_control(memory_cap=48 * MIB)
-        settled(48 * MIB)
+        settled(48 * MIB, 48 * MIB)
         _C.stop_job_channel()  # as disable() does for a channel it started
         cotenant.disable()  # leaves the coordinator: its cap goes with it, the user's too
         cotenant.safe_point()
