@@ -106,13 +106,7 @@ bool JobChannel::poll_once() {
       // A suspension the coordinator still holds (none came to lift it)
       // empties the device again; its launches stopped in apply_locked.
       if (suspended_) {
-        if (hooks_.spill_all) {
-          try {
-            hooks_.spill_all();
-          } catch (...) {
-            ++report_.apply_errors;
-          }
-        }
+        if (hooks_.spill_all) guarded(hooks_.spill_all);
         report_.state = JobState::kSuspended;
       }
       applied = true;
@@ -120,6 +114,14 @@ bool JobChannel::poll_once() {
   }
   publish_locked();
   return applied;
+}
+
+void JobChannel::guarded(const std::function<void()>& hook) {
+  try {
+    hook();
+  } catch (...) {
+    ++report_.apply_errors;
+  }
 }
 
 bool JobChannel::coordinator_lost() const {
@@ -147,13 +149,6 @@ bool JobChannel::follow_coordinator_locked() {
 
 void JobChannel::run_on_own_locked(std::uint64_t silent_ns) {
   coordinator_lost_ = true;
-  auto guarded = [this](const std::function<void()>& action) {
-    try {
-      action();
-    } catch (...) {
-      ++report_.apply_errors;
-    }
-  };
   const bool was_suspended = suspended_;
   if (was_suspended) {
     // suspended_ stays: it is the coordinator's word, applied again if it
@@ -177,13 +172,6 @@ void JobChannel::run_on_own_locked(std::uint64_t silent_ns) {
 
 bool JobChannel::apply_locked(const shm::JobControl& control) {
   bool applied = false;
-  auto guarded = [this](const std::function<void()>& action) {
-    try {
-      action();
-    } catch (...) {
-      ++report_.apply_errors;
-    }
-  };
   if (control.memory_cap != attempted_cap_) {
     attempted_cap_ = control.memory_cap;
     if (hooks_.set_memory_cap) guarded([&] { hooks_.set_memory_cap(control.memory_cap); });

@@ -115,6 +115,8 @@ class JobChannel {
  private:
   void run();
   bool apply_locked(const shm::JobControl& control);
+  // Runs a hook; one that throws is counted in the report's apply_errors.
+  void guarded(const std::function<void()>& hook);
   void stop_launches_locked();
   void publish_locked();
   // Follows the coordinator's heartbeat: true while it is taken for gone.
