@@ -60,9 +60,12 @@ cuda::CudaBackend& device_backend(int device) {
   return *installed_allocator().on(static_cast<c10::DeviceIndex>(device)).backend;
 }
 
-// Counts op entries, for tests of the interception point.
+// Counts op entries and exits, for tests of the interception point.
 std::atomic<std::int64_t> counted_op_entries{0};
+std::atomic<std::int64_t> counted_op_exits{0};
 int counting_hook_id = -1;
+int counting_exit_hook_id = -1;
+void count_op_exit(void*) { counted_op_exits.fetch_add(1, std::memory_order_relaxed); }
 
 // This thread is between Triton's launch enter and exit hooks.
 thread_local bool triton_launch_open = false;
@@ -278,14 +281,18 @@ COTENANT_TORCH_BINDINGS(allocator) {
     failing_op_entries.store(failing);
     if (on && counting_hook_id < 0) {
       counted_op_entries.store(0);
+      counted_op_exits.store(0);
+      counting_exit_hook_id = add_op_exit_hook(&count_op_exit, nullptr);
       counting_hook_id = add_op_entry_hook(&count_op_entry, nullptr);
     } else if (!on && counting_hook_id >= 0) {
       remove_op_entry_hook(counting_hook_id);
-      counting_hook_id = -1;
+      remove_op_exit_hook(counting_exit_hook_id);
+      counting_hook_id = counting_exit_hook_id = -1;
     }
   }, py::arg("on"), py::arg("failing") = 0,
-     "For tests: counts outermost op entries; the next `failing` entries throw after being counted.");
+     "For tests: counts outermost op entries and exits; the next `failing` entries throw after being counted.");
   m.def("_counted_op_entries", [] { return counted_op_entries.load(); });
+  m.def("_counted_op_exits", [] { return counted_op_exits.load(); });
   m.def("_pause_launches", [](double timeout_s) {  // lets the GIL go itself while it waits
     return pause_launches(std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6)));
   }, py::arg("timeout_s"));

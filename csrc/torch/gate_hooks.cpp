@@ -1,7 +1,6 @@
 #include "gate_hooks.h"
 
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/record_function.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
@@ -133,7 +132,7 @@ struct ProcessGate {
   std::unique_ptr<LaunchGate> gate;                 // opportunistic
   std::unique_ptr<BusyTracker> busy_tracker;        // guaranteed
   int entry_hook_id = -1;
-  std::optional<at::CallbackHandle> exit_callback;
+  int exit_hook_id = -1;
   std::thread pulse;
   std::atomic<bool> stopping{false};
 };
@@ -181,9 +180,8 @@ bool launches_no_kernel(const char* op_name) {
 // guaranteed job.
 
 // Per thread: this thread's outermost op was admitted and awaits launched();
-// depth of ops seen by the exit callback; depth of explicit gate_enter().
+// depth of explicit gate_enter().
 thread_local bool admitted_op = false;
-thread_local int exit_depth = 0;
 thread_local int explicit_depth = 0;
 
 // Admits one op or block of hand-launched work, which may have begun with
@@ -210,30 +208,13 @@ void opportunistic_entry(const OpEntry& op, void* context) {
   }
 }
 
-// The exit half for the opportunistic role: when a thread's outermost op
-// returns, its work is enqueued: record the marker. Installed before the
-// entry hook, so every admitted op is seen leaving.
-std::unique_ptr<at::ObserverContext> count_op_entry(const at::RecordFunction& /*fn*/) {
-  ++exit_depth;
-  return nullptr;
-}
-
-void launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
-  if (exit_depth == 0) return;  // installed while this op ran
-  if (--exit_depth > 0 || !admitted_op) return;
-  admitted_op = false;
-  try {
-    if (ProcessGate* state = active_for_hooks.load(std::memory_order_acquire)) state->gate->launched();
-  } catch (const std::exception&) {
-  }
-}
-
-// An explicit op (a CUDA graph replay, a Triton launch) outside any ATen op
-// has enqueued its work: the same as an outermost ATen op's exit, for
-// either role. Without it an admitted explicit op stayed open until the next
-// ATen op left, and the explicit ops in between passed ungated.
-void launched_at_explicit_op_exit(void* context) {
-  if (exit_depth != 0) return;  // inside an ATen op: its exit counts
+// The exit half, for either role: when a thread's outermost op returns (an
+// ATen op, or an explicit one such as a CUDA graph replay or a Triton
+// launch), its work is enqueued. The opportunistic role then records the
+// admitted op's marker; the guaranteed role notes the GPU busy (at op entry
+// only the op's CPU work has started). Through the interceptor's one
+// callback (op_interceptor.h), which runs this once per outermost op.
+void launched_at_op_exit(void* context) {
   auto* state = static_cast<ProcessGate*>(context);
   try {
     if (state->activation.role == GateRole::kOpportunistic) {
@@ -242,22 +223,6 @@ void launched_at_explicit_op_exit(void* context) {
       state->gate->launched();
     } else if (state->busy_tracker && !state->stopping.load(std::memory_order_acquire) &&
                !in_forked_child()) {
-      state->busy_tracker->on_op_launched();
-    }
-  } catch (const std::exception&) {
-  }
-}
-
-// The exit half for the guaranteed role: when a thread's outermost op
-// returns, its kernels are on the stream, and that is when the job keeps the
-// GPU busy (at op entry only the op's CPU work has started).
-void guaranteed_launched_at_op_exit(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
-  if (exit_depth == 0) return;  // installed while this op ran
-  if (--exit_depth > 0) return;
-  if (in_forked_child()) return;
-  try {
-    ProcessGate* state = active_for_hooks.load(std::memory_order_acquire);
-    if (state != nullptr && state->busy_tracker && !state->stopping.load(std::memory_order_acquire)) {
       state->busy_tracker->on_op_launched();
     }
   } catch (const std::exception&) {
@@ -349,15 +314,11 @@ void activate_gate(const GateActivation& activation) {
   ProcessGate* raw = state.release();  // never freed: see ProcessGate
   active = raw;
   active_for_hooks.store(raw, std::memory_order_release);
-  const bool opportunistic = activation.role == GateRole::kOpportunistic;
-  raw->exit_callback = at::addGlobalCallback(
-      at::RecordFunctionCallback(&count_op_entry, opportunistic ? &launched_at_op_exit : &guaranteed_launched_at_op_exit)
-          .needsInputs(false)
-          .needsOutputs(false)
-          .needsIds(false)
-          .scopes({at::RecordScope::FUNCTION}));
-  if (opportunistic) raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw, OpInputs::kNeeded);
-  set_explicit_op_exit_hook(&launched_at_explicit_op_exit, raw);
+  // The exit hook first, so every op the entry hook admits is seen leaving.
+  raw->exit_hook_id = add_op_exit_hook(&launched_at_op_exit, raw);
+  if (activation.role == GateRole::kOpportunistic) {
+    raw->entry_hook_id = add_op_entry_hook(&opportunistic_entry, raw, OpInputs::kNeeded);
+  }
   raw->pulse = std::thread(pulse_loop, raw);
 }
 
@@ -370,14 +331,12 @@ void deactivate_gate() {
   if (state->pulse.joinable()) state->pulse.join();
   const auto pid = static_cast<std::uint64_t>(::getpid());
   if (state->activation.role == GateRole::kOpportunistic) {
-    // Ops admitted before the hook was removed still leave through the exit
-    // callback; keep it (and the state) for them.
+    // Ops admitted before the entry hook was removed still leave through the
+    // exit hook; keep it (and the state) for them.
     state->gate->set_share(1.0);
     state->segment->release_opportunistic(state->opportunistic_slot, pid);
   } else {
-    set_explicit_op_exit_hook(nullptr, nullptr);
-    if (state->exit_callback) at::removeCallback(*state->exit_callback);
-    state->exit_callback.reset();
+    remove_op_exit_hook(state->exit_hook_id);
     state->segment->release_guaranteed(pid);
   }
   active = nullptr;

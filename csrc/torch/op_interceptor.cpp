@@ -29,6 +29,12 @@ struct HookSlot {
 std::array<HookSlot, kMaxOpEntryHooks> hook_slots;
 std::array<bool, kMaxOpEntryHooks> slot_needs_inputs{};  // under registration_mutex
 std::atomic<int> highest_slot_plus_one{0};
+struct ExitHookSlot {
+  std::atomic<OpExitHook> hook{nullptr};
+  std::atomic<void*> context{nullptr};
+};
+std::array<ExitHookSlot, kMaxOpExitHooks> exit_hook_slots;
+std::atomic<int> highest_exit_slot_plus_one{0};
 std::mutex registration_mutex;
 // The installed callback, and whether it takes the ops' inputs; under
 // registration_mutex.
@@ -111,9 +117,6 @@ void notify_drain_waiter() {
   ops_drained.notify_all();
 }
 
-std::atomic<ExplicitOpExitHook> explicit_exit_hook{nullptr};
-std::atomic<void*> explicit_exit_context{nullptr};
-
 // Entry and exit of any op, ATen's or an explicit one: only a thread's
 // outermost op runs the hooks and counts as in flight.
 void enter_op(const char* name, const at::RecordFunction* record) {
@@ -142,10 +145,32 @@ void enter_op(const char* name, const at::RecordFunction* record) {
   if (hook_failed) std::rethrow_exception(hook_failed);
 }
 
+// The exit hooks of an outermost op, on its thread. Like run_hooks: an op a
+// hook runs is not an outermost op of its own.
+void run_exit_hooks() {
+  const int slots = highest_exit_slot_plus_one.load(std::memory_order_acquire);
+  if (slots == 0) return;
+  struct Running {
+    Running() { running_hooks = true; }
+    ~Running() { running_hooks = false; }
+  } running;
+  for (int i = 0; i < slots; ++i) {
+    OpExitHook hook = exit_hook_slots[i].hook.load(std::memory_order_acquire);
+    if (hook != nullptr) hook(exit_hook_slots[i].context.load(std::memory_order_acquire));
+  }
+}
+
 void exit_op() {
   if (op_depth == 0) return;  // the callback was installed while this op ran
   if (--op_depth > 0 || running_hooks) return;
   if (forked_child.load(std::memory_order_relaxed)) return;
+  // Before the op stops counting: a pause that waits for it also waits for
+  // what its exit hooks do (a marker recorded on its stream).
+  try {
+    run_exit_hooks();
+  } catch (...) {
+    // Exit hooks must not throw; one that does must not leave the op counted.
+  }
   outermost_ops.fetch_sub(1, std::memory_order_seq_cst);
   notify_drain_waiter();
 }
@@ -264,18 +289,29 @@ void remove_op_entry_hook(int id) {
 
 void begin_explicit_op(const char* name) { enter_op(name, nullptr); }
 
-void end_explicit_op() {
-  const bool outermost = op_depth == 1 && !running_hooks;
-  exit_op();
-  if (!outermost) return;
-  if (ExplicitOpExitHook hook = explicit_exit_hook.load(std::memory_order_acquire)) {
-    hook(explicit_exit_context.load(std::memory_order_acquire));
+void end_explicit_op() { exit_op(); }
+
+int add_op_exit_hook(OpExitHook hook, void* context) {
+  if (hook == nullptr) throw std::invalid_argument("add_op_exit_hook: hook must not be null");
+  std::lock_guard<std::mutex> lock(registration_mutex);
+  for (std::size_t i = 0; i < kMaxOpExitHooks; ++i) {
+    if (exit_hook_slots[i].hook.load(std::memory_order_relaxed) != nullptr) continue;
+    install_callback(any_hook_needs_inputs());  // the one callback, as it is or first installed
+    exit_hook_slots[i].context.store(context, std::memory_order_release);
+    exit_hook_slots[i].hook.store(hook, std::memory_order_release);
+    if (static_cast<int>(i) + 1 > highest_exit_slot_plus_one.load(std::memory_order_relaxed)) {
+      highest_exit_slot_plus_one.store(static_cast<int>(i) + 1, std::memory_order_release);
+    }
+    return static_cast<int>(i);
   }
+  throw std::runtime_error("cotenant: more than " + std::to_string(kMaxOpExitHooks) +
+                           " op-exit hooks registered at once");
 }
 
-void set_explicit_op_exit_hook(ExplicitOpExitHook hook, void* context) {
-  explicit_exit_context.store(context, std::memory_order_release);
-  explicit_exit_hook.store(hook, std::memory_order_release);
+void remove_op_exit_hook(int id) {
+  if (id < 0 || id >= static_cast<int>(kMaxOpExitHooks)) return;
+  std::lock_guard<std::mutex> lock(registration_mutex);
+  exit_hook_slots[id].hook.store(nullptr, std::memory_order_release);
 }
 
 std::int64_t ops_in_flight() { return outermost_ops.load(std::memory_order_acquire); }

@@ -6,7 +6,9 @@
 // that must act before an op launches work register here instead of adding
 // their own RecordFunction callbacks:
 //   - the allocator's safe point (move pages when a cap change needs it);
-//   - the launch gate (admission of an opportunistic job's ops).
+//   - the launch gate (admission of an opportunistic job's ops);
+// and features that act when an op's work is enqueued register exit hooks
+// on the same callback (the gate's markers, the guaranteed job's tracker).
 //
 // Only the outermost op of a thread runs the hooks: ops that an op calls
 // internally (e.g. aten::add inside aten::linear) pass straight through, so a
@@ -110,11 +112,18 @@ void remove_op_entry_hook(int id);
 void begin_explicit_op(const char* name);
 void end_explicit_op();
 
-// Called when an outermost explicit op ends (its work is enqueued), on its
-// thread; ATen ops' exits are seen through RecordFunction instead. One hook
-// per process (the launch gate's); null removes it. Must not throw.
-using ExplicitOpExitHook = void (*)(void* context);
-void set_explicit_op_exit_hook(ExplicitOpExitHook hook, void* context);
+// Called when a thread's outermost op ends, ATen's or an explicit one (its
+// work is then enqueued), on that thread, before the op stops counting as in
+// flight. Through the same RecordFunction callback as the entry hooks: a
+// second callback would cost every op, nested ones too, a second call (the
+// guaranteed job's tracker used to add one). At most kMaxOpExitHooks at
+// once; throws std::runtime_error beyond that. A hook must be cheap and must
+// not throw. Thread-safe.
+inline constexpr std::size_t kMaxOpExitHooks = 4;
+using OpExitHook = void (*)(void* context);
+int add_op_exit_hook(OpExitHook hook, void* context);
+// Unregisters; a hook already running on another thread finishes its call.
+void remove_op_exit_hook(int id);
 
 // Number of outermost ops currently running in this process (all threads).
 std::int64_t ops_in_flight();

@@ -335,6 +335,37 @@ def test_op_entry_hooks_run_once_per_outermost_op():
     assert _C.ops_in_flight() == 0
 
 
+def test_op_exit_hooks_run_once_per_outermost_op_aten_or_explicit():
+    # The launch gate's markers and the guaranteed job's busy tracker run as
+    # exit hooks on the interception point's one callback: once per outermost
+    # op when its work is enqueued, never for the ops it runs inside.
+    _C = _extension_or_skip()
+    import torch
+
+    x = torch.randn(4, 8)
+    w = torch.randn(3, 8)
+    _C._count_op_entries(True)
+    try:
+        before = _C._counted_op_exits()
+        torch.nn.functional.linear(x, w)  # aten::t and aten::matmul inside
+        assert _C._counted_op_exits() - before == 1
+        before = _C._counted_op_exits()
+        _C.begin_explicit_op()
+        _C.begin_explicit_op()  # nested: not an outermost op of its own
+        _C.end_explicit_op()
+        assert _C._counted_op_exits() == before  # the outer one has not ended
+        torch.add(x, 1.0)  # inside the explicit op: not outermost either
+        _C.end_explicit_op()
+        assert _C._counted_op_exits() - before == 1
+        entries, exits = _C._counted_op_entries(), _C._counted_op_exits()
+        a = torch.randn(3, 3, requires_grad=True)
+        (a @ a).sum().backward()
+        assert _C._counted_op_exits() - exits == _C._counted_op_entries() - entries > 0
+    finally:
+        _C._count_op_entries(False)
+    assert _C.ops_in_flight() == 0
+
+
 def test_a_hook_that_throws_leaves_the_op_entry_hooks_on():
     # torch logs an exception from a RecordFunction callback and runs the op;
     # this thread's hooks must go on running for the next ops (the gate and
