@@ -278,14 +278,20 @@ void CotenantCudaAllocator::set_job_cap(DeviceAllocators& d, CapSource source, s
   (source == CapSource::kUser ? d.user_cap : d.coordinator_cap) = cap_word;
 }
 
+namespace {
+// The lower of the user's and the coordinator's cap words (kNoCap is the
+// largest word, so no cap loses to any cap). Under d.cap_mutex.
+std::uint64_t job_cap_locked(const DeviceAllocators& d) { return std::min(d.user_cap, d.coordinator_cap); }
+}  // namespace
+
 std::uint64_t CotenantCudaAllocator::job_cap(DeviceAllocators& d) {
   std::lock_guard<std::mutex> lock(d.cap_mutex);
-  return std::min(d.user_cap, d.coordinator_cap);
+  return job_cap_locked(d);
 }
 
 bool CotenantCudaAllocator::follow_job_cap(DeviceAllocators& d, bool always) {
   std::lock_guard<std::mutex> lock(d.cap_mutex);
-  const std::uint64_t cap = std::min(d.user_cap, d.coordinator_cap);
+  const std::uint64_t cap = job_cap_locked(d);
   std::uint64_t want = kNoCap;
   if (cap != kNoCap) {
     const AllocatorStats others = stats_besides_main(d);
