@@ -19,23 +19,39 @@
 namespace cotenant::torch_ext {
 namespace {
 
+template <typename Hook>
 struct HookSlot {
-  std::atomic<OpEntryHook> hook{nullptr};
+  std::atomic<Hook> hook{nullptr};
   std::atomic<void*> context{nullptr};
 };
 
-// Registered hooks. A slot is live when its hook is non-null; slots are
-// filled and cleared under registration_mutex, read lock-free at op entry.
-std::array<HookSlot, kMaxOpEntryHooks> hook_slots;
+// Registered hooks, at op entry and at op exit. A slot is live when its hook
+// is non-null; slots are filled and cleared under registration_mutex, read
+// lock-free at op entry and exit.
+std::array<HookSlot<OpEntryHook>, kMaxOpEntryHooks> hook_slots;
 std::array<bool, kMaxOpEntryHooks> slot_needs_inputs{};  // under registration_mutex
 std::atomic<int> highest_slot_plus_one{0};
-struct ExitHookSlot {
-  std::atomic<OpExitHook> hook{nullptr};
-  std::atomic<void*> context{nullptr};
-};
-std::array<ExitHookSlot, kMaxOpExitHooks> exit_hook_slots;
+std::array<HookSlot<OpExitHook>, kMaxOpExitHooks> exit_hook_slots;
 std::atomic<int> highest_exit_slot_plus_one{0};
 std::mutex registration_mutex;
+
+// Fills the first free slot with `hook` after prepare(slot) (which installs
+// the callback the hook needs), and returns the slot. Under registration_mutex.
+template <typename Hook, std::size_t N, typename Prepare>
+int fill_free_slot(std::array<HookSlot<Hook>, N>& slots, std::atomic<int>& used_plus_one, Hook hook, void* context,
+                   const char* kind, Prepare prepare) {
+  for (std::size_t i = 0; i < N; ++i) {
+    if (slots[i].hook.load(std::memory_order_relaxed) != nullptr) continue;
+    prepare(i);
+    slots[i].context.store(context, std::memory_order_release);
+    slots[i].hook.store(hook, std::memory_order_release);
+    if (static_cast<int>(i) + 1 > used_plus_one.load(std::memory_order_relaxed)) {
+      used_plus_one.store(static_cast<int>(i) + 1, std::memory_order_release);
+    }
+    return static_cast<int>(i);
+  }
+  throw std::runtime_error("cotenant: more than " + std::to_string(N) + " " + kind + " hooks registered at once");
+}
 // The installed callback, and whether it takes the ops' inputs; under
 // registration_mutex.
 at::CallbackHandle callback_handle = at::INVALID_CALLBACK_HANDLE;
@@ -84,20 +100,26 @@ void after_fork_in_child() {
 }
 [[maybe_unused]] const int fork_noted = ::pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
 
-void run_hooks(const char* name, const at::RecordFunction* record) {
-  const int slots = highest_slot_plus_one.load(std::memory_order_acquire);
-  if (slots == 0) return;
-  OpEntry entry{name, record};
-  // Reset however the hooks end: a hook that throws (RecordFunction catches
-  // and logs it) must not leave this thread's hooks off for good.
+// Calls each live hook of `slots` with `args` and its context, on this
+// thread, with running_hooks set: an op a hook runs is not an outermost op of
+// its own. Reset however the hooks end: a hook that throws (RecordFunction
+// catches and logs it) must not leave this thread's hooks off for good.
+template <typename Hook, std::size_t N, typename... Args>
+void call_hooks(const std::array<HookSlot<Hook>, N>& slots, const std::atomic<int>& used_plus_one, Args&&... args) {
+  const int used = used_plus_one.load(std::memory_order_acquire);
+  if (used == 0) return;
   struct Running {
     Running() { running_hooks = true; }
     ~Running() { running_hooks = false; }
   } running;
-  for (int i = 0; i < slots; ++i) {
-    OpEntryHook hook = hook_slots[i].hook.load(std::memory_order_acquire);
-    if (hook != nullptr) hook(entry, hook_slots[i].context.load(std::memory_order_acquire));
+  for (int i = 0; i < used; ++i) {
+    Hook hook = slots[i].hook.load(std::memory_order_acquire);
+    if (hook != nullptr) hook(args..., slots[i].context.load(std::memory_order_acquire));
   }
+}
+
+void run_hooks(const char* name, const at::RecordFunction* record) {
+  call_hooks(hook_slots, highest_slot_plus_one, OpEntry{name, record});
 }
 
 void wait_while_paused() {
@@ -145,21 +167,6 @@ void enter_op(const char* name, const at::RecordFunction* record) {
   if (hook_failed) std::rethrow_exception(hook_failed);
 }
 
-// The exit hooks of an outermost op, on its thread. Like run_hooks: an op a
-// hook runs is not an outermost op of its own.
-void run_exit_hooks() {
-  const int slots = highest_exit_slot_plus_one.load(std::memory_order_acquire);
-  if (slots == 0) return;
-  struct Running {
-    Running() { running_hooks = true; }
-    ~Running() { running_hooks = false; }
-  } running;
-  for (int i = 0; i < slots; ++i) {
-    OpExitHook hook = exit_hook_slots[i].hook.load(std::memory_order_acquire);
-    if (hook != nullptr) hook(exit_hook_slots[i].context.load(std::memory_order_acquire));
-  }
-}
-
 void exit_op() {
   if (op_depth == 0) return;  // the callback was installed while this op ran
   if (--op_depth > 0 || running_hooks) return;
@@ -167,7 +174,7 @@ void exit_op() {
   // Before the op stops counting: a pause that waits for it also waits for
   // what its exit hooks do (a marker recorded on its stream).
   try {
-    run_exit_hooks();
+    call_hooks(exit_hook_slots, highest_exit_slot_plus_one);
   } catch (...) {
     // Exit hooks must not throw; one that does must not leave the op counted.
   }
@@ -261,20 +268,11 @@ bool may_use_cuda(const OpEntry& op) {
 int add_op_entry_hook(OpEntryHook hook, void* context, OpInputs inputs) {
   if (hook == nullptr) throw std::invalid_argument("add_op_entry_hook: hook must not be null");
   std::lock_guard<std::mutex> lock(registration_mutex);
-  for (std::size_t i = 0; i < kMaxOpEntryHooks; ++i) {
-    if (hook_slots[i].hook.load(std::memory_order_relaxed) != nullptr) continue;
+  return fill_free_slot(hook_slots, highest_slot_plus_one, hook, context, "op-entry", [inputs](std::size_t i) {
     slot_needs_inputs[i] = inputs == OpInputs::kNeeded;
     // Inputs first: the hook may read them from its first op on.
     install_callback(slot_needs_inputs[i] || any_hook_needs_inputs());
-    hook_slots[i].context.store(context, std::memory_order_release);
-    hook_slots[i].hook.store(hook, std::memory_order_release);
-    if (static_cast<int>(i) + 1 > highest_slot_plus_one.load(std::memory_order_relaxed)) {
-      highest_slot_plus_one.store(static_cast<int>(i) + 1, std::memory_order_release);
-    }
-    return static_cast<int>(i);
-  }
-  throw std::runtime_error("cotenant: more than " + std::to_string(kMaxOpEntryHooks) +
-                           " op-entry hooks registered at once");
+  });
 }
 
 void remove_op_entry_hook(int id) {
@@ -294,18 +292,9 @@ void end_explicit_op() { exit_op(); }
 int add_op_exit_hook(OpExitHook hook, void* context) {
   if (hook == nullptr) throw std::invalid_argument("add_op_exit_hook: hook must not be null");
   std::lock_guard<std::mutex> lock(registration_mutex);
-  for (std::size_t i = 0; i < kMaxOpExitHooks; ++i) {
-    if (exit_hook_slots[i].hook.load(std::memory_order_relaxed) != nullptr) continue;
-    install_callback(any_hook_needs_inputs());  // the one callback, as it is or first installed
-    exit_hook_slots[i].context.store(context, std::memory_order_release);
-    exit_hook_slots[i].hook.store(hook, std::memory_order_release);
-    if (static_cast<int>(i) + 1 > highest_exit_slot_plus_one.load(std::memory_order_relaxed)) {
-      highest_exit_slot_plus_one.store(static_cast<int>(i) + 1, std::memory_order_release);
-    }
-    return static_cast<int>(i);
-  }
-  throw std::runtime_error("cotenant: more than " + std::to_string(kMaxOpExitHooks) +
-                           " op-exit hooks registered at once");
+  // The one callback, as it is or first installed.
+  return fill_free_slot(exit_hook_slots, highest_exit_slot_plus_one, hook, context, "op-exit",
+                        [](std::size_t) { install_callback(any_hook_needs_inputs()); });
 }
 
 void remove_op_exit_hook(int id) {
