@@ -228,33 +228,19 @@ bool JobChannel::apply_locked(const shm::JobControl& control) {
 
 void JobChannel::stop_launches_locked() {
   if (hooks_.set_suspended) {
-    try {
-      launches_stopped_ = hooks_.set_suspended(true);
-    } catch (...) {
-      ++report_.apply_errors;
-    }
+    guarded([&] { launches_stopped_ = hooks_.set_suspended(true); });
   } else {
-    if (hooks_.set_share) {
-      try {
-        hooks_.set_share(0.0);
-      } catch (...) {
-        ++report_.apply_errors;
-      }
-    }
+    if (hooks_.set_share) guarded([&] { hooks_.set_share(0.0); });
     launches_stopped_ = true;
   }
 }
 
 void JobChannel::publish_locked() {
-  if (hooks_.settle) {
-    try {
-      hooks_.settle();
-    } catch (...) {
-      ++report_.apply_errors;  // the statistics below still go out: the coordinator sees where the job stands
-    }
-  }
+  // A settle that fails is counted; the statistics below still go out: the
+  // coordinator sees where the job stands.
+  if (hooks_.settle) guarded(hooks_.settle);
   if (hooks_.stats) {
-    try {
+    guarded([&] {
       AllocatorStats stats = hooks_.stats();
       report_.device_bytes = non_negative(stats.device_resident_bytes.current);
       report_.host_bytes = non_negative(stats.host_resident_bytes.current);
@@ -269,42 +255,32 @@ void JobChannel::publish_locked() {
       report_.restored_bytes = non_negative(stats.restored_bytes);
       report_.pending_migration_bytes = non_negative(stats.pending_spill_bytes + stats.pending_restore_bytes);
       report_.num_migrations = non_negative(stats.num_migrations);
-    } catch (...) {
-      ++report_.apply_errors;
-    }
+    });
   }
   if (hooks_.host_room) {
     const auto now = std::chrono::steady_clock::now();
     if (host_room_read_ == std::chrono::steady_clock::time_point{} ||
         now - host_room_read_ >= options_.host_room_interval) {
       host_room_read_ = now;
-      try {
+      guarded([&] {
         const std::optional<std::size_t> room = hooks_.host_room();
         report_.host_room_bytes = room ? std::min<std::uint64_t>(*room, kNoCap - 1) : kNoCap;
-      } catch (...) {
-        ++report_.apply_errors;
-      }
+      });
     }
   }
   if (hooks_.iterations) {
-    try {
+    guarded([&] {
       const IterationStats it = hooks_.iterations();
       report_.iteration_count = it.iterations;
       report_.iteration_last_ns = non_negative(it.last_ns);
       report_.iteration_ewma_ns = non_negative(it.ewma_ns);
       report_.iteration_p99_ns = non_negative(it.p99_ns);
-    } catch (...) {
-      ++report_.apply_errors;
-    }
+    });
   }
   if (suspended_ && !coordinator_lost_) {
     report_.effective_share = 0.0;
   } else if (hooks_.effective_share) {
-    try {
-      report_.effective_share = hooks_.effective_share();
-    } catch (...) {
-      ++report_.apply_errors;
-    }
+    guarded([&] { report_.effective_share = hooks_.effective_share(); });
   } else {
     report_.effective_share = report_.applied_share;
   }
