@@ -462,6 +462,8 @@ def _run(args, mode: str, roles: Dict[str, str], gap_s: float,
                 if p.poll() is not None:
                     raise RuntimeError(f"the {role} worker of mode {mode} exited with {p.returncode} before starting")
             if time.monotonic() > deadline:
+                if coordinator is not None:
+                    _print_coordinator_view(env["COTENANT_SOCKET"])
                 _dump_stacks_of(processes)
                 raise RuntimeError(f"the workers of mode {mode} were not ready after {WORKER_START_S:.0f} s "
                                    "(their threads' stacks are in the log)")
@@ -515,6 +517,22 @@ def _dump_stacks_of(processes) -> None:
         if p.poll() is None:
             p.send_signal(signal.SIGUSR1)
     time.sleep(1.0)
+
+
+def _print_coordinator_view(socket_path: str) -> None:
+    """Prints what the coordinator decided for each job (share, baseline,
+    slowdown, iterations) to stderr: why a worker under cotenant-auto is late."""
+    from cotenant.coordinator import client
+
+    try:
+        jobs = client.status(socket_path)["jobs"]
+    except Exception as error:  # noqa: BLE001 - a view for the log, never a second failure
+        print(f"colocate: the coordinator's status could not be read: {error}", file=sys.stderr)
+        return
+    for job in jobs:
+        view = {k: job.get(k) for k in ("name", "role", "share", "applied_share", "effective_share", "baseline_us",
+                                         "slowdown", "iteration_ewma_us", "iteration_count")}
+        print(f"colocate: coordinator's view: {json.dumps(view)}", file=sys.stderr)
 
 
 def result_document(env: Dict[str, Any], args: argparse.Namespace, pair: Dict[str, str], gap_s: float,

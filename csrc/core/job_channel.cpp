@@ -275,6 +275,7 @@ void JobChannel::publish_locked() {
       report_.iteration_last_ns = non_negative(it.last_ns);
       report_.iteration_ewma_ns = non_negative(it.ewma_ns);
       report_.iteration_p99_ns = non_negative(it.p99_ns);
+      report_.iteration_total_ns = non_negative(it.total_ns);
     });
   }
   if (suspended_ && !coordinator_lost_) {

@@ -345,6 +345,7 @@ void IterationTracker::record(Nanoseconds took) {
 void IterationTracker::record_locked(Nanoseconds took) {
   stats_.iterations += 1;
   stats_.last_ns = took;
+  stats_.total_ns += took;
   stats_.ewma_ns = stats_.iterations == 1 ? took : stats_.ewma_ns + (took - stats_.ewma_ns) / 8;
   if (recent_.size() < kIterationWindow) {
     recent_.push_back(took);

@@ -429,6 +429,7 @@ py::dict gate_stats_dict() {
   d["iteration_last_ns"] = it.last_ns;
   d["iteration_ewma_ns"] = it.ewma_ns;
   d["iteration_p99_ns"] = it.p99_ns;
+  d["iteration_total_ns"] = it.total_ns;
   if (state == nullptr) return d;
   d["segment"] = state->segment->name();
   if (state->busy_tracker) d["busy_markers_recorded"] = state->busy_tracker->markers_recorded();

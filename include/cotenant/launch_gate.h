@@ -259,6 +259,8 @@ struct IterationStats {
   std::uint64_t iterations = 0;  // completed iterations
   Nanoseconds last_ns = 0;       // the most recent iteration's time
   Nanoseconds ewma_ns = 0;       // exponentially weighted mean (alpha = 1/8)
+  Nanoseconds total_ns = 0;      // every iteration's time, summed: a window's mean is
+                                 // (total_ns - total_ns then) / (iterations - iterations then)
   Nanoseconds p99_ns = 0;        // 99th percentile over the last kIterationWindow
 };
 

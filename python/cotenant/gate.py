@@ -291,7 +291,8 @@ def stats() -> Dict[str, Any]:
     """The gate's counters under one set of names (the C++ LaunchGateStats
     list): admitted ops, waits by reason, busy time in the window; share (in
     force), user_share, coordinator_share; the job's iteration times
-    (iteration_count, iteration_last_ns, iteration_ewma_ns, iteration_p99_ns)."""
+    (iteration_count, iteration_last_ns, iteration_ewma_ns, iteration_p99_ns,
+    iteration_total_ns: all of them summed)."""
     if _state.role is None and not _enabled():
         return {"role": None, "share": _state.share, "user_share": _state.share, "coordinator_share": 1.0}
     return dict(_extension().gate_stats())

@@ -440,6 +440,7 @@ TEST_CASE("iteration_tracker_measures_last_ewma_and_p99", "[gate][guaranteed]") 
   CHECK(stats.last_ns == 50 * kMs);
   CHECK(stats.p99_ns == 10 * kMs);  // nearest rank: the 99th of 100 is 10 ms
   CHECK(stats.ewma_ns == 10 * kMs + 40 * kMs / 8);
+  CHECK(stats.total_ns == 99 * 10 * kMs + 50 * kMs);
   clock.advance(50 * kMs);  // a second slow one: 2 in 101
   tracker.boundary();
   CHECK(tracker.stats().p99_ns == 50 * kMs);  // nearest rank 100 of 101 is slow

@@ -227,6 +227,7 @@ TEST_CASE("iteration_times_are_the_trackers_figures_in_nanoseconds", "[job_chann
   CHECK(report.iteration_last_ns == 200'000);
   CHECK(report.iteration_ewma_ns == process.iterations().ewma_ns);
   CHECK(report.iteration_p99_ns == 200'000);
+  CHECK(report.iteration_total_ns == 300'000);
 }
 
 TEST_CASE("suspend_stops_launches_for_every_role_and_a_cap_change_brings_nothing_back", "[job_channel]") {

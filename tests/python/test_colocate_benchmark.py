@@ -246,6 +246,33 @@ def test_a_worker_that_hangs_is_given_up_with_its_stacks_and_killed(colocate, mo
     assert 'File "<string>", line 5 in <module>' in capfd.readouterr().err  # where it hung: the sleep
 
 
+def test_a_late_worker_under_auto_mode_has_the_coordinators_view_of_each_job_printed(colocate, monkeypatch, capfd):
+    # On an H200 the auto mode's opportunistic worker once sat at share 0 for
+    # 180 s and the log held its stacks only: why it was held (its share,
+    # the guaranteed job's baseline and slowdown) went with the coordinator.
+    # The workers here are simulated jobs that register and never get ready.
+    job = os.path.join(os.path.dirname(__file__), "simulated_job.py")
+
+    def command(workload, role, mode, args, gap_s, sync_dir, beside=False):
+        return [colocate.sys.executable, job, "--role", role, "--name", role, "--hold-mib", "16",
+                "--iteration-us", "5000", "--control", os.path.join(sync_dir, role + ".control")]
+
+    monkeypatch.setattr(colocate, "worker_command", command)
+    monkeypatch.setattr(colocate, "WORKER_START_S", 10.0)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [os.path.dirname(__file__)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    args = colocate.parse_args(["--seconds", "0.1"])
+    with pytest.raises(RuntimeError, match="the workers of mode cotenant-auto were not ready"):
+        colocate._run(args, colocate.AUTO_MODE, {"guaranteed": "resnet50-train",
+                                                 "opportunistic": "transformer-train"}, 0.0)
+    views = [json.loads(line.split("coordinator's view: ", 1)[1])
+             for line in capfd.readouterr().err.splitlines() if "coordinator's view: " in line]
+    assert sorted(v["role"] for v in views) == ["guaranteed", "opportunistic"]
+    guaranteed = next(v for v in views if v["role"] == "guaranteed")
+    assert guaranteed["iteration_count"] > 0 and "baseline_us" in guaranteed and "slowdown" in guaranteed
+    assert all(0.0 <= v["share"] <= 1.0 for v in views)
+
+
 def test_a_run_stopped_part_way_keeps_the_modes_it_measured(colocate, monkeypatch, tmp_path):
     # A device call's time limit once stopped the benchmark in its last
     # runs, and the five modes it had measured were lost with it.

@@ -195,6 +195,26 @@ def test_guaranteed_slowdown_cuts_the_opportunistic_share(node):
     assert wait_until(lambda: node.job("o")["share"] < peak / 1.9, timeout=5), node.status()
 
 
+def test_a_guaranteed_job_still_slow_with_its_neighbour_paused_gets_a_new_baseline_and_the_neighbour_its_share(node):
+    # The guaranteed job's steps double for good (a phase with longer
+    # sequences): the share policy halves the opportunistic share to 0, and
+    # the job stays twice its baseline with no one beside it. Its baseline is
+    # measured again, and the neighbour climbs back; before, it stayed at 0
+    # for as long as the guaranteed job ran.
+    node.args += ["--share-interval-s", "0.05"]
+    node.start_coordinator()
+    g = node.start_job("guaranteed", "g", hold_mib=16, iteration_us=5000)
+    node.start_job("opportunistic", "o", hold_mib=16)
+    assert wait_until(lambda: node.job("o")["share"] >= 0.1, timeout=10), node.status()
+    first = node.job("g")["baseline_us"]
+    assert 4000 <= first <= 7000, node.status()
+    g.set_iteration_us(10000)
+    assert wait_until(lambda: node.job("o")["share"] == 0.0, timeout=10), node.status()
+    assert wait_until(lambda: (node.job("g")["baseline_us"] or 0) >= 8000 and node.job("o")["share"] > 0,
+                      timeout=10), node.status()
+    assert "baseline measured again" in node.read_log()
+
+
 def test_a_guaranteed_job_that_only_marks_iterations_gets_a_baseline_and_protection(node):
     # The simulated job marks iteration ends only (as `with cotenant.iteration():`
     # does): its iteration times are the tracker's, reported in its block.

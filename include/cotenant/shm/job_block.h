@@ -68,7 +68,7 @@
 namespace cotenant::shm {
 
 inline constexpr std::uint64_t kJobBlockMagic = 0x4b4c424f4a4e4f43ull;  // "CONJOBLK" little-endian
-inline constexpr std::uint32_t kJobBlockVersion = 5;
+inline constexpr std::uint32_t kJobBlockVersion = 6;
 inline constexpr std::size_t kJobNameBytes = 64;          // including the terminating NUL
 inline constexpr std::size_t kGpuUuidBytes = 48;         // "GPU-xxxxxxxx-...", NUL-terminated
 // How long a job waits on a silent coordinator before it runs on its own, by
@@ -143,6 +143,7 @@ struct JobIdentity {
   X(std::uint64_t, iteration_last_ns, 0)                                                \
   X(std::uint64_t, iteration_ewma_ns, 0)                                                \
   X(std::uint64_t, iteration_p99_ns, 0)                                                 \
+  X(std::uint64_t, iteration_total_ns, 0) /* summed: a window's mean, not the EWMA's */  \
   /* what has been applied of the control section */                                    \
   X(std::uint64_t, applied_memory_cap, kNoCap)                                          \
   X(double, applied_share, 1.0)        /* the coordinator's share, as applied */        \

@@ -192,6 +192,7 @@ class Job:
     share: float = 1.0
     registered_at: float = field(default_factory=time.monotonic)
     iterated_at: Optional[float] = None  # time.monotonic() its iteration count last grew (None: not since it registered)
+    paused_since_count: Optional[int] = None  # guaranteed: its iteration count when every opportunistic job of its GPU went to share 0
     adopted: bool = False
     invalid_reports: int = 0  # reads whose numbers report.check() refused
     pid_start_ticks: int = 0  # with pid, names the process for good (a reused pid starts later)
@@ -869,7 +870,7 @@ class Coordinator:
         # Baselines.
         for job in guaranteed:
             updated = policy.update_baseline(
-                job.baseline, job.report.get("iteration_count", 0), job.iteration_ewma_us(),
+                job.baseline, job.report.get("iteration_count", 0), job.report.get("iteration_total_ns", 0),
                 self.config.baseline,
             )
             if updated != job.baseline:
@@ -907,8 +908,29 @@ class Coordinator:
             )
             for job in opportunistic:
                 self._apply(job, share=shares[job.job_id])
+        self._remeasure_after_pause(guaranteed, opportunistic, warming_up)
         for job in guaranteed:
             self._apply(job, share=job.pinned_share if job.pinned_share is not None else 1.0)
+
+    def _remeasure_after_pause(self, guaranteed: List[Job], opportunistic: List[Job], warming_up: bool) -> None:
+        """Counts each guaranteed job's iterations while every opportunistic job
+        of its GPU is at share 0; one still slow after a warm-up's worth of
+        them has its baseline measured again (policy.remeasure_after_pause)."""
+        paused = bool(opportunistic) and not warming_up and all(j.share == 0.0 for j in opportunistic)
+        for job in guaranteed:
+            count = job.report.get("iteration_count", 0)
+            if not paused or job.paused_since_count is None:
+                job.paused_since_count = count if paused else None
+                continue
+            slowdown = job.slowdown()
+            updated = policy.remeasure_after_pause(job.baseline, count, count - job.paused_since_count, slowdown,
+                                                   self.config.baseline, self.config.share)
+            if updated != job.baseline:
+                _event("baseline measured again: the job stays slow with every opportunistic job paused",
+                       job=job.name, job_id=job.job_id, baseline_us=round(job.baseline.baseline_us or 0.0, 1),
+                       slowdown=round(slowdown or 0.0, 3), paused_iterations=count - job.paused_since_count)
+                job.baseline, job.paused_since_count = updated, None
+                self._state_dirty = True
 
     def _host_rooms(self, device: str, meminfo: Optional[Dict[str, int]]) -> Tuple[Optional[int], Dict[str, int]]:
         """What squeezes on GPU `device` may pin: on the node, its available

@@ -15,8 +15,10 @@ Memory (AntMan):
   * when room appears, opportunistic caps do not grow while a guaranteed job
     on the GPU still has spilled bytes, so its memory comes back first.
 Compute (TGS-style AIMD): each opportunistic share follows the guaranteed
-job's iteration time over its solo baseline, measured in a warm-up window
-during which opportunistic jobs are paused.
+job's iteration time over its solo baseline, the mean iteration time of a
+warm-up window during which opportunistic jobs are paused; a job still slow
+after its neighbours have been at share 0 for a warm-up's worth of
+iterations has its baseline measured again (the slowdown is not theirs).
 Admission (Salus): an opportunistic job whose persistent memory cannot fit
 next to the guaranteed jobs and the admitted opportunistic ones is queued,
 or refused when it could never fit.
@@ -284,10 +286,20 @@ class BaselineConfig:
 
 @dataclass(frozen=True)
 class Baseline:
-    """A guaranteed job's solo iteration time, or the warm-up that measures it."""
+    """A guaranteed job's solo iteration time, or the warm-up that measures it.
+
+    The baseline is the mean iteration time over a window of iterations: the
+    job's summed iteration time at the window's end less at its start, over
+    the iterations between. Not the EWMA at the window's end: that still
+    carries a share of the iterations before the window ((7/8)^10, a quarter,
+    with ten), such as warm-up steps without the data loading of the steps
+    that follow, and a baseline 12% low holds a job that is alone 12% "slow",
+    so its opportunistic neighbours never get a share."""
 
     start_count: Optional[int] = None  # iteration count when the window opened
     baseline_us: Optional[float] = None
+    start_total_ns: int = 0            # the job's summed iteration time then
+    skip_until: Optional[int] = None   # the count the window opens at (None: BaselineConfig.skip_iterations)
 
     @property
     def warming_up(self) -> bool:
@@ -295,18 +307,47 @@ class Baseline:
 
 
 def update_baseline(
-    state: Baseline, iteration_count: int, iteration_ewma_us: float, config: BaselineConfig = BaselineConfig()
+    state: Baseline, iteration_count: int, iteration_total_ns: int, config: BaselineConfig = BaselineConfig()
 ) -> Baseline:
-    """Advances the warm-up; the baseline is the iteration-time EWMA once the window is full."""
+    """Advances the warm-up; the baseline is the window's mean iteration time, in µs, once it is full."""
     if state.baseline_us is not None:
         return state
     if state.start_count is None:
-        if iteration_count >= config.skip_iterations:
-            return Baseline(start_count=iteration_count)
+        opens_at = config.skip_iterations if state.skip_until is None else state.skip_until
+        if iteration_count >= opens_at:
+            return Baseline(start_count=iteration_count, start_total_ns=iteration_total_ns,
+                            skip_until=state.skip_until)
         return state
-    if iteration_count - state.start_count >= config.window_iterations and iteration_ewma_us > 0:
-        return Baseline(start_count=state.start_count, baseline_us=iteration_ewma_us)
+    counted = iteration_count - state.start_count
+    took_ns = iteration_total_ns - state.start_total_ns
+    if counted >= config.window_iterations and took_ns > 0:
+        return Baseline(start_count=state.start_count, baseline_us=took_ns / counted / 1000.0,
+                        start_total_ns=state.start_total_ns, skip_until=state.skip_until)
     return state
+
+
+def remeasure_after_pause(
+    state: Baseline,
+    iteration_count: int,
+    iterations_paused: int,
+    slowdown: Optional[float],
+    baseline_config: BaselineConfig = BaselineConfig(),
+    share_config: SharePolicyConfig = SharePolicyConfig(),
+) -> Baseline:
+    """A guaranteed job whose opportunistic neighbours have all been at share
+    0 for a warm-up's worth of its iterations (skipped and window) and that is
+    still not under the share policy's climbing threshold (target less
+    tolerance) is not slowed by them: its phase changed (longer sequences,
+    slower data), or its baseline is stale. Left alone, that pause would last
+    as long as the job. Its baseline is measured again, from now, alone as
+    the first was (the neighbours stay paused for it)."""
+    if state.warming_up or slowdown is None:
+        return state
+    if iterations_paused < baseline_config.skip_iterations + baseline_config.window_iterations:
+        return state
+    if slowdown < share_config.target_slowdown - share_config.tolerance:
+        return state
+    return Baseline(skip_until=iteration_count + baseline_config.skip_iterations)
 
 
 def slowdown_of(iteration_ewma_us: float, baseline: Baseline) -> Optional[float]:

@@ -19,6 +19,7 @@ _COUNTS = frozenset({
     "pid", "uid", "device", "device_bytes", "host_bytes", "host_pool_bytes", "allocated_bytes", "cached_bytes", "reserved_bytes",
     "peak_allocated_bytes", "spilled_bytes", "restored_bytes", "pending_migration_bytes", "num_migrations",
     "iteration_count", "iteration_last_ns", "iteration_ewma_ns", "iteration_p99_ns",
+    "iteration_total_ns",
     "applied_command_sequence", "apply_errors", "heartbeat_ns",
 })
 _DURATIONS_US: frozenset = frozenset()                                 # finite, >= 0 (none left: times are ns counts)
