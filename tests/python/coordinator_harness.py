@@ -331,9 +331,13 @@ def check_the_share_pauses_and_resumes(sock, paths, start_timeout, settle_s, pau
     # admitted finish within settle_s; then it stays still.
     assert wait_until(lambda: applied_share() == 0, timeout=30), "the job never applied share 0"
     time.sleep(settle_s)
-    paused_at = steps("opportunistic")
+    before = wait_until(lambda: read_json(paths["opportunistic"]), timeout=10)
+    paused_at = before["steps"]
     time.sleep(pause_s)
-    assert steps("opportunistic") <= paused_at + 5, "share 0 did not pause the job"
+    after = wait_until(lambda: read_json(paths["opportunistic"]), timeout=10)
+    # The gate's counters and shares on both sides say which door let the steps through.
+    assert after["steps"] <= paused_at + 5, ("share 0 did not pause the job", before["gate"], after["gate"],
+                                             [j for j in client.status(sock)["jobs"] if j["name"] == "opportunistic"])
     guaranteed_before = steps("guaranteed")
     assert wait_until(lambda: steps("guaranteed") > guaranteed_before, timeout=30), \
         "the guaranteed job stalled"
