@@ -161,6 +161,32 @@ def test_gang_placement_is_all_or_nothing_and_prefers_one_node(clean):
     assert len({node for node, _ in c.job("pair")["gpus"]}) == 1  # both on one node
 
 
+def test_a_gang_ray_cannot_grant_yet_leaves_the_scheduler_answering_and_starts_once_ray_can(clean):
+    # Another Ray user holds every GPU: the scheduler's nodes report them free, it places a
+    # guaranteed job, and Ray cannot grant its gang. The tick used to wait for the grant (the gang
+    # timeout, 10 s here) under the lock every request takes: status hung that long, every tick.
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    c = clean
+    hold = placement_group([{"GPU": 2.0}] * len(c.nodes), strategy="STRICT_SPREAD")
+    assert hold.wait(timeout_seconds=TIMEOUT)
+    try:
+        c.submit(spec("held"))
+        assert wait_until(lambda: c.events("gang waiting", "held"), timeout=TIMEOUT), c.explain("held")
+        slowest = 0.0
+        for _ in range(10):
+            asked = time.monotonic()
+            assert c.job("held")["state"] == "running"  # placed; its worker starts once Ray grants the gang
+            slowest = max(slowest, time.monotonic() - asked)
+            time.sleep(0.2)
+        assert slowest < 1.0, f"status took {slowest:.1f} s while the gang waited"
+        assert c.worker("held", 0) is None and not c.events("job started", "held")
+    finally:
+        remove_placement_group(hold)
+    assert wait_until(lambda: c.worker("held", 0), timeout=TIMEOUT), c.explain("held")
+    assert len(c.events("job started", "held")) == 1 and not c.events("gang not granted", "held")
+
+
 def test_a_tenant_over_quota_runs_opportunistic_is_evicted_for_a_guaranteed_job_and_upgraded_later(clean):
     c = clean
     ray.get(c.scheduler.set_quota.remote("alice", 1))

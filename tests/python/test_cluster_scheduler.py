@@ -3,12 +3,15 @@ eviction and upgrade, AlloX's matching across GPU types, Amoeba's resizing, and 
 simulation, all on the node's own policy code."""
 
 import os
+import sys
+import time
+import types
 
 import pytest
 
 from cotenant.cluster.allox import TypeMatching, match
 from cotenant.cluster.scheduler import (
-    FAILED, GROW, RESUME, SHRINK, START, STOP, SUSPEND, UPGRADE, ClusterScheduler, Gpu, JobSpec,
+    FAILED, GROW, RESUME, SHRINK, START, STOP, SUSPEND, UPGRADE, Action, ClusterScheduler, Gpu, JobSpec,
 )
 from cotenant.cluster.topology import ClusterShape, read_cluster, relative_speed
 from cotenant.scheduling.policies import Fifo, Packing, make_policy
@@ -588,7 +591,7 @@ def test_a_start_the_agent_cannot_carry_out_leaves_the_job_waiting_not_running(g
     two = core.submit(JobSpec("two", CMD, role=OPPORTUNISTIC), 0.0)
     agent = _Agent(refused={"one-w0"})
     global_scheduler.agents = {"a": agent}
-    global_scheduler._reserve = lambda job, gpus, ray: True  # Ray's placement groups are not under test
+    global_scheduler._reserve = lambda job, gpus, kind, ray: True  # Ray's placement groups are not under test
     for action in core.decide(1.0):
         global_scheduler._carry_out(action, _Ray(agent))
     assert (one.status, one.gpus, one.first_started_at) == (WAITING, (), None)
@@ -608,3 +611,104 @@ def test_a_number_names_a_job_by_id_and_a_job_cannot_be_named_by_a_number():
     with pytest.raises(ValueError, match=r"the job name '1' is a number.*'job-1'"):
         s.submit(JobSpec("1", CMD, min_gpus=1, max_gpus=1), 0.0)
     assert len(s.jobs) == 2  # nothing of the refused one stays
+
+
+# ---- gangs Ray has not granted yet ------------------------------------------------------------
+
+
+class _Group:
+    """A placement group whose grant the test decides; the timeouts it was waited for."""
+
+    def __init__(self, book, name):
+        self.book, self.name, self.waits = book, name, []
+
+    def wait(self, timeout_seconds=30):
+        self.waits.append(timeout_seconds)
+        return self.name in self.book.granted
+
+
+@pytest.fixture
+def placement_groups(monkeypatch):
+    """Ray's placement-group calls, as the scheduler makes them, over groups the test grants."""
+    book = types.SimpleNamespace(granted=set(), created=[], removed=[])
+    module = types.ModuleType("ray.util.placement_group")
+
+    def placement_group(bundles, strategy, bundle_label_selector, name, lifetime):
+        group = _Group(book, name)
+        book.created.append(group)
+        return group
+
+    def get_placement_group(name):
+        raise ValueError(f"no placement group {name}")
+
+    module.placement_group, module.get_placement_group = placement_group, get_placement_group
+    module.remove_placement_group = book.removed.append
+    monkeypatch.setitem(sys.modules, "ray.util.placement_group", module)
+    return book
+
+
+def _gang_waiting(global_scheduler):
+    """A guaranteed job placed on node a's GPU, whose gang Ray has not granted."""
+    core = global_scheduler.core
+    core.node_reported("a", [Gpu("a", 0, "a0", "fast", GiB)])
+    job = core.submit(JobSpec("g", CMD, role=GUARANTEED), 0.0)
+    agent = _Agent()
+    global_scheduler.agents = {"a": agent}
+    for action in core.decide(1.0):
+        global_scheduler._carry_out(action, _Ray(agent))
+    assert job.role == GUARANTEED
+    return job, agent
+
+
+def test_a_gang_ray_has_not_granted_waits_without_holding_the_tick_and_starts_once_granted(global_scheduler,
+                                                                                          placement_groups):
+    # The tick used to wait for Ray's grant (the gang timeout, 10 s by default) under the lock that
+    # status, submit and cancel take, at every tick while Ray could not grant it.
+    job, agent = _gang_waiting(global_scheduler)
+    group, = placement_groups.created
+    assert group.waits == [0]  # asked, not waited for
+    assert job.status == RUNNING and job.job_id in global_scheduler.reserving and agent.started == []
+    assert global_scheduler.status()["jobs"][0]["name"] == "g"  # the lock is free
+    waiting = lambda: [e["job"] for e in global_scheduler.events if e["event"] == "gang waiting"]  # noqa: E731
+    assert waiting() == []  # Ray usually grants within a tick: no word of it before
+    # Its node reports no worker of it: that is a start not carried out yet, not a job that finished.
+    global_scheduler.reports = {"a": {"workers": {}, "coordinator": "up"}}
+    for tick in (2.0, 3.0):
+        global_scheduler._follow_workers(tick)
+        global_scheduler._follow_reservations(_Ray(agent))
+    assert job.status == RUNNING and agent.started == [] and waiting() == ["g"]  # said once
+    placement_groups.granted.add(group.name)
+    global_scheduler._follow_reservations(_Ray(agent))
+    assert agent.started == ["g-w0"] and global_scheduler.groups[job.job_id] is group
+    assert job.job_id not in global_scheduler.reserving and placement_groups.removed == []
+    assert [e["job"] for e in global_scheduler.events if e["event"] == "job started"] == ["g"]
+
+
+def test_a_gang_ray_does_not_grant_in_time_is_given_up_and_its_job_waits(global_scheduler, placement_groups):
+    global_scheduler.gang_timeout_s = 0.05
+    job, agent = _gang_waiting(global_scheduler)
+    group, = placement_groups.created
+    global_scheduler._follow_reservations(_Ray(agent))
+    assert job.status == RUNNING  # not yet
+    time.sleep(0.06)
+    global_scheduler._follow_reservations(_Ray(agent))
+    assert (job.status, job.gpus, job.first_started_at) == (WAITING, (), None)
+    assert placement_groups.removed == [group] and not global_scheduler.reserving and agent.started == []
+    given_up = [e for e in global_scheduler.events if e["event"] == "gang not granted"]
+    assert [e["job"] for e in given_up] == ["g"] and given_up[0]["gpus"] == [["a", 0]]
+
+
+def test_an_eviction_or_a_cancel_before_the_grant_gives_the_gang_up(global_scheduler, placement_groups):
+    job, agent = _gang_waiting(global_scheduler)
+    group, = placement_groups.created
+    job.status, job.evictions = STOPPING, job.evictions + 1  # as decide() evicts a running job
+    global_scheduler._carry_out(Action(SUSPEND, job), _Ray(agent))  # _Agent has no `command`: none is sent
+    assert (job.status, job.gpus, job.evictions) == (WAITING, (), 0)
+    assert placement_groups.removed == [group] and not global_scheduler.reserving
+    assert [e["event"] for e in global_scheduler.events][-1] == "gang withdrawn"
+    for action in global_scheduler.core.decide(2.0):  # placed again, and cancelled while it waits
+        global_scheduler._carry_out(action, _Ray(agent))
+    again = placement_groups.created[-1]
+    assert again is not group and job.job_id in global_scheduler.reserving
+    global_scheduler.cancel("g")
+    assert placement_groups.removed == [group, again] and not global_scheduler.reserving

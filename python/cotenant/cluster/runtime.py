@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from cotenant.cluster import torchrun
@@ -381,6 +382,8 @@ class GlobalScheduler:
         self.agent_died_at: Dict[str, float] = {}
         self.reports: Dict[str, Dict[str, Any]] = {}
         self.groups: Dict[int, Any] = {}      # job_id -> its placement group
+        # job_id -> its gang, asked of Ray and not granted yet; the job holds its GPUs in the plan meanwhile
+        self.reserving: Dict[int, _Gang] = {}
         # job_id -> (node, host:port) of a torchrun job's rendezvous store, which that node's agent hosts
         self.rendezvous: Dict[int, Tuple[str, str]] = {}
         self.leaving: Dict[int, Dict[str, Tuple[GpuKey, bool]]] = {}  # shrink: worker -> (GPU, suspend sent)
@@ -502,12 +505,14 @@ class GlobalScheduler:
         SAVE_EVERY_S); a failure is an event, and the next tick tries again."""
         if not self.running:
             return  # `down` forgets the state; a last tick must not save it again
-        shape = (self.core.shape(), tuple(sorted(self.groups)), tuple(sorted(self.rendezvous.items())),
-                 repr(sorted(self.leaving.items())), self.event_count)
+        shape = (self.core.shape(), tuple(sorted(self.groups)), tuple(sorted(self.reserving)),
+                 tuple(sorted(self.rendezvous.items())), repr(sorted(self.leaving.items())), self.event_count)
         if shape == self.saved_shape and time.monotonic() - self.saved_at < SAVE_EVERY_S:
             return
         state = {"version": STATE_VERSION, "now": self._now(), "wall": time.time(), "core": self.core.to_state(),
                  "groups": {str(job_id): group_name(self.core.jobs[job_id]) for job_id in self.groups},
+                 "reserving": {str(job_id): [group_name(self.core.jobs[job_id]), gang.kind]
+                               for job_id, gang in self.reserving.items()},
                  "rendezvous": {str(job_id): list(entry) for job_id, entry in self.rendezvous.items()},
                  "leaving": {str(job_id): {w: [list(key), sent] for w, (key, sent) in leaving.items()}
                              for job_id, leaving in self.leaving.items()},
@@ -544,6 +549,8 @@ class GlobalScheduler:
             leaving = {int(job_id): {w: ((str(key[0]), int(key[1])), bool(sent)) for w, (key, sent) in workers.items()}
                        for job_id, workers in state.get("leaving", {}).items()}
             groups = {int(job_id): str(name) for job_id, name in state.get("groups", {}).items()}
+            reserving = {int(job_id): (str(name), str(kind))
+                         for job_id, (name, kind) in state.get("reserving", {}).items()}
             events = list(state.get("events", []))
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             internal_kv._internal_kv_put(STATE_KEY + "-unread", raw, namespace=NAMESPACE)  # for a person to read
@@ -559,6 +566,21 @@ class GlobalScheduler:
                 self.groups[job_id] = get_placement_group(name)
             except ValueError:
                 self._event("placement group gone", group=name, reason="its GPUs are no longer reserved")
+        # A gang still waiting for Ray: its start never happened. The job waits again (as a gang not
+        # granted does); left RUNNING with no worker, it would read as finished.
+        from ray.util.placement_group import remove_placement_group
+
+        for job_id, (name, kind) in reserving.items():
+            try:
+                remove_placement_group(get_placement_group(name))
+            except ValueError:
+                pass
+            job = self.core.jobs.get(job_id)
+            if job is not None and job.status == RUNNING:
+                if kind == UPGRADE:  # it runs on, opportunistic
+                    job.role = OPPORTUNISTIC
+                else:
+                    self.core.unplace(job)
         live = sum(job.status not in (FINISHED, FAILED) for job in self.core.jobs.values())
         self._event("scheduler restored", jobs=live, groups=len(self.groups))
 
@@ -612,6 +634,8 @@ class GlobalScheduler:
                 self.reports[node] = report
             self._follow_workers(now)
             self._stop_strays(reports, now)
+            # After the workers are followed: a worker started now is in no report of this tick.
+            self._follow_reservations(ray)
             for action in self.core.decide(now):
                 self._carry_out(action, ray)
             self._save()
@@ -656,6 +680,8 @@ class GlobalScheduler:
             keys = job.suspended_on if job.status == SUSPENDED else job.gpus
             if job.status not in (RUNNING, STOPPING, SUSPENDED) or any(g[0] not in self.core.nodes for g in keys):
                 continue
+            if job.job_id in self.reserving and self.reserving[job.job_id].kind != UPGRADE:
+                continue  # placed, its workers not started (or resumed) until Ray grants its gang
             states = [self._worker(job, i, key) for i, key in enumerate(keys)]
             if any(s is None for s in states):
                 continue
@@ -726,35 +752,25 @@ class GlobalScheduler:
 
     def _carry_out(self, action: Action, ray) -> None:
         job = action.job
+        pending = self.reserving.get(job.job_id)
+        if pending is not None and action.kind != STOP and self._withdraw(job, pending.kind, action.kind):
+            return
         if action.kind == START:
-            if job.role == GUARANTEED and not self._reserve(job, job.gpus, ray):
+            if job.role == GUARANTEED and not self._reserve(job, job.gpus, START, ray):
                 return
-            try:
-                self._start_workers(job, list(enumerate(job.gpus)), ray)
-            except Exception as error:  # an agent died since its report: the job did not start
-                gpus = [list(g) for g in job.gpus]
-                self._stop_workers(job)  # those that did
-                self._release_group(job)
-                self.core.unplace(job)
-                self._event("job not started", job=job.name, gpus=gpus, reason=f"{type(error).__name__}: {error}; "
-                            "it waits")
-                return
-            self._event("job started", job=job.name, role=job.role, gpus=[list(g) for g in job.gpus])
+            self._start(job, ray)
         elif action.kind == RESUME:
-            if job.role == GUARANTEED and not self._reserve(job, job.gpus, ray):
+            if job.role == GUARANTEED and not self._reserve(job, job.gpus, RESUME, ray):
                 return
-            self._each_worker(job, lambda agent, w: agent.command.remote(w, "resume"))
-            self._event("job resumed", job=job.name, gpus=[list(g) for g in job.gpus])
+            self._resume(job)
         elif action.kind == SUSPEND:
             self._release_group(job)
             self._each_worker(job, lambda agent, w: agent.command.remote(w, "suspend"))
             self._event("job evicting", job=job.name, reason="a guaranteed job needs its GPUs")
         elif action.kind == UPGRADE:
-            if not self._reserve(job, job.gpus, ray):
-                job.role = OPPORTUNISTIC
+            if not self._reserve(job, job.gpus, UPGRADE, ray):
                 return
-            self._each_worker(job, lambda agent, w: agent.upgrade.remote(w))
-            self._event("job upgraded", job=job.name, tenant=job.spec.tenant)
+            self._upgrade(job)
         elif action.kind == GROW:
             first = len(job.gpus) - len(action.gpus)
             self._start_workers(job, [(first + i, key) for i, key in enumerate(action.gpus)], ray)
@@ -775,8 +791,34 @@ class GlobalScheduler:
                     self.agents[key[0]].command.remote(worker, "suspend")  # at its next iteration boundary
             self._event("job shrinking", job=job.name, workers=len(job.gpus))
 
-    def _reserve(self, job: ClusterJob, gpus: Sequence[GpuKey], ray) -> bool:
-        """A placement group of the job's GPUs, one bundle per node pinned to it; all or nothing."""
+    def _start(self, job: ClusterJob, ray) -> None:
+        try:
+            self._start_workers(job, list(enumerate(job.gpus)), ray)
+        except Exception as error:  # an agent died since its report: the job did not start
+            gpus = [list(g) for g in job.gpus]
+            self._stop_workers(job)  # those that did
+            self._release_group(job)
+            self.core.unplace(job)
+            self._event("job not started", job=job.name, gpus=gpus, reason=f"{type(error).__name__}: {error}; "
+                        "it waits")
+            return
+        self._event("job started", job=job.name, role=job.role, gpus=[list(g) for g in job.gpus])
+
+    def _resume(self, job: ClusterJob) -> None:
+        self._each_worker(job, lambda agent, w: agent.command.remote(w, "resume"))
+        self._event("job resumed", job=job.name, gpus=[list(g) for g in job.gpus])
+
+    def _upgrade(self, job: ClusterJob) -> None:
+        self._each_worker(job, lambda agent, w: agent.upgrade.remote(w))
+        self._event("job upgraded", job=job.name, tenant=job.spec.tenant)
+
+    def _reserve(self, job: ClusterJob, gpus: Sequence[GpuKey], kind: str, ray) -> bool:
+        """Asks Ray for a placement group of the job's GPUs, one bundle per node pinned to it; all or
+        nothing. True when Ray has granted it now; otherwise the gang waits (self.reserving) and
+        _follow_reservations carries out `kind` (START, RESUME, UPGRADE) once it is granted, at a later
+        tick, or gives it up after gang_timeout_s. The tick never waits for Ray here: it holds the lock
+        that status, submit and cancel take, and each ungranted gang used to hold them (and every other
+        decision) for the whole timeout, at every tick while Ray could not grant it."""
         from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 
         try:  # left by a scheduler that died between reserving and saving: it holds the GPUs
@@ -788,22 +830,75 @@ class GlobalScheduler:
         group = placement_group([{"GPU": float(per_node[n])} for n in nodes], strategy="PACK",
                                 bundle_label_selector=[{NODE_ID_LABEL: n} for n in nodes],
                                 name=group_name(job), lifetime="detached")  # outlives a scheduler restart
-        if not group.wait(timeout_seconds=self.gang_timeout_s):
-            remove_placement_group(group)
-            self.core.unplace(job)
-            self._event("gang not granted", job=job.name, gpus=[list(g) for g in gpus],
-                        reason="Ray could not reserve every GPU at once; it waits")
+        if _granted(group):
+            self._release_group(job)
+            self.groups[job.job_id] = group
+            return True
+        self.reserving[job.job_id] = _Gang(group, time.monotonic() + self.gang_timeout_s, kind)
+        return False
+
+    def _follow_reservations(self, ray) -> None:
+        """Each waiting gang Ray has granted since: its action is carried out. One not granted within
+        gang_timeout_s is given up: its job waits again (an upgrade: it runs on, opportunistic)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for job_id, gang in list(self.reserving.items()):
+            job, group = self.core.jobs[job_id], gang.group
+            if job.status != RUNNING or (gang.kind == UPGRADE and job.role != GUARANTEED):
+                # The core moved it on meanwhile (a node lost, a plan that keeps it opportunistic).
+                del self.reserving[job_id]
+                remove_placement_group(group)
+            elif _granted(group):
+                del self.reserving[job_id]
+                self._release_group(job)
+                self.groups[job_id] = group
+                {START: lambda: self._start(job, ray), RESUME: lambda: self._resume(job),
+                 UPGRADE: lambda: self._upgrade(job)}[gang.kind]()
+            elif time.monotonic() >= gang.give_up_at:
+                del self.reserving[job_id]
+                remove_placement_group(group)
+                gpus = [list(g) for g in job.gpus]
+                if gang.kind == UPGRADE:
+                    job.role = OPPORTUNISTIC
+                else:
+                    self.core.unplace(job)
+                self._event("gang not granted", job=job.name, gpus=gpus,
+                            reason="Ray could not reserve every GPU at once; it waits")
+            elif not gang.announced:  # a tick has gone by: more than Ray's usual moment
+                gang.announced = True
+                self._event("gang waiting", job=job.name, gpus=[list(g) for g in job.gpus],
+                            reason="Ray has not reserved every GPU at once yet; it waits up to "
+                                   f"{self.gang_timeout_s:g} s")
+
+    def _withdraw(self, job: ClusterJob, kind: str, then: str) -> bool:
+        """The plan changed (`then`: an eviction, a resize) for a job whose gang Ray has not granted:
+        the gang is given up. A start or resume that never happened is undone, and nothing is left to
+        evict or resize (True: `then` is done); an upgrade leaves the job opportunistic, and `then`
+        goes on (False)."""
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.reserving.pop(job.job_id).group)
+        if kind == UPGRADE:
+            job.role = OPPORTUNISTIC
             return False
-        self._release_group(job)
-        self.groups[job.job_id] = group
+        if then == SUSPEND:
+            job.evictions -= 1  # it never ran on these GPUs
+        job.stopping = ()
+        self.core.unplace(job)
+        self._event("gang withdrawn", job=job.name, reason=f"the plan changed ({then}) before Ray granted it; "
+                    "it waits")
         return True
 
     def _release_group(self, job: ClusterJob) -> None:
+        """Its placement group goes, granted or still waiting."""
+        from ray.util.placement_group import remove_placement_group
+
         group = self.groups.pop(job.job_id, None)
         if group is not None:
-            from ray.util.placement_group import remove_placement_group
-
             remove_placement_group(group)
+        waiting = self.reserving.pop(job.job_id, None)
+        if waiting is not None:
+            remove_placement_group(waiting.group)
 
     def _start_workers(self, job: ClusterJob, workers: Sequence[Tuple[int, GpuKey]], ray) -> None:
         world = len(job.gpus)
@@ -848,6 +943,25 @@ class GlobalScheduler:
             agent = self.agents.get(node)
             if agent is not None:
                 agent.stop.remote(worker_name(job.name, i))
+
+
+@dataclass
+class _Gang:
+    """A guaranteed job's gang, asked of Ray and not granted yet."""
+
+    group: Any         # its placement group
+    give_up_at: float  # time.monotonic() past which it is given up
+    kind: str          # what is carried out once Ray grants it: START, RESUME or UPGRADE
+    announced: bool = False  # its "gang waiting" event is out
+
+
+def _granted(group) -> bool:
+    """Whether Ray has reserved every bundle of the placement group; never waits (no task either, as
+    group.ready() would start one). A GCS that does not answer: not yet."""
+    try:
+        return bool(group.wait(timeout_seconds=0))
+    except Exception:
+        return False
 
 
 def _read_saved_state(internal_kv) -> Optional[bytes]:
