@@ -548,6 +548,23 @@ def test_a_leaving_worker_whose_node_has_not_reported_is_unknown_not_gone(global
     assert job.stopping == (("b", 0),) and "elastic-w1" in global_scheduler.leaving[job.job_id]
 
 
+def test_a_guaranteed_job_its_tenant_has_no_room_for_is_told_so_when_submitted(global_scheduler):
+    # With quotas set, a tenant without one (or a typo in --tenant) gets none: its guaranteed jobs
+    # ran opportunistic, evictable, and nothing said why.
+    assert "note" not in global_scheduler.submit([JobSpec("free", CMD)])[0]  # no quotas: every job may be
+    global_scheduler.set_quota("research", 4)
+    typo, big, fits, opportunistic = global_scheduler.submit([
+        JobSpec("typo", CMD, tenant="reserch"), JobSpec("big", CMD, tenant="research", min_gpus=6, max_gpus=6),
+        JobSpec("fits", CMD, tenant="research", min_gpus=2, max_gpus=2),
+        JobSpec("opp", CMD, tenant="reserch", role=OPPORTUNISTIC)])
+    assert "tenant 'reserch' has no quota (quotas: research=4)" in typo["note"]
+    assert "cotenant cluster up --quota reserch=GPUS" in typo["note"]
+    assert "has a quota of 4 GPUs, fewer than the job's 6" in big["note"]
+    assert "note" not in fits and "note" not in opportunistic
+    assert [e["job"] for e in global_scheduler.events if e["event"] == "guaranteed beyond its quota"] == \
+        ["typo", "big"]
+
+
 class _Agent:
     """A node agent whose start fails for the workers named in `refused` (its actor died since its
     report); the workers it started and stopped."""

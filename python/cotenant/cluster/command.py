@@ -262,6 +262,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     ray, scheduler = _scheduler(args.address)
     submitted = _call(ray, scheduler.submit.remote([spec]))[0]
     print(f"{submitted['name']}: submitted as job {submitted['job_id']}")
+    if submitted.get("note"):
+        print(f"note: {submitted['note']}", file=sys.stderr)
     return 0
 
 

@@ -407,11 +407,33 @@ class GlobalScheduler:
         with self.lock:
             now = self._now()
             jobs = self.core.submit_all(specs, now)
+            answers = []
             for job in jobs:
                 self._event("job submitted", job=job.name, tenant=job.spec.tenant,
                             gpus=f"{job.spec.min_gpus}-{job.spec.max_gpus}", role=job.spec.role)
+                answer = {"job_id": job.job_id, "name": job.name}
+                note = self._quota_note(job.spec)
+                if note:
+                    answer["note"] = note
+                    self._event("guaranteed beyond its quota", job=job.name, reason=note)
+                answers.append(answer)
             self._save()
-            return [{"job_id": j.job_id, "name": j.name} for j in jobs]
+            return answers
+
+    def _quota_note(self, spec: JobSpec) -> str:
+        """Why a job asked as guaranteed can never be, under the quotas now: its tenant has none (a
+        typo in --tenant reads the same), or less than the job's fewest GPUs. Empty when it can."""
+        quotas = self.core.quotas
+        if quotas is None or spec.role != GUARANTEED:
+            return ""
+        quota = quotas.get(spec.tenant)
+        if quota is not None and quota >= spec.min_gpus:
+            return ""
+        known = ", ".join(f"{t}={n}" for t, n in sorted(quotas.items())) or "none"
+        held = f"has no quota (quotas: {known})" if quota is None else \
+            f"has a quota of {quota} GPUs, fewer than the job's {spec.min_gpus}"
+        return (f"tenant {spec.tenant!r} {held}: the job runs opportunistic (evictable) until "
+                f"`cotenant cluster up --quota {spec.tenant}=GPUS` gives it room")
 
     def job_name(self, ref: str) -> str:
         """The name of the job `ref` names (a name or an id); ValueError when there is none."""
