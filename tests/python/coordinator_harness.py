@@ -319,25 +319,32 @@ def check_the_share_pauses_and_resumes(sock, paths, start_timeout, settle_s, pau
                         timeout=30)
     assert moving, "the opportunistic job stopped before it was paused"
 
-    def steps(role):  # the file is replaced whole, but may be missing for an instant
-        return wait_until(lambda: read_json(paths[role]), timeout=10)["steps"]
+    def progress(role):  # the file is replaced whole, but may be missing for an instant
+        return wait_until(lambda: read_json(paths[role]), timeout=10)
+
+    def steps(role):
+        return progress(role)["steps"]
+
+    def opportunistic_job():  # as the coordinator sees it
+        jobs = [j for j in client.status(sock)["jobs"] if j["name"] == "opportunistic"]
+        return jobs[0] if jobs else None
 
     def applied_share():
-        jobs = [j for j in client.status(sock)["jobs"] if j["name"] == "opportunistic"]
-        return jobs[0].get("applied_share") if jobs else None
+        job = opportunistic_job()
+        return job.get("applied_share") if job else None
 
     client.set_share("opportunistic", 0, socket=sock)
     # Once the job has applied it (a loaded machine may take a while to get there), ops already
     # admitted finish within settle_s; then it stays still.
     assert wait_until(lambda: applied_share() == 0, timeout=30), "the job never applied share 0"
     time.sleep(settle_s)
-    before = wait_until(lambda: read_json(paths["opportunistic"]), timeout=10)
+    before = progress("opportunistic")
     paused_at = before["steps"]
     time.sleep(pause_s)
-    after = wait_until(lambda: read_json(paths["opportunistic"]), timeout=10)
-    # The gate's counters and shares on both sides say which door let the steps through.
+    after = progress("opportunistic")
+    # Its gate's counters before and after, and the coordinator's view, say which door let the steps through.
     assert after["steps"] <= paused_at + 5, ("share 0 did not pause the job", before["gate"], after["gate"],
-                                             [j for j in client.status(sock)["jobs"] if j["name"] == "opportunistic"])
+                                             opportunistic_job())
     guaranteed_before = steps("guaranteed")
     assert wait_until(lambda: steps("guaranteed") > guaranteed_before, timeout=30), \
         "the guaranteed job stalled"

@@ -599,10 +599,7 @@ class GlobalScheduler:
                 pass
             job = self.core.jobs.get(job_id)
             if job is not None and job.status == RUNNING:
-                if kind == UPGRADE:  # it runs on, opportunistic
-                    job.role = OPPORTUNISTIC
-                else:
-                    self.core.unplace(job)
+                self._undo(job, kind)
         live = sum(job.status not in (FINISHED, FAILED) for job in self.core.jobs.values())
         self._event("scheduler restored", jobs=live, groups=len(self.groups))
 
@@ -862,28 +859,21 @@ class GlobalScheduler:
     def _follow_reservations(self, ray) -> None:
         """Each waiting gang Ray has granted since: its action is carried out. One not granted within
         gang_timeout_s is given up: its job waits again (an upgrade: it runs on, opportunistic)."""
-        from ray.util.placement_group import remove_placement_group
-
         for job_id, gang in list(self.reserving.items()):
-            job, group = self.core.jobs[job_id], gang.group
+            job = self.core.jobs[job_id]
             if job.status != RUNNING or (gang.kind == UPGRADE and job.role != GUARANTEED):
                 # The core moved it on meanwhile (a node lost, a plan that keeps it opportunistic).
-                del self.reserving[job_id]
-                remove_placement_group(group)
-            elif _granted(group):
+                self._release_group(job)
+            elif _granted(gang.group):
                 del self.reserving[job_id]
                 self._release_group(job)
-                self.groups[job_id] = group
+                self.groups[job_id] = gang.group
                 {START: lambda: self._start(job, ray), RESUME: lambda: self._resume(job),
                  UPGRADE: lambda: self._upgrade(job)}[gang.kind]()
             elif time.monotonic() >= gang.give_up_at:
-                del self.reserving[job_id]
-                remove_placement_group(group)
                 gpus = [list(g) for g in job.gpus]
-                if gang.kind == UPGRADE:
-                    job.role = OPPORTUNISTIC
-                else:
-                    self.core.unplace(job)
+                self._release_group(job)
+                self._undo(job, gang.kind)
                 self._event("gang not granted", job=job.name, gpus=gpus,
                             reason="Ray could not reserve every GPU at once; it waits")
             elif not gang.announced:  # a tick has gone by: more than Ray's usual moment
@@ -897,19 +887,24 @@ class GlobalScheduler:
         the gang is given up. A start or resume that never happened is undone, and nothing is left to
         evict or resize (True: `then` is done); an upgrade leaves the job opportunistic, and `then`
         goes on (False)."""
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(self.reserving.pop(job.job_id).group)
+        self._release_group(job)
+        self._undo(job, kind)
         if kind == UPGRADE:
-            job.role = OPPORTUNISTIC
             return False
         if then == SUSPEND:
             job.evictions -= 1  # it never ran on these GPUs
         job.stopping = ()
-        self.core.unplace(job)
         self._event("gang withdrawn", job=job.name, reason=f"the plan changed ({then}) before Ray granted it; "
                     "it waits")
         return True
+
+    def _undo(self, job: ClusterJob, kind: str) -> None:
+        """What a gang given up leaves of the action it was to carry out: a start or resume never
+        happened (the job waits again); an upgrade never did (it runs on, opportunistic)."""
+        if kind == UPGRADE:
+            job.role = OPPORTUNISTIC
+        else:
+            self.core.unplace(job)
 
     def _release_group(self, job: ClusterJob) -> None:
         """Its placement group goes, granted or still waiting."""
