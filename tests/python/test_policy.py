@@ -100,7 +100,8 @@ SHARE_STEPS = [
     ("over_target_halves", 0.5, 1.2, 0.25),
     ("never_above_one", 0.98, 1.0, 1.0),
     ("paused_starts_climbing", 0.0, 1.0, 0.05),
-    ("halving_from_small_reaches_zero_quickly", 0.01, 2.0, 0.005),
+    ("halving_above_the_pause_floor_halves", 0.04, 2.0, 0.02),
+    ("halving_under_the_pause_floor_pauses", 0.015, 2.0, 0.0),
 ]
 
 
@@ -124,6 +125,22 @@ SHARE_PLANS = [
 def test_share_plan(case, current, slowdowns, warming, has_g, pinned, admitted, expected):
     shares = policy.plan_shares(current, slowdowns, warming, has_g, pinned=pinned, admitted=admitted)
     assert shares == pytest.approx(expected)
+
+
+def test_aimd_reaches_a_pause_in_a_few_decisions_from_full_share():
+    share, decisions = 1.0, 0
+    while share > 0.0:
+        share = policy.next_share(share, 2.0)
+        decisions += 1
+    assert decisions == 7  # 1/2 ... 1/64, then 1/128 = 0.0078 < 0.01 pauses; rounding alone took 21
+
+
+def test_min_share_wins_over_the_pause_floor():
+    config = SharePolicyConfig(min_share=0.02)
+    assert policy.next_share(0.03, 2.0, config) == pytest.approx(0.02)
+    assert policy.next_share(0.015, 2.0, SharePolicyConfig(min_share=0.005)) == pytest.approx(0.005)
+    # A floor of 0 keeps plain halving.
+    assert policy.next_share(0.001, 2.0, SharePolicyConfig(pause_below=0.0)) == pytest.approx(0.0005)
 
 
 def test_aimd_converges_below_target_under_a_share_dependent_slowdown():

@@ -264,6 +264,12 @@ class SharePolicyConfig:
     decrease_factor: float = 0.5      # multiplicative decrease when over target
     min_share: float = 0.0            # 0 lets a badly hurting opportunistic job pause
     tolerance: float = 0.02           # a band under the target where the share holds
+    # A decrease that lands under this pauses (min_share if higher). At the
+    # gate's 50 ms window, 1% is 0.5 ms, a few kernels: below it the duty
+    # cycle still lets about one op through per window, so a smaller share
+    # is a pause the gate cannot hold, and halving 1.0 until it rounds to 0
+    # took 21 decisions (7 with this floor).
+    pause_below: float = 0.01
 
 
 def next_share(current: float, slowdown: Optional[float], config: SharePolicyConfig = SharePolicyConfig()) -> float:
@@ -272,7 +278,8 @@ def next_share(current: float, slowdown: Optional[float], config: SharePolicyCon
     if slowdown is None:
         return current
     if slowdown > config.target_slowdown:
-        return max(config.min_share, round(current * config.decrease_factor, 6))
+        decreased = round(current * config.decrease_factor, 6)
+        return max(config.min_share, 0.0 if decreased < config.pause_below else decreased)
     if slowdown < config.target_slowdown - config.tolerance:
         return min(1.0, round(current + config.increase_step, 6))
     return current

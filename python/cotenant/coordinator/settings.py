@@ -134,6 +134,8 @@ SETTINGS = (
             "AIMD: the share is multiplied by this when over the target"),
     Setting("share", "min_share", ("share", "min_share"), _number(0.0, 1.0),
             "the least share an opportunistic job keeps (0: it may pause)"),
+    Setting("share", "pause_below", ("share", "pause_below"), _number(0.0, 1.0),
+            "AIMD: a decrease that lands under this share pauses the job (min_share if higher)"),
     Setting("share", "tolerance", ("share", "tolerance"), _number(0.0, float("inf")),
             "a band under the target where the share holds"),
     Setting("share", "interval_s", ("share_interval_s",), _POSITIVE_SECONDS, "seconds between share decisions"),
