@@ -1889,6 +1889,31 @@ void CachingAllocator::set_event_sink(AllocatorEventSink* sink) {
   state_->sink = sink;
 }
 
+std::size_t CachingAllocator::largest_free_block(StreamId stream, std::size_t room) const {
+  const State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  std::size_t largest = room;
+  for (const auto& [base, segment] : s.segments) {
+    if (segment->stream != stream) continue;
+    for (const Block* block = segment->first; block; block = block->next) {
+      if (block->allocated || !block->in_pool || block->size <= largest) continue;
+      if (segment->pinned_fallback) {
+        largest = block->size;
+        continue;
+      }
+      std::size_t mapped = 0;
+      const auto [first, last] = s.page_range(*block);
+      for (std::size_t i = first; i <= last; ++i) {
+        if (!segment->pages[i].handle) continue;
+        const DevicePtr page = segment->base + i * s.page_bytes;
+        mapped += std::min(page + s.page_bytes, block->address + block->size) - std::max(page, block->address);
+      }
+      largest = std::max(largest, mapped + std::min(block->size - mapped, room));
+    }
+  }
+  return largest;
+}
+
 std::vector<SegmentInfo> CachingAllocator::snapshot() const {
   const State& s = *state_;
   std::lock_guard lock(s.mutex);

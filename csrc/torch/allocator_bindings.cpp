@@ -1,6 +1,7 @@
 // cotenant._C functions for the allocator: installation, caps, statistics,
 // spill/restore, safe points, and the coordinator's job channel.
 // The Python API (python/cotenant/api.py) is the public face of these.
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -204,6 +205,14 @@ COTENANT_TORCH_BINDINGS(allocator) {
   m.def("_reset_driver_call_times", [](int device) {
     device_backend(device).reset_driver_call_times();
   }, py::arg("device"));
+
+  m.def("_cache_info", [](int device, std::size_t largest) {
+    // As cuDNN asks it: through the allocator torch has installed.
+    c10::cuda::CUDACachingAllocator::cacheInfo(static_cast<c10::DeviceIndex>(device), &largest);
+    return largest;
+  }, py::arg("device"), py::arg("largest") = 0,
+     "torch's CUDACachingAllocator::cacheInfo: the largest block an allocation on the current stream "
+     "could get now (tests).");
 
   m.def("device_total_bytes", [](int device) {
     return device_backend(device).device_total_bytes();

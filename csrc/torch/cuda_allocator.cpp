@@ -782,25 +782,40 @@ bool CotenantCudaAllocator::isEnabled() const { return enabled_.load(); }
 
 void CotenantCudaAllocator::cacheInfo(c10::DeviceIndex device, size_t* largestBlock) {
   DeviceAllocators& d = translate_errors([&]() -> DeviceAllocators& { return on(device); });
-  if (*largestBlock == 0) {
-    // PyTorch's convention: a zero input asks for an initial guess, the
-    // free device memory; under a cap, no more than the room below it.
-    std::size_t guess = d.backend->device_free_bytes();
-    AllocatorStats s = d.main->stats();
-    if (s.memory_cap != kNoCap) {
-      auto resident = static_cast<std::uint64_t>(std::max<std::int64_t>(s.device_resident_bytes.current, 0));
-      std::uint64_t room = s.memory_cap > resident ? s.memory_cap - resident : 0;
-      guess = std::min<std::size_t>(guess, room);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const auto stream_id = static_cast<StreamId>(reinterpret_cast<std::uintptr_t>(stream));
+  // The allocator this thread's next allocation on the current stream goes
+  // to, as allocate_on() picks it: a captured or MemPool route, the
+  // thread's region, else the main one. PyTorch's own reads every pool, but
+  // a block of another pool cannot serve the workspace cuDNN sizes by this.
+  CachingAllocator* target = d.main.get();
+  std::shared_ptr<CachingAllocator> held_pool;
+  PoolId routed{};
+  if (d.pools->routing() && (held_pool = d.pools->route_for(stream_id, &routed))) {
+    std::lock_guard<std::mutex> lock(d.foreign_mutex);
+    // Another allocator's pool: its blocks are not cotenant's to read.
+    target = d.foreign_pools.count(routed) != 0 ? nullptr : held_pool.get();
+  } else if (RegionScope::inside()) {
+    target = nullptr;  // a region not yet allocated in holds no block
+    for (auto& [name, region] : d.regions->allocators()) {
+      if (name == RegionScope::current()) target = region;
     }
-    *largestBlock = guess;
   }
-  for (const SegmentInfo& segment : d.main->snapshot()) {
-    for (const BlockInfo& block : segment.blocks) {
-      if (!block.allocated && !block.waiting_on_events && block.size > *largestBlock) {
-        *largestBlock = block.size;
+  translate_errors([&] {
+    // PyTorch's convention: a zero input asks for an initial guess, the
+    // free device memory; under a cap, no more than the room below it
+    // (beyond it an allocation lands on the host).
+    std::size_t room = d.backend->device_free_bytes();
+    if (target != nullptr) {
+      AllocatorStats s = target->stats();
+      if (s.memory_cap != kNoCap) {
+        auto resident = static_cast<std::uint64_t>(std::max<std::int64_t>(s.device_resident_bytes.current, 0));
+        room = std::min<std::size_t>(room, s.memory_cap > resident ? s.memory_cap - resident : 0);
       }
     }
-  }
+    if (*largestBlock == 0) *largestBlock = room;
+    if (target != nullptr) *largestBlock = std::max(*largestBlock, target->largest_free_block(stream_id, room));
+  });
 }
 
 void* CotenantCudaAllocator::getBaseAllocation(void* ptr, size_t* size) {

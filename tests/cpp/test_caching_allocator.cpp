@@ -119,6 +119,35 @@ TEST_CASE("record_stream_on_the_owning_stream_needs_no_event", "[allocator]") {
   CHECK(allocator.allocate(4096, 1) == block);
 }
 
+TEST_CASE("largest_free_block_counts_mapped_bytes_and_new_pages_only_up_to_the_room", "[allocator]") {
+  SimulatedBackend device(device_config(256 * kMiB, /*events_immediate=*/false));
+  CachingAllocator allocator(device);
+  const DevicePtr hole = allocator.allocate(10 * kMiB, 1);  // pages 0-4
+  const DevicePtr after = allocator.allocate(1 * kMiB, 1);  // [10, 11) MiB: page 5, half used
+  allocator.free(hole);
+  // The hole is 10 MiB, all mapped. The arena's tail runs to 256 MiB but
+  // only its first MiB is mapped: without room for new pages it serves 1 MiB.
+  CHECK(allocator.largest_free_block(1, 0) == 10 * kMiB);
+  CHECK(allocator.largest_free_block(1, 4 * kMiB) == 10 * kMiB);     // tail: 1 + 4 MiB
+  CHECK(allocator.largest_free_block(1, 64 * kMiB) == 65 * kMiB);    // tail: 1 + 64 MiB
+  CHECK(allocator.largest_free_block(2, 4 * kMiB) == 4 * kMiB);      // no arena on stream 2: new pages only
+  // What it promises is served without a new page.
+  const std::size_t pages = device.calls().create_page;
+  const DevicePtr again = allocator.allocate(allocator.largest_free_block(1, 0), 1);
+  CHECK(again == hole);
+  CHECK(device.calls().create_page == pages);
+  CHECK(allocator.largest_free_block(1, 0) == 1 * kMiB);
+  // A block freed while another stream may still use it serves nothing yet.
+  allocator.record_stream(again, 2);
+  allocator.free(again);
+  CHECK(allocator.largest_free_block(1, 0) == 1 * kMiB);
+  device.complete_stream(2);
+  allocator.free(allocator.allocate(512, 1));  // the allocator collects completed events on its next call
+  CHECK(allocator.largest_free_block(1, 0) == 10 * kMiB);
+  allocator.free(after);
+  CHECK(allocator.largest_free_block(1, 0) == 12 * kMiB);  // one free block over pages 0-5
+}
+
 TEST_CASE("empty_cache_releases_free_pages_and_whole_free_segments", "[allocator]") {
   SimulatedBackend device(device_config(256 * kMiB));
   CachingAllocator allocator(device);

@@ -406,6 +406,45 @@ def test_mem_get_info_reports_the_cap_so_a_job_that_sizes_itself_fits_under_it(l
     assert out["same"]
 
 
+def test_cache_info_answers_what_an_allocation_could_get_as_cudnn_sizes_its_workspace_by_it(library):
+    """torch's cacheInfo (cuDNN's workspace limit) is the largest block an
+    allocation on the current stream could get: a cached hole, or the free
+    pages' room (under the cap, the room below it). The arena's free tail is
+    as large as the device; counted whole, it promised cuDNN 1 GiB under a
+    64 MiB cap, a workspace that would have spilled."""
+    out = run(library, """
+        from cotenant import _C
+        cotenant.enable(memory_cap="64MiB")
+        hole = torch.empty(10 * MIB, dtype=torch.uint8, device="cuda")
+        after = torch.empty(1 * MIB, dtype=torch.uint8, device="cuda")
+        del hole
+        held = cotenant.memory_stats()["device_bytes"]
+        out["held"] = held
+        out["largest"] = _C._cache_info(0)
+        out["given"] = _C._cache_info(0, 300 * MIB)  # a caller's own guess stays when larger
+        workspace = torch.empty(out["largest"], dtype=torch.uint8, device="cuda")
+        cotenant.safe_point()
+        stats = cotenant.memory_stats()
+        out["device"], out["host"] = stats["device_bytes"], stats["host_bytes"]
+        del workspace
+        torch.cuda.empty_cache()
+        cotenant.set_memory_cap(None)
+        out["uncapped"], out["free"] = _C._cache_info(0), torch.cuda.mem_get_info()[0]
+        with cotenant.region("kv"):
+            out["fresh_region"] = _C._cache_info(0)
+    """)
+    assert out["held"] == 12 * MIB  # pages 0-5: the 10 MiB hole and the page under `after`
+    # The tail's mapped MiB and new pages up to the cap: 1 + (64 - 12) MiB, more than the hole.
+    assert out["largest"] == 53 * MIB
+    assert out["given"] == 300 * MIB
+    # The promise holds: a workspace of that size stays on the device, at the cap.
+    assert out["host"] == 0 and out["device"] == 64 * MIB
+    # Without a cap: the device's free memory (a request larger than the
+    # arena's tail, 1 GiB less 11 MiB, gets an arena of its own).
+    assert out["uncapped"] == out["free"] and out["free"] > 1000 * MIB
+    assert out["fresh_region"] == out["free"]  # a region not yet allocated in holds no block
+
+
 def test_the_users_cap_covers_the_jobs_region_and_follows_it_as_it_grows(library):
     """cotenant.set_memory_cap caps the job, its region included: the region
     is never capped or moved, so the main allocator gets the rest, and follows
