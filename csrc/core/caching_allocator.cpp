@@ -1894,21 +1894,18 @@ std::size_t CachingAllocator::largest_free_block(StreamId stream, std::size_t ro
   std::lock_guard lock(s.mutex);
   std::size_t largest = room;
   for (const auto& [base, segment] : s.segments) {
-    if (segment->stream != stream) continue;
+    if (segment->stream != stream || segment->pinned_fallback) continue;  // pinned: host memory
     for (const Block* block = segment->first; block; block = block->next) {
       if (block->allocated || !block->in_pool || block->size <= largest) continue;
-      if (segment->pinned_fallback) {
-        largest = block->size;
-        continue;
-      }
-      std::size_t mapped = 0;
+      std::size_t on_device = 0;
       const auto [first, last] = s.page_range(*block);
       for (std::size_t i = first; i <= last; ++i) {
-        if (!segment->pages[i].handle) continue;
+        const PageHandle& handle = segment->pages[i].handle;
+        if (!handle || handle.where != Residency::kDevice) continue;
         const DevicePtr page = segment->base + i * s.page_bytes;
-        mapped += std::min(page + s.page_bytes, block->address + block->size) - std::max(page, block->address);
+        on_device += std::min(page + s.page_bytes, block->address + block->size) - std::max(page, block->address);
       }
-      largest = std::max(largest, mapped + std::min(block->size - mapped, room));
+      largest = std::max(largest, on_device + std::min(block->size - on_device, room));
     }
   }
   return largest;

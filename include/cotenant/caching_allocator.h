@@ -235,11 +235,12 @@ class CachingAllocator {
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::vector<SegmentInfo> snapshot() const;
-  // The largest request on `stream` one free block could serve now: its
-  // mapped bytes, and at most `room` bytes of its unmapped pages (what new
-  // pages may still take: the device's free memory, the room under a cap).
-  // At least `room`: a request finding no block gets new pages. Blocks
-  // waiting on record_stream events count for nothing. What
+  // The largest request on `stream` one free block could serve from device
+  // memory now: its bytes on mapped device pages, and at most `room` bytes
+  // of the rest (what new device pages may still take: the device's free
+  // memory, the room under a cap). At least `room`: a request finding no
+  // block gets new pages. Blocks waiting on record_stream events, and
+  // pinned fallback segments (host memory), count for nothing. What
   // torch.cuda's cacheInfo() asks (cuDNN sizes its workspace by it); an
   // arena's free tail is as large as the device, so its size alone says nothing.
   std::size_t largest_free_block(StreamId stream, std::size_t room) const;

@@ -33,6 +33,20 @@ TEST_CASE("an_allocation_with_no_colder_page_to_displace_spills_to_host_instead_
   CHECK_FALSE(allocator.is_device_resident(only + 8 * kMiB));
 }
 
+TEST_CASE("largest_free_block_counts_only_device_pages_of_a_hole_partly_on_the_host", "[cap]") {
+  SimulatedBackend device(device_config(1 * kGiB));
+  CachingAllocator allocator(device);
+  allocator.set_memory_cap(8 * kMiB);
+  allocator.free(allocator.allocate(12 * kMiB, 0));  // 8 MiB of device pages, 4 of host pages
+  const AllocatorStats stats = allocator.stats();
+  REQUIRE(stats.host_resident_bytes.current == 4 * kMiB);  // kept, mapped, as cache
+  // A request of 12 MiB would find the hole but land a third of it on the
+  // host: what the device can serve is its 8 MiB of device pages, and the
+  // room for new device pages (none under the cap here) beyond them.
+  CHECK(allocator.largest_free_block(0, 0) == 8 * kMiB);
+  CHECK(allocator.largest_free_block(0, 2 * kMiB) == 10 * kMiB);
+}
+
 TEST_CASE("an_allocation_over_the_cap_takes_device_pages_and_a_colder_page_moves_out_at_the_safe_point",
           "[cap]") {
   SimulatedBackend device(device_config(1 * kGiB));
