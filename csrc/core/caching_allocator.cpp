@@ -224,6 +224,20 @@ struct CachingAllocator::State {
     return {first, last};
   }
 
+  // Bytes of `block` on mapped pages of residency `where` (not for a pinned fallback segment).
+  std::size_t bytes_on(const Block& block, Residency where) const {
+    const Segment& segment = *block.segment;
+    std::size_t bytes = 0;
+    const auto [first, last] = page_range(block);
+    for (std::size_t i = first; i <= last; ++i) {
+      const PageHandle& handle = segment.pages[i].handle;
+      if (!handle || handle.where != where) continue;
+      const DevicePtr page_start = segment.base + i * page_bytes;
+      bytes += std::min(page_start + page_bytes, block.address + block.size) - std::max(page_start, block.address);
+    }
+    return bytes;
+  }
+
   // ---- pages --------------------------------------------------------------
 
   std::size_t& cached_of(Residency where) { return cached_bytes[static_cast<int>(where)]; }
@@ -1750,17 +1764,7 @@ std::size_t CachingAllocator::host_bytes_of(DevicePtr address) const {
   const Block& block = *it->second;
   const Segment& segment = *block.segment;
   if (segment.pinned_fallback) return block.size;
-  std::size_t bytes = 0;
-  const auto [first, last] = s.page_range(block);
-  for (std::size_t i = first; i <= last; ++i) {
-    const Page& page = segment.pages[i];
-    if (!page.handle || page.handle.where != Residency::kHost) continue;
-    const DevicePtr page_start = segment.base + i * s.page_bytes;
-    const DevicePtr start = std::max(page_start, block.address);
-    const DevicePtr end = std::min(page_start + s.page_bytes, block.address + block.size);
-    bytes += end - start;
-  }
-  return bytes;
+  return s.bytes_on(block, Residency::kHost);
 }
 
 std::size_t CachingAllocator::host_live_bytes() const {
@@ -1897,14 +1901,7 @@ std::size_t CachingAllocator::largest_free_block(StreamId stream, std::size_t ro
     if (segment->stream != stream || segment->pinned_fallback) continue;  // pinned: host memory
     for (const Block* block = segment->first; block; block = block->next) {
       if (block->allocated || !block->in_pool || block->size <= largest) continue;
-      std::size_t on_device = 0;
-      const auto [first, last] = s.page_range(*block);
-      for (std::size_t i = first; i <= last; ++i) {
-        const PageHandle& handle = segment->pages[i].handle;
-        if (!handle || handle.where != Residency::kDevice) continue;
-        const DevicePtr page = segment->base + i * s.page_bytes;
-        on_device += std::min(page + s.page_bytes, block->address + block->size) - std::max(page, block->address);
-      }
+      const std::size_t on_device = s.bytes_on(*block, Residency::kDevice);
       largest = std::max(largest, on_device + std::min(block->size - on_device, room));
     }
   }
