@@ -25,9 +25,14 @@ using detail::StepPlan;
 
 namespace {
 
+// `multiple` is a power of two (the page granularity, or the rounding that
+// divides it: the State's constructor checks both); a mask, not a division,
+// since every allocation rounds twice.
 std::size_t round_up(std::size_t value, std::size_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
+  return (value + multiple - 1) & ~(multiple - 1);
 }
+
+bool is_power_of_two(std::size_t value) { return value != 0 && (value & (value - 1)) == 0; }
 
 }  // namespace
 
@@ -41,12 +46,18 @@ struct CachingAllocator::State {
       : backend(backend),
         options(options),
         page_bytes(backend.granularity()),
+        page_shift(static_cast<unsigned>(__builtin_ctzll(page_bytes | (std::size_t{1} << 63)))),
         device_total(backend.device_total_bytes()),
         host_pages(shared_host_pages ? std::move(shared_host_pages) : std::make_shared<HostPagePool>(backend)) {
     if (&host_pages->backend() != &backend) {
       throw Error("an allocator's host page pool must be of the allocator's own backend (one pool per device)");
     }
-    if (options.round_bytes == 0 || page_bytes == 0 || page_bytes % options.round_bytes != 0) {
+    if (!is_power_of_two(page_bytes)) {
+      throw Error(fmt::format("the backend's page granularity ({} bytes) is not a power of two; a driver's "
+                              "always is (2 MiB on current GPUs): check the backend's granularity()",
+                              page_bytes));
+    }
+    if (options.round_bytes == 0 || page_bytes % options.round_bytes != 0) {
       throw Error(fmt::format("the allocator's rounding ({} bytes) must divide the page granularity ({} bytes)",
                               options.round_bytes, page_bytes));
     }
@@ -55,6 +66,7 @@ struct CachingAllocator::State {
   Backend& backend;
   const AllocatorOptions options;
   const std::size_t page_bytes;
+  const unsigned page_shift;  // page_bytes == 1 << page_shift: a page's index is a shift, not a division
   // The device's size, read once: it does not change, and every allocation
   // compares with it (on the CUDA backend the query is a cudaMemGetInfo).
   const std::size_t device_total;
@@ -219,8 +231,8 @@ struct CachingAllocator::State {
 
   // Index range [first, last] of the pages a block overlaps.
   std::pair<std::size_t, std::size_t> page_range(const Block& block) const {
-    const std::size_t first = (block.address - block.segment->base) / page_bytes;
-    const std::size_t last = (block.address + block.size - 1 - block.segment->base) / page_bytes;
+    const std::size_t first = (block.address - block.segment->base) >> page_shift;
+    const std::size_t last = (block.address + block.size - 1 - block.segment->base) >> page_shift;
     return {first, last};
   }
 
@@ -549,18 +561,30 @@ struct CachingAllocator::State {
     const auto [first, last] = page_range(block);
     // Live before anything is released or mapped, so no cache release for
     // this allocation can take back a page of this same block.
-    for (std::size_t i = first; i <= last; ++i) page_gains_live(segment, i);
+    std::size_t unmapped = 0;
+    for (std::size_t i = first; i <= last; ++i) {
+      page_gains_live(segment, i);
+      if (!segment.pages[i].handle) ++unmapped;
+    }
+    // A warm loop's blocks find their pages mapped: nothing more to do.
+    if (unmapped > 0 && !map_unmapped_pages(block, first, last, unmapped, spilled, released_cache)) return false;
+    for (std::size_t i = first; i <= last; ++i) segment.pages[i].last_use = tick;
+    return true;
+  }
+
+  // back_block's slow path: maps the `unmapped` pages of `block`'s pages
+  // [first, last], which are marked live already.
+  bool map_unmapped_pages(Block& block, std::size_t first, std::size_t last, std::size_t unmapped, bool* spilled,
+                          bool* released_cache) {
+    Segment& segment = *block.segment;
     bool marked_live = true;  // until undone, once: an error while undoing must not undo again
     try {
-      std::size_t unmapped = 0;
       bool churns = false;  // a page the cold-cache rule released and a later step needs again
       for (std::size_t i = first; i <= last; ++i) {
         const Page& page = segment.pages[i];
-        if (page.handle) continue;
-        ++unmapped;
-        churns = churns || comes_back(page);
+        churns = churns || (!page.handle && comes_back(page));
       }
-      if (unmapped > 0 && !churns) release_cold_cache_to_grow(unmapped * page_bytes, block.size);
+      if (!churns) release_cold_cache_to_grow(unmapped * page_bytes, block.size);
       // Bytes of this block's pages on the device so far: no colder page.
       std::size_t own_device_bytes = 0;
       for (std::size_t i = first; i <= last; ++i) {
@@ -595,7 +619,6 @@ struct CachingAllocator::State {
       }
       throw;
     }
-    for (std::size_t i = first; i <= last; ++i) segment.pages[i].last_use = tick;
     return true;
   }
 
@@ -698,8 +721,8 @@ struct CachingAllocator::State {
   }
 
   bool all_mapped(const Segment& segment, DevicePtr address, std::size_t size) const {
-    const std::size_t first = (address - segment.base) / page_bytes;
-    const std::size_t last = (address + size - 1 - segment.base) / page_bytes;
+    const std::size_t first = (address - segment.base) >> page_shift;
+    const std::size_t last = (address + size - 1 - segment.base) >> page_shift;
     for (std::size_t i = first; i <= last; ++i) {
       if (!segment.pages[i].handle) return false;
     }

@@ -38,6 +38,18 @@ TEST_CASE("sizes_round_to_512_bytes_and_the_statistics_split_by_size_class", "[a
   CHECK(stats.reserved_bytes.large_pool.current == 4 * kMiB);
 }
 
+TEST_CASE("a_rounding_that_does_not_divide_the_page_is_refused", "[allocator]") {
+  SimulatedBackend device(device_config(64 * kMiB));
+  AllocatorOptions options;
+  options.round_bytes = 3000;
+  CHECK_THROWS_WITH(CachingAllocator(device, options),
+                    Catch::Contains("rounding (3000 bytes) must divide the page granularity (2097152 bytes)"));
+  options.round_bytes = 4096;
+  CachingAllocator allocator(device, options);
+  const DevicePtr block = allocator.allocate(5000, 0);
+  CHECK(allocator.allocation_size(block) == 8192);
+}
+
 TEST_CASE("freed_block_is_reused_at_once_by_its_stream", "[allocator]") {
   SimulatedBackend device(device_config(64 * kMiB));
   CachingAllocator allocator(device);

@@ -21,8 +21,9 @@ class RefusingBackend final : public Backend {
   SimulatedBackend device;
   int unmaps_until_refusal = 0;    // 0: none refused
   int releases_until_refusal = 0;  // 0: none refused
+  std::size_t granularity_bytes = 0;  // 0: the device's
 
-  std::size_t granularity() const override { return device.granularity(); }
+  std::size_t granularity() const override { return granularity_bytes != 0 ? granularity_bytes : device.granularity(); }
   std::size_t device_total_bytes() const override { return device.device_total_bytes(); }
   std::size_t device_free_bytes() const override { return device.device_free_bytes(); }
   bool host_pages_mappable() const override { return device.host_pages_mappable(); }
@@ -105,4 +106,17 @@ TEST_CASE("an_address_range_the_driver_refuses_to_free_stays_a_free_arena_for_th
   CHECK_NOTHROW(allocator.check_invariants());
   CHECK(allocator.stats().segment.all.current == 0);
   CHECK(allocator.stats().reserved_bytes.all.current == 0);
+}
+
+// A page's index is a shift and a size rounds by a mask, so the allocator
+// takes only a power-of-two page granularity (every driver's is) and says
+// so at construction, before any allocation could compute a wrong page.
+TEST_CASE("an_allocator_refuses_a_granularity_that_is_not_a_power_of_two", "[allocator][driver]") {
+  RefusingBackend backend(device_config(64 * kMiB));
+  backend.granularity_bytes = 3 * kMiB;
+  CHECK_THROWS_WITH(CachingAllocator(backend),
+                    Catch::Contains("page granularity (3145728 bytes) is not a power of two"));
+  backend.granularity_bytes = 0;
+  CachingAllocator allocator(backend);
+  CHECK(allocator.allocate(kMiB, 0) != 0);
 }
