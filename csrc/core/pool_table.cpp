@@ -31,9 +31,15 @@ bool PoolTable::routed_locked(PoolId id) const {
 }
 
 void PoolTable::drop_if_done_locked(std::map<PoolId, Pool>::iterator it) {
-  // Never while a capture runs: dropping unmaps, which cannot synchronize then.
-  if (it->second.use_count <= 0 && routes_.empty() &&
-      it->second.allocator->stats().allocated_bytes.all.current == 0) {
+  // Only a pool its empty_cache() left holding nothing: its allocator's
+  // destructor then releases nothing, so a reader elsewhere that holds the
+  // last reference (pools(), find()) can let it go on any thread at any
+  // time. What a capture kept from being unmapped (it forbids the device
+  // synchronize; the capture need not be this table's) stays in the table
+  // for a later empty_freeable().
+  const AllocatorStats stats = it->second.allocator->stats();
+  if (it->second.use_count <= 0 && routes_.empty() && stats.allocated_bytes.all.current == 0 &&
+      stats.reserved_bytes.all.current == 0) {
     pools_.erase(it);
   }
 }

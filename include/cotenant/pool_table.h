@@ -20,6 +20,8 @@
 // pool's allocator with whoever asked for it (find, pools, route_for): a
 // pool dropped meanwhile (a release or empty_freeable on another thread) is
 // destroyed once the last of them lets it go, never under a caller's feet.
+// A pool is dropped only once it holds no page, so that destruction, on
+// whichever thread, releases nothing.
 #pragma once
 
 #include <atomic>

@@ -160,6 +160,37 @@ TEST_CASE("a_released_pool_is_not_dropped_while_a_capture_runs", "[pools]") {
   CHECK(table.find(kGraphA) == nullptr);
 }
 
+TEST_CASE("a_released_pool_whose_pages_a_capture_keeps_stays_until_they_go", "[pools]") {
+  // A capture the table does not route (another library's, or another
+  // device's stream) still forbids the synchronize an unmap needs. The
+  // pool's empty_cache then keeps its pages; dropped, the pool would release
+  // them in its destructor, on whichever thread let it go last (a reader of
+  // pools() or find()), perhaps during that capture. It stays instead, and
+  // goes at the next empty_freeable that can release its pages.
+  SimulatedBackend device(device_config(256 * kMiB));
+  PoolTable table(device);
+  table.create_or_incref(kMemPool);
+  std::shared_ptr<CachingAllocator> pool = table.find(kMemPool);
+  pool->free(pool->allocate(3 * kMiB, 0));
+  REQUIRE(pool->stats().reserved_bytes.all.current == static_cast<std::int64_t>(4 * kMiB));
+  pool.reset();
+  device.refuse_synchronization(true);
+  table.release(kMemPool);
+  auto kept = table.find(kMemPool);
+  REQUIRE(kept != nullptr);
+  CHECK(kept->stats().reserved_bytes.all.current == static_cast<std::int64_t>(4 * kMiB));
+  CHECK(device.calls().unmap == 0);
+  CHECK(table.empty_freeable() == 1);  // still refused: kept
+  CHECK(table.find(kMemPool) != nullptr);
+  device.refuse_synchronization(false);
+  std::weak_ptr<CachingAllocator> watch = kept;
+  kept.reset();
+  CHECK(table.empty_freeable() == 1);
+  CHECK(table.find(kMemPool) == nullptr);
+  CHECK(watch.expired());
+  CHECK(device.calls().unmap == 2);
+}
+
 TEST_CASE("a_pool_released_on_one_thread_outlives_a_reader_that_holds_it_on_another", "[pools]") {
   // Statistics and snapshots walk every pool while another thread may
   // release one (a graph freed, a MemPool collected): what the table handed
