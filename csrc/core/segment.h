@@ -2,9 +2,11 @@
 // back them, and the blocks that tile them. Internal to csrc/core.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <set>
 #include <tuple>
 #include <vector>
@@ -109,39 +111,125 @@ class BlockSet {
   std::vector<typename Set::node_type> spare_;
 };
 
-// Free blocks ordered for best fit (FreeEntry). Each block keeps its own
-// entry's position while in the pool, so taking it out searches nothing.
+// Free blocks ordered for best fit (FreeEntry): the smallest block of a
+// stream with at least the requested size, the lowest address among equal
+// sizes. Each block keeps its own entry's position while in the pool, so
+// taking it out searches nothing.
+//
+// The order is split into size bins, each a small tree, with a bitmap of
+// the bins that hold a block: a search descends one bin's tree (a few
+// levels, not the dozen of one tree over every free block, each level a
+// node that may miss the cache) and finds the next bin by the bitmap. The
+// bins partition sizes in order, so walking them in order is the one
+// best-fit order.
+// Invariant: a bin's bit is set exactly while its tree is not empty; an
+// entry sits in the bin of its size.
 class BlockPool {
  public:
   // The smallest free block of `stream` with at least `size` bytes, or null.
   Block* best_fit(StreamId stream, std::size_t size) const {
-    auto it = first_fit_in_order(stream, size);
-    return it == blocks_.set().end() || it->stream != stream ? nullptr : it->block;
+    return find_fit(stream, size, 1, [](const Block*) { return true; });
   }
   // The first of the free blocks of `stream` with at least `size` bytes, in
   // best-fit order and at most `limit` of them, that `accept` takes; or null.
   template <class Accept>
   Block* find_fit(StreamId stream, std::size_t size, std::size_t limit, Accept accept) const {
-    for (auto it = first_fit_in_order(stream, size);
-         it != blocks_.set().end() && it->stream == stream && limit > 0; ++it, --limit) {
-      if (accept(it->block)) return it->block;
+    const Bins* bins = bins_of(stream);
+    if (bins == nullptr || limit == 0) return nullptr;
+    std::size_t bin = bin_of(size);
+    auto it = bins->trees[bin].lower_bound(FreeEntry{stream, size, 0, nullptr});
+    while (true) {
+      for (; it != bins->trees[bin].end(); ++it) {
+        if (accept(it->block)) return it->block;
+        if (--limit == 0) return nullptr;
+      }
+      bin = bins->next_nonempty(bin + 1);
+      if (bin == kBins) return nullptr;
+      it = bins->trees[bin].begin();
+    }
+  }
+  void insert(Block* block) {
+    const FreeEntry entry{block->segment->stream, block->size, block->address, block};
+    Bins& bins = bins_for(entry.stream);
+    const std::size_t bin = bin_of(entry.size);
+    FreeTree& tree = bins.trees[bin];
+    if (spare_.empty()) {
+      block->pool_entry = tree.insert(entry).first;
+    } else {
+      FreeTree::node_type node = std::move(spare_.back());
+      spare_.pop_back();
+      node.value() = entry;
+      block->pool_entry = tree.insert(std::move(node)).position;
+    }
+    bins.nonempty[bin / 64] |= std::uint64_t{1} << (bin % 64);
+    ++count_;
+  }
+  // `block` must be in this pool (in_pool, and inserted here).
+  void erase(Block* block) {
+    const FreeEntry& entry = *block->pool_entry;
+    Bins& bins = *bins_of(entry.stream);
+    const std::size_t bin = bin_of(entry.size);
+    FreeTree& tree = bins.trees[bin];
+    spare_.push_back(tree.extract(block->pool_entry));
+    if (tree.empty()) bins.nonempty[bin / 64] &= ~(std::uint64_t{1} << (bin % 64));
+    --count_;
+  }
+  bool empty() const { return count_ == 0; }
+  std::size_t size() const { return count_; }
+
+ private:
+  // Bins: one per 512 bytes below 32 KiB, then eight per doubling of size
+  // (each 1/8 of its octave wide), up to 2**64 bytes.
+  static constexpr std::size_t kExactBins = 64;          // [0, 32 KiB) in steps of 512 bytes
+  static constexpr unsigned kFirstOctave = 15;           // 32 KiB = 2**15
+  static constexpr std::size_t kBinsPerOctave = 8;
+  static constexpr std::size_t kBins = kExactBins + (64 - kFirstOctave) * kBinsPerOctave;
+  static constexpr std::size_t kWords = (kBins + 63) / 64;
+  // Non-decreasing in size: a smaller size never lands in a later bin.
+  static std::size_t bin_of(std::size_t size) {
+    if (size < (std::size_t{1} << kFirstOctave)) return size >> 9;
+    const unsigned octave = 63 - static_cast<unsigned>(__builtin_clzll(size));
+    const std::size_t eighth = (size >> (octave - 3)) & (kBinsPerOctave - 1);
+    return kExactBins + (octave - kFirstOctave) * kBinsPerOctave + eighth;
+  }
+
+  struct Bins {
+    StreamId stream = 0;
+    std::array<FreeTree, kBins> trees;
+    std::array<std::uint64_t, kWords> nonempty{};
+    // The first bin at or after `bin` that holds a block, or kBins.
+    std::size_t next_nonempty(std::size_t bin) const {
+      for (std::size_t word = bin / 64; word < kWords; ++word) {
+        std::uint64_t bits = nonempty[word];
+        if (word == bin / 64) bits &= ~std::uint64_t{0} << (bin % 64);
+        if (bits != 0) return word * 64 + static_cast<std::size_t>(__builtin_ctzll(bits));
+      }
+      return kBins;
+    }
+  };
+  // A job uses a few streams: a list, searched in order.
+  const Bins* bins_of(StreamId stream) const {
+    for (const auto& bins : streams_) {
+      if (bins->stream == stream) return bins.get();
     }
     return nullptr;
   }
-  void insert(Block* block) { block->pool_entry = blocks_.insert(key_of(block)); }
-  // `block` must be in this pool (in_pool, and inserted here).
-  void erase(Block* block) { blocks_.erase(block->pool_entry); }
-  bool empty() const { return blocks_.set().empty(); }
-  std::size_t size() const { return blocks_.set().size(); }
-
- private:
-  using Entry = FreeEntry;
-  static Entry key_of(Block* block) { return {block->segment->stream, block->size, block->address, block}; }
-  using Set = BlockSet<std::less<Entry>, Entry>::Set;
-  Set::const_iterator first_fit_in_order(StreamId stream, std::size_t size) const {
-    return blocks_.set().lower_bound(Entry{stream, size, 0, nullptr});
+  Bins* bins_of(StreamId stream) {
+    for (const auto& bins : streams_) {
+      if (bins->stream == stream) return bins.get();
+    }
+    return nullptr;
   }
-  BlockSet<std::less<Entry>, Entry> blocks_;
+  Bins& bins_for(StreamId stream) {
+    if (Bins* bins = bins_of(stream)) return *bins;
+    streams_.push_back(std::make_unique<Bins>());
+    streams_.back()->stream = stream;
+    return *streams_.back();
+  }
+
+  std::vector<std::unique_ptr<Bins>> streams_;
+  std::vector<FreeTree::node_type> spare_;  // nodes of erased entries, for the next insert
+  std::size_t count_ = 0;
 };
 
 // Free blocks by address, to find the one holding a given address.

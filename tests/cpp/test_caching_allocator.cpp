@@ -1,6 +1,8 @@
 #include <catch2/catch.hpp>
 
+#include <random>
 #include <tuple>
+#include <vector>
 #include <utility>
 
 #include "cotenant/errors.h"
@@ -67,6 +69,49 @@ TEST_CASE("blocks_are_not_shared_between_streams_pools", "[allocator]") {
   const DevicePtr on_two = allocator.allocate(4096, 2);
   CHECK(on_two != on_one);
   CHECK(allocator.stats().segment.all.current == 2);
+}
+
+TEST_CASE("best_fit_over_holes_of_every_size_takes_the_smallest_then_the_lowest", "[allocator]") {
+  // Holes from 512 bytes to 24 MiB (every range of sizes the free blocks are
+  // kept in, several of a size at different addresses), separated by live
+  // blocks, on two streams: each request gets the smallest hole of its
+  // stream that fits, the lowest-addressed among equal ones, as a search
+  // over every hole finds it.
+  SimulatedBackend device(device_config(2048 * kMiB));
+  CachingAllocator allocator(device);
+  std::mt19937_64 random(7);
+  auto any_size = [&random] {
+    const unsigned octave = 9 + static_cast<unsigned>(random() % 16);  // 512 B .. 16 MiB
+    return ((std::size_t{1} << octave) + random() % (std::size_t{1} << octave)) / 512 * 512;
+  };
+  std::vector<DevicePtr> live;
+  std::vector<std::pair<DevicePtr, std::size_t>> holes[2];
+  for (int i = 0; i < 200; ++i) {
+    const StreamId stream = static_cast<StreamId>(i % 2);
+    const std::size_t size = i % 5 == 4 ? holes[stream].back().second : any_size();  // some sizes twice
+    holes[stream].emplace_back(allocator.allocate(size, stream), size);
+    live.push_back(allocator.allocate(512, stream));
+  }
+  for (const auto& of_stream : holes) {
+    for (const auto& [address, size] : of_stream) allocator.free(address);
+  }
+  for (int request = 0; request < 400; ++request) {
+    const StreamId stream = static_cast<StreamId>(request % 2);
+    const std::size_t size = request % 3 == 0 ? holes[stream][random() % holes[stream].size()].second : any_size();
+    DevicePtr expected = 0;
+    std::size_t expected_size = SIZE_MAX;
+    for (const auto& [address, hole] : holes[stream]) {
+      if (hole >= size && (hole < expected_size || (hole == expected_size && address < expected))) {
+        expected = address;
+        expected_size = hole;
+      }
+    }
+    if (expected == 0) continue;  // only the arena's free end fits
+    const DevicePtr got = allocator.allocate(size, stream);
+    CHECK(got == expected);
+    allocator.free(got);  // merges back into its hole
+  }
+  allocator.check_invariants();
 }
 
 TEST_CASE("best_fit_picks_the_smallest_free_block_that_fits", "[allocator]") {
