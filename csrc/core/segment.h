@@ -208,13 +208,7 @@ class BlockPool {
     }
   };
   // A job uses a few streams: a list, searched in order.
-  const Bins* bins_of(StreamId stream) const {
-    for (const auto& bins : streams_) {
-      if (bins->stream == stream) return bins.get();
-    }
-    return nullptr;
-  }
-  Bins* bins_of(StreamId stream) {
+  Bins* bins_of(StreamId stream) const {
     for (const auto& bins : streams_) {
       if (bins->stream == stream) return bins.get();
     }
