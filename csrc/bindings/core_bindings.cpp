@@ -116,7 +116,7 @@ SimulatedDeviceConfig device_config(const py::object& device_capacity, const py:
   config.host_capacity = size_argument(host_capacity, "host_capacity");
   config.host_pages_mappable = host_pages_mappable;
   config.events_complete_immediately = events_complete_immediately;
-  if (config.granularity == 0 || (config.granularity & (config.granularity - 1)) != 0) {
+  if (!is_page_size(config.granularity)) {
     throw Error("granularity must be a power of two number of bytes, e.g. \"2MiB\" (got " +
                 std::to_string(config.granularity) + ")");
   }

@@ -32,8 +32,6 @@ std::size_t round_up(std::size_t value, std::size_t multiple) {
   return (value + multiple - 1) & ~(multiple - 1);
 }
 
-bool is_power_of_two(std::size_t value) { return value != 0 && (value & (value - 1)) == 0; }
-
 }  // namespace
 
 // Everything behind the mutex. The fast path of allocate() is: best fit in a
@@ -52,7 +50,7 @@ struct CachingAllocator::State {
     if (&host_pages->backend() != &backend) {
       throw Error("an allocator's host page pool must be of the allocator's own backend (one pool per device)");
     }
-    if (!is_power_of_two(page_bytes)) {
+    if (!is_page_size(page_bytes)) {
       throw Error(fmt::format("the backend's page granularity ({} bytes) is not a power of two; a driver's "
                               "always is (2 MiB on current GPUs): check the backend's granularity()",
                               page_bytes));
@@ -229,11 +227,12 @@ struct CachingAllocator::State {
     }
   }
 
-  // Index range [first, last] of the pages a block overlaps.
+  // Index range [first, last] of the pages [address, address + size) of `segment` overlaps.
+  std::pair<std::size_t, std::size_t> page_range(const Segment& segment, DevicePtr address, std::size_t size) const {
+    return {(address - segment.base) >> page_shift, (address + size - 1 - segment.base) >> page_shift};
+  }
   std::pair<std::size_t, std::size_t> page_range(const Block& block) const {
-    const std::size_t first = (block.address - block.segment->base) >> page_shift;
-    const std::size_t last = (block.address + block.size - 1 - block.segment->base) >> page_shift;
-    return {first, last};
+    return page_range(*block.segment, block.address, block.size);
   }
 
   // Bytes of `block` on mapped pages of residency `where` (not for a pinned fallback segment).
@@ -721,8 +720,7 @@ struct CachingAllocator::State {
   }
 
   bool all_mapped(const Segment& segment, DevicePtr address, std::size_t size) const {
-    const std::size_t first = (address - segment.base) >> page_shift;
-    const std::size_t last = (address + size - 1 - segment.base) >> page_shift;
+    const auto [first, last] = page_range(segment, address, size);
     for (std::size_t i = first; i <= last; ++i) {
       if (!segment.pages[i].handle) return false;
     }

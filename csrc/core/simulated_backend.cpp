@@ -31,7 +31,7 @@ constexpr DevicePtr kFirstAddress = DevicePtr{0x7e0000000000};
 
 SimulatedBackend::SimulatedBackend(SimulatedDeviceConfig config)
     : config_(config), next_address_(kFirstAddress) {
-  if (config_.granularity == 0 || (config_.granularity & (config_.granularity - 1)) != 0) {
+  if (!is_page_size(config_.granularity)) {
     throw Error(fmt::format("the simulated device's page granularity must be a power of two, not {}", config_.granularity));
   }
 }

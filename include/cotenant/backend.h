@@ -46,11 +46,15 @@ struct EventHandle {
   explicit operator bool() const { return id != 0; }
 };
 
+// Whether `bytes` can be a page's size: a power of two, as every driver's
+// granularity is (2 MiB on current GPUs).
+constexpr bool is_page_size(std::size_t bytes) { return bytes != 0 && (bytes & (bytes - 1)) == 0; }
+
 class Backend {
  public:
   virtual ~Backend() = default;
 
-  // Bytes in one page; every reservation and mapping is a multiple of it.
+  // Bytes in one page (is_page_size); every reservation and mapping is a multiple of it.
   virtual std::size_t granularity() const = 0;
 
   // Total and currently free device memory, in bytes, as the device reports

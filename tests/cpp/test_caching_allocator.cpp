@@ -2,8 +2,8 @@
 
 #include <random>
 #include <tuple>
-#include <vector>
 #include <utility>
+#include <vector>
 
 #include "cotenant/errors.h"
 #include "test_helpers.h"
