@@ -7,7 +7,8 @@
 CMake builds cotenant._core (the allocator core for Python) and, when the CUDA
 toolkit and torch are found, cotenant._C (the torch extension). Every module
 CMake puts in <build>/python/cotenant/ is copied into the package. fmt comes
-from Debian's libfmt-dev, or else from the headers the torch wheel ships
+from Debian's libfmt-dev, or else from the headers the torch wheel ships;
+tsl::robin_map from Debian's robin-map-dev, or a prefix on CMAKE_PREFIX_PATH
 (CMakeLists.txt). MANIFEST.in lists what the sdist holds besides the package.
 
 Environment:

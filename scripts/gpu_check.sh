@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run: builds cotenant with what a GPU machine has (python3 with torch,
-# nvcc, cmake, ninja; no network, no Debian fmt or Catch2: fmt then comes from
-# the torch wheel's headers), runs every test marked gpu, then the benchmarks,
+# nvcc, cmake, ninja; no network, no Debian fmt, robin-map or Catch2: fmt then
+# comes from the torch wheel's headers, tsl::robin_map from .deps, carried in:
+# run scripts/carry_deps.sh where the Debian packages are and carry .deps with
+# the working tree), runs every test marked gpu, then the benchmarks,
 # and writes logs and result JSON to $OUT (default benchmarks/results/gpu_check)
 # and the benchmarks' JSON to benchmarks/results/.
 #
@@ -16,8 +18,11 @@
 # Environment:
 #   PYTHON                    the interpreter (default: python3)
 #   OUT                       where logs and results go
-#   GPU_CHECK_DRY_RUN=1       no GPU: build the same way (fmt from torch, pip
-#                             with no index) and stop before the tests; CI runs this
+#   GPU_CHECK_DRY_RUN=1       no GPU: build the same way (fmt from torch, robin-map
+#                             from a prefix scripts/carry_deps.sh writes, pip with
+#                             no index) and stop before the tests; CI runs this
+#   COTENANT_DEPS             the carried prefix (default: .deps; put on CMAKE_PREFIX_PATH
+#                             when it exists)
 #   GPU_CHECK_PYTEST_ARGS     extra pytest arguments (e.g. -k graph; -n 4 with pytest-xdist)
 #   GPU_CHECK_TEST_TIMEOUT    seconds for the whole test phase (default 500)
 #   GPU_TEST_HANG_SECONDS     a gpu test's script that runs this long prints every thread's
@@ -80,9 +85,19 @@ if has_phase build; then
     # Its own CMake directory, so its settings never leak into another build.
     cmake_args=${COTENANT_CMAKE_ARGS:-}
     build_dir=${COTENANT_CMAKE_BUILD_DIR:-}
+    deps=${COTENANT_DEPS:-$ROOT/.deps}
     if [[ ${GPU_CHECK_DRY_RUN:-0} == 1 ]]; then
       cmake_args="$cmake_args -DCMAKE_DISABLE_FIND_PACKAGE_fmt=ON"
       build_dir="$OUT/cmake"
+      deps="$OUT/deps"
+      rm -rf "$deps"
+      scripts/carry_deps.sh "$deps" 2>&1 | tee -a "$LOG"
+    fi
+    # CMake searches the environment's CMAKE_PREFIX_PATH before the system's
+    # directories, so the carried copy is the one found.
+    if [[ -d $deps ]]; then
+      export CMAKE_PREFIX_PATH="$deps${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+      echo "carried dependencies: $deps" | tee -a "$LOG"
     fi
     if ! COTENANT_CMAKE_ARGS="$cmake_args" COTENANT_CMAKE_BUILD_DIR="$build_dir" "$PYTHON" -m pip install -v --no-build-isolation --no-index --no-deps . \
         >>"$LOG" 2>&1; then
@@ -98,6 +113,10 @@ fi
 if [[ ${GPU_CHECK_DRY_RUN:-0} == 1 ]]; then
   if has_phase build && ! grep -q "fmt from the torch wheel" "$LOG"; then
     echo "dry run: the build did not take fmt from the torch wheel, as the GPU machine must" >&2
+    exit 1
+  fi
+  if has_phase build && ! grep -q "tsl-robin-map .* from $OUT/deps/" "$LOG"; then
+    echo "dry run: the build did not take tsl-robin-map from the carried prefix $OUT/deps, as the GPU machine must" >&2
     exit 1
   fi
   say "dry run: built the GPU machine's way; no GPU phases run"

@@ -15,7 +15,7 @@ if [[ "${COTENANT_SKIP_APT:-0}" != 1 ]]; then
   if [[ $(id -u) -ne 0 ]]; then SUDO=sudo; fi
   $SUDO apt-get update
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends \
-    build-essential cmake ninja-build catch2 libfmt-dev python3 python3-dev python3-venv python3-pip
+    build-essential cmake ninja-build catch2 libfmt-dev robin-map-dev python3 python3-dev python3-venv python3-pip
 fi
 
 # ---- Python -------------------------------------------------------------------------

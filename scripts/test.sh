@@ -63,10 +63,10 @@ core_tests "$BUILD_ROOT/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOTENANT_SANIT
 RUN_PREFIX=()
 
 # ---- 4. the GPU machine's build path --------------------------------------------------------
-# scripts/gpu_check.sh builds on a machine with no Debian fmt and no package
+# scripts/gpu_check.sh builds on a machine with no Debian packages and no package
 # index; its dry run builds the same way here, so that path cannot break unseen.
 if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
-  step "scripts/gpu_check.sh build (dry run: fmt from the torch wheel, pip with no index)"
+  step "scripts/gpu_check.sh build (dry run: fmt from the torch wheel, robin-map carried in, pip with no index)"
   dry_run_out=$BUILD_ROOT/gpu_check_dry_run
   [[ $dry_run_out == /* ]] || dry_run_out=$ROOT/$dry_run_out
   GPU_CHECK_DRY_RUN=1 PYTHON="$PYTHON" OUT="$dry_run_out" scripts/gpu_check.sh build
