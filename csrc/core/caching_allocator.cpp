@@ -1,7 +1,6 @@
 #include "cotenant/caching_allocator.h"
 
 #include <fmt/format.h>
-#include <tsl/robin_map.h>
 
 #include <algorithm>
 #include <limits>
@@ -9,6 +8,7 @@
 #include <map>
 #include <mutex>
 
+#include "cotenant/address_map.h"
 #include "cotenant/errors.h"
 #include "cotenant/size.h"
 #include "cotenant/spill_policy.h"
@@ -31,16 +31,6 @@ namespace {
 std::size_t round_up(std::size_t value, std::size_t multiple) {
   return (value + multiple - 1) & ~(multiple - 1);
 }
-
-// The live map's hash: block addresses are multiples of 512 bytes, and the
-// map takes a bucket from the hash's low bits (a mask, not a division), so
-// the address is mixed first (Fibonacci hashing: the product's middle bits
-// depend on every bit of the address).
-struct AddressHash {
-  std::size_t operator()(DevicePtr address) const noexcept {
-    return static_cast<std::size_t>((address * 0x9E3779B97F4A7C15ull) >> 32);
-  }
-};
 
 }  // namespace
 
@@ -87,11 +77,9 @@ struct CachingAllocator::State {
   // finds the hole holding a planned range); empty otherwise.
   detail::BlockSet<detail::ByAddress> free_by_address;
   BlockPool pinned_free;                                   // freed pinned fallback segments, kept
-  // Live blocks by address: open addressing with a power-of-two table, so a
-  // lookup is a multiply and a mask, and a warm loop reuses its slots (a
-  // node-based std::unordered_map took a division by a prime per lookup and
-  // a node per entry: a fifth of an alloc+free pair's time).
-  using LiveMap = tsl::robin_map<DevicePtr, Block*, AddressHash>;
+  // Live blocks by address (a std::unordered_map took a division by a prime
+  // per lookup and a node per entry: a fifth of an alloc+free pair's time).
+  using LiveMap = AddressMap<DevicePtr, Block*>;
   LiveMap allocated;
   // Blocks that a merge or a free gave up, reused by the next cut: the fast
   // path then asks the heap for nothing once the job's layout has been

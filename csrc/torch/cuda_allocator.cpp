@@ -495,7 +495,7 @@ void CotenantCudaAllocator::free_owned(void* ptr) {
                   "when memory from PyTorch's own allocator outlives the switch to cotenant; call "
                   "cotenant.enable() before the first CUDA allocation.");
     }
-    owner = it->second;
+    owner = std::move(it.value());
     owners_.erase(it);
   }
   // As PyTorch's allocator: the trace hooks hear of the free before it
@@ -599,7 +599,7 @@ void CotenantCudaAllocator::recordStream(const c10::DataPtr& ptr, c10::cuda::CUD
   });
   std::lock_guard<std::mutex> lock(owners_mutex_);
   auto it = owners_.find(ptr.get());
-  if (it != owners_.end()) it->second.used_on_other_streams = true;
+  if (it != owners_.end()) it.value().used_on_other_streams = true;
 }
 
 // ---- device-wide operations ---------------------------------------------------------

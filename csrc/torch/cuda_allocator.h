@@ -36,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cotenant/address_map.h"
 #include "cotenant/caching_allocator.h"
 #include "cotenant/memory_history.h"
 #include "cotenant/pool_table.h"
@@ -332,7 +333,7 @@ class CotenantCudaAllocator final : public c10_alloc::CUDAAllocator {
   std::vector<std::unique_ptr<DeviceAllocators>> owned_devices_;
 
   mutable std::mutex owners_mutex_;
-  std::unordered_map<void*, Owner> owners_;  // every live pointer -> the allocator that made it
+  AddressMap<void*, Owner> owners_;  // every live pointer -> the allocator that made it
 
   // Frees held back until the routes of their device end
   // (defer_free_until_routes_end): still allocated in their allocator, no
