@@ -84,31 +84,44 @@ struct Segment {
   Block* first = nullptr;
 };
 
-// A set that keeps the nodes of erased values for later inserts, so that
-// the allocator's fast path allocates no memory of its own.
+// The nodes of values erased from sets of one type, kept for the next
+// insert into any of them, so that the allocator's fast path allocates no
+// memory of its own (BlockSet keeps one set's, BlockPool its bins').
+template <class Set>
+class SpareNodes {
+ public:
+  typename Set::const_iterator insert(Set& set, const typename Set::value_type& value) {
+    if (spare_.empty()) return set.insert(value).first;
+    typename Set::node_type node = std::move(spare_.back());
+    spare_.pop_back();
+    node.value() = value;
+    return set.insert(std::move(node)).position;
+  }
+  void erase(Set& set, typename Set::const_iterator position) { spare_.push_back(set.extract(position)); }
+
+ private:
+  std::vector<typename Set::node_type> spare_;
+};
+
+// A set whose erased values' nodes serve its later inserts.
 template <class Order, class Value = Block*>
 class BlockSet {
  public:
   using Set = std::set<Value, Order>;
-  typename Set::const_iterator insert(const Value& value) {
-    if (spare_.empty()) return set_.insert(value).first;
-    typename Set::node_type node = std::move(spare_.back());
-    spare_.pop_back();
-    node.value() = value;
-    return set_.insert(std::move(node)).position;
-  }
+  typename Set::const_iterator insert(const Value& value) { return spare_.insert(set_, value); }
   void erase(const Value& value) {
-    if (typename Set::node_type node = set_.extract(value)) spare_.push_back(std::move(node));
+    const auto position = set_.find(value);
+    if (position != set_.end()) spare_.erase(set_, position);
   }
-  void erase(typename Set::const_iterator position) { spare_.push_back(set_.extract(position)); }
+  void erase(typename Set::const_iterator position) { spare_.erase(set_, position); }
   void clear() {
-    while (!set_.empty()) spare_.push_back(set_.extract(set_.begin()));
+    while (!set_.empty()) spare_.erase(set_, set_.begin());
   }
   const Set& set() const { return set_; }
 
  private:
   Set set_;
-  std::vector<typename Set::node_type> spare_;
+  SpareNodes<Set> spare_;
 };
 
 // Free blocks ordered for best fit (FreeEntry): the smallest block of a
@@ -152,15 +165,7 @@ class BlockPool {
     const FreeEntry entry{block->segment->stream, block->size, block->address, block};
     Bins& bins = bins_for(entry.stream);
     const std::size_t bin = bin_of(entry.size);
-    FreeTree& tree = bins.trees[bin];
-    if (spare_.empty()) {
-      block->pool_entry = tree.insert(entry).first;
-    } else {
-      FreeTree::node_type node = std::move(spare_.back());
-      spare_.pop_back();
-      node.value() = entry;
-      block->pool_entry = tree.insert(std::move(node)).position;
-    }
+    block->pool_entry = spare_.insert(bins.trees[bin], entry);
     bins.nonempty[bin / 64] |= std::uint64_t{1} << (bin % 64);
     ++count_;
   }
@@ -170,7 +175,7 @@ class BlockPool {
     Bins& bins = *bins_of(entry.stream);
     const std::size_t bin = bin_of(entry.size);
     FreeTree& tree = bins.trees[bin];
-    spare_.push_back(tree.extract(block->pool_entry));
+    spare_.erase(tree, block->pool_entry);
     if (tree.empty()) bins.nonempty[bin / 64] &= ~(std::uint64_t{1} << (bin % 64));
     --count_;
   }
@@ -222,7 +227,7 @@ class BlockPool {
   }
 
   std::vector<std::unique_ptr<Bins>> streams_;
-  std::vector<FreeTree::node_type> spare_;  // nodes of erased entries, for the next insert
+  SpareNodes<FreeTree> spare_;  // shared by every bin: a node freed in one serves an insert in any
   std::size_t count_ = 0;
 };
 
