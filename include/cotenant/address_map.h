@@ -1,6 +1,7 @@
 // Maps keyed by an address (a device pointer), on the paths every allocation
 // and free takes: the core's live blocks, the torch allocator's owner of
-// each pointer.
+// each pointer, and, while memory history is recorded, each live block's
+// context.
 #pragma once
 
 #include <cstddef>

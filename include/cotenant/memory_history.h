@@ -38,10 +38,10 @@
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "cotenant/address_map.h"
 #include "cotenant/allocator_events.h"
 #include "cotenant/caching_allocator.h"
 
@@ -184,7 +184,7 @@ class MemoryHistory final : public AllocatorEventSink {
   std::deque<HistoryAnnotation> annotations_;  // at most max_entries_
   HistoryLabel compile_context_;
   HistoryLabel user_metadata_;
-  std::unordered_map<DevicePtr, HistoryContext> block_contexts_;  // live blocks
+  AddressMap<DevicePtr, HistoryContext> block_contexts_;  // live blocks (while recording, one insert an allocation)
   std::vector<Listener> listeners_;
   std::map<HistoryPoolId, std::unique_ptr<PoolFeed>> feeds_;
 };
