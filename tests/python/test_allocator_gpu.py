@@ -543,6 +543,37 @@ def test_cudnn_benchmark_mode_works():
     assert out["shape"] == [16, 64, 62, 62]
 
 
+def test_cudnn_benchmark_under_a_cap_sizes_its_workspace_to_stay_on_the_device():
+    """cuDNN's benchmark mode tries algorithms with workspaces up to what
+    torch's cacheInfo answers. Under a cap that answer is the room below it,
+    so the trial workspaces stay on the device: nothing spills, and the
+    convolution computes what the CPU computes."""
+    out = run_script("""
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.allow_tf32 = False
+        cotenant.set_memory_cap("256MiB")
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(64, 64, 3, padding=1)
+        x = torch.randn(16, 64, 64, 64)
+        expected = conv(x)
+        conv_gpu, x_gpu = conv.cuda(), x.cuda()
+        from cotenant import _C
+        limit = _C._cache_info(0)
+        y = conv_gpu(x_gpu)
+        y.sum().backward()
+        torch.cuda.synchronize()
+        cotenant.safe_point()
+        stats = cotenant.memory_stats()
+        print(json.dumps({"limit": limit, "spilled": stats["spilled_bytes"], "host": stats["host_bytes"],
+                          "device": stats["device_bytes"], "peak": torch.cuda.max_memory_allocated(),
+                          "error": (y.cpu() - expected).abs().max().item()}))
+    """)
+    assert 0 < out["limit"] <= 256 * MIB
+    assert out["spilled"] == 0 and out["host"] == 0
+    assert out["device"] <= 256 * MIB and out["peak"] <= 256 * MIB
+    assert out["error"] < 1e-3
+
+
 def test_sharing_a_cuda_tensor_between_processes_raises_a_clear_error():
     out = run_script("""
         x = torch.ones(16, device="cuda")
