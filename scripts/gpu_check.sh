@@ -44,7 +44,10 @@
 # 10-minute limit of one call). Later that day `colocate` with 4 s runs
 # took 249 s (two more solo runs of the overhead figures have been added
 # since, about 20 s, and 12 s in auto mode for the coordinator's share to
-# settle before it is measured).
+# settle before it is measured). On 2026-11-28 `build tests allocator` took
+# 266 s and `colocate` 189 s on an H200; bench_allocator.py has since run
+# its two comparisons with PyTorch's allocator twice each (six more worker
+# processes, about a minute more; not yet timed).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -574,6 +574,36 @@ def test_allocator_benchmark_leaves_a_figure_empty_when_its_worker_failed():
     assert figures["step_time_ratio_vs_native"] is None
 
 
+def test_allocator_benchmark_alternates_the_allocators_and_averages_each_side(monkeypatch):
+    bench = _load_benchmark_module()
+    calls = []
+    values = iter([1.0, 2.0, 4.0, 3.0])
+
+    def worker(name, allocator, extra, env=None):
+        calls.append((name, allocator, tuple(extra)))
+        return {"s": next(values)}
+
+    monkeypatch.setattr(bench, "_run_worker", worker)
+    result = bench.alternated("step_time", ["--model", "gpt"], ("s",))
+    assert [allocator for _, allocator, _ in calls] == ["native", "cotenant", "cotenant", "native"]
+    assert all(extra == ("--model", "gpt") for _, _, extra in calls)
+    assert result["native"]["s"] == pytest.approx(2.0)  # runs 1 and 4
+    assert result["cotenant"]["s"] == pytest.approx(3.0)  # runs 2 and 3
+    assert [run["s"] for run in result["cotenant"]["runs"]] == [2.0, 4.0]
+
+
+def test_allocator_benchmark_leaves_a_side_empty_when_one_of_its_runs_failed(monkeypatch):
+    bench = _load_benchmark_module()
+    rows = iter([{"s": 1.0}, {"error": "CUDA error: out of memory"}, {"s": 2.0}, {"s": 1.0}])
+    monkeypatch.setattr(bench, "_run_worker", lambda name, allocator, extra, env=None: next(rows))
+    result = bench.alternated("step_time", [], ("s",))
+    assert "s" not in result["cotenant"] and result["cotenant"]["error"] == "CUDA error: out of memory"
+    assert result["native"]["s"] == pytest.approx(1.0)
+    assert bench.compute_figures({"step_time": {"gpt": {"native_s": result["native"].get("s"),
+                                                        "cotenant_s": result["cotenant"].get("s")}}})[
+        "step_time_ratio_vs_native"] is None
+
+
 def test_allocator_benchmark_uses_the_same_size_mix_for_both_allocators():
     bench = _load_benchmark_module()
     assert bench.size_sequence(500) == bench.size_sequence(500)
