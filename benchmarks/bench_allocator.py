@@ -30,9 +30,10 @@ Figures (written to benchmarks/results/allocator-<device>-<time>.json):
 
 Each measurement that needs a fresh CUDA context (native vs cotenant) runs in
 its own worker process: `bench_allocator.py --worker NAME --allocator native|cotenant`.
-The comparisons with PyTorch's allocator (alloc+free, step time) run each
-allocator twice, native, cotenant, cotenant, native, and take each side's
-mean; each run's value is kept under measured.*.runs.
+The comparisons with PyTorch's allocator (alloc+free, step time; with
+--over-fake too) run each allocator twice, native, cotenant, cotenant,
+native, and take each side's mean; each run's result is kept under
+measured.*.runs.
 
 On the CPU, `bench_allocator.py --over-fake` runs the alloc+free measurement
 alone, with torch over the fake CUDA runtime of tests/fake_cuda
@@ -578,13 +579,13 @@ def alternated(name: str, extra: List[str], keys: Sequence[str],
                env: Optional[Dict[str, str]] = None) -> Dict[str, Dict]:
     """Runs worker `name` in ALTERNATION's order and returns, per allocator,
     the mean of each of `keys` over its runs (left out when a run failed) and
-    each run's values under "runs"; a failed run's error under "error"."""
+    each run's result under "runs"; a failed run's error under "error"."""
     rows: Dict[str, List[Dict]] = {"native": [], "cotenant": []}
     for allocator in ALTERNATION:
         rows[allocator].append(_run_worker(name, allocator, extra, env))
     out: Dict[str, Dict] = {}
     for allocator, runs in rows.items():
-        row: Dict = {"runs": [{key: run.get(key) for key in keys} for run in runs]}
+        row: Dict = {"runs": runs}
         errors = [run["error"] for run in runs if "error" in run]
         if errors:
             row["error"] = errors[0]
@@ -662,7 +663,13 @@ def main_over_fake(args, extra: List[str]) -> int:
         return 2
     env = {**over_fake.environment(library), OVER_FAKE_VARIABLE: library}
     env = {k: v for k, v in env.items() if not k.startswith("COTENANT_") or k == OVER_FAKE_VARIABLE}
-    measured = {allocator: _run_worker("alloc_free", allocator, extra, env) for allocator in ("native", "cotenant")}
+    pairs = alternated("alloc_free", extra, ("s_per_pair", "raw_s_per_pair"), env)
+    measured = {}
+    for allocator, row in pairs.items():
+        measured[allocator] = row
+        if "error" not in row:  # the same loop each run: its calls are the first run's; every run's violations
+            row["calls_per_pair"] = row["runs"][0].get("calls_per_pair", {})
+            row["violations"] = [v for run in row["runs"] for v in run.get("violations", [])]
     moves = _run_worker("move_calls", "cotenant", extra, env)
     probe = _run_worker("vmm_probe", "cotenant", extra, env)
     figures = {"alloc_free_ratio_vs_native": ratio(measured["cotenant"].get("s_per_pair"),
