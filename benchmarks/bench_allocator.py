@@ -733,7 +733,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for model in ("resnet50", "gpt"):
         steps = alternated("step_time", quick + ["--model", model], ("s",))
         measured["step_time"][model] = {"native_s": steps["native"].get("s"), "cotenant_s": steps["cotenant"].get("s"),
-                                        "runs": {allocator: [run["s"] for run in steps[allocator]["runs"]]
+                                        "runs": {allocator: [run.get("s") for run in steps[allocator]["runs"]]
                                                  for allocator in ("native", "cotenant")}}
     measured["moves"] = _run_worker("moves", "cotenant", quick)
     measured["vmm_probe"] = _run_worker("vmm_probe", "cotenant", quick)
