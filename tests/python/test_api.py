@@ -604,6 +604,37 @@ def test_allocator_benchmark_leaves_a_side_empty_when_one_of_its_runs_failed(mon
         "step_time_ratio_vs_native"] is None
 
 
+def test_allocator_benchmark_run_alternates_its_comparisons_and_writes_each_run(monkeypatch, tmp_path):
+    """bench_allocator.py's GPU run, its workers stubbed: alloc+free and each
+    model's step alternate the allocators, the figures are of each side's
+    mean, and the result file keeps every run (a failed one as null)."""
+    bench = _load_benchmark_module()
+    order = []
+    step_times = {"native": iter([0.10, 0.14, 0.20, 0.24]), "cotenant": iter([0.11, 0.13, None, 0.22])}
+
+    def worker(name, allocator, extra, env=None):
+        order.append((name, allocator))
+        if name == "alloc_free":
+            return {"s_per_pair": 2e-6 if allocator == "native" else 1e-6, "raw_s_per_pair": 1e-6}
+        if name == "step_time":
+            s = next(step_times[allocator])
+            return {"error": "worker died"} if s is None else {"s": s}
+        return {"error": "not measured here"}
+
+    monkeypatch.setattr(bench, "_run_worker", worker)
+    monkeypatch.setattr(bench, "gpu_environment", lambda: {"device": "Test GPU", "torch": "x", "driver": "y", "cuda": "z"})
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    assert order[:4] == [("alloc_free", a) for a in ("native", "cotenant", "cotenant", "native")]
+    assert [a for name, a in order if name == "step_time"] == ["native", "cotenant", "cotenant", "native"] * 2
+    (path,) = tmp_path.glob("allocator-test-gpu-*.json")
+    result = json.loads(path.read_text())
+    assert result["figures"]["alloc_free_ratio_vs_native"] == pytest.approx(0.5)
+    assert result["figures"]["step_time_ratio_vs_native.resnet50"] == pytest.approx(0.12 / 0.12)
+    assert result["figures"]["step_time_ratio_vs_native.gpt"] is None  # one of its cotenant runs failed
+    assert result["measured"]["step_time"]["gpt"]["runs"] == {"native": [0.20, 0.24], "cotenant": [None, 0.22]}
+    assert len(result["measured"]["alloc_free"]["runs"]["cotenant"]) == 2
+
+
 def test_allocator_benchmark_uses_the_same_size_mix_for_both_allocators():
     bench = _load_benchmark_module()
     assert bench.size_sequence(500) == bench.size_sequence(500)
