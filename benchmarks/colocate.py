@@ -9,7 +9,10 @@ opportunistic job that would take all of it:
   inference-gaps+transformer    a transformer inference loop with gaps between
                                 requests, and the same transformer training job
 
-Each job runs alone first (solo), then both together under each mode:
+Each job runs alone first (solo), then both together under each mode, then
+each alone again: a ratio is over the mean of the two solo runs, which
+bracket the modes (a machine whose speed drifts during the benchmark moves
+both), and the drift itself is a figure:
   naive            plain time-slicing between two CUDA contexts
   mps              the CUDA Multi-Process Service, when it can be started here
   priority         guaranteed on the highest-priority stream, opportunistic on the lowest
@@ -26,6 +29,10 @@ Figures, per mode as "<mode>.<name>" and cotenant-auto also under the plain name
   guaranteed_p99_ratio             99th-percentile iteration time over solo (target <= 1.05)
   opportunistic_throughput_ratio   iterations/s together over solo (target >= 0.5)
   aggregate_normalized_throughput  the sum of the two throughput ratios
+And, unprefixed:
+  guaranteed_solo_drift            the guaranteed job's solo throughput after the modes over
+                                   before them (1.0: the machine kept its speed)
+  opportunistic_solo_drift         the same for the opportunistic job
 And cotenant's own costs, each job alone:
   guaranteed_enabled_step_time_ratio  the guaranteed job's compute time with cotenant
                                       enabled without a role (its allocator, the op
@@ -99,6 +106,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--gap-fraction", type=float, default=1.0,
                         help="the guaranteed job sleeps this fraction of its solo compute time per "
                              "iteration (1.0: the GPU is about half idle)")
+    parser.add_argument("--solo-after", action=argparse.BooleanOptionalAction, default=True,
+                        help="run each job alone again after the modes and take ratios over the mean of "
+                             "both solo runs (--no-solo-after: over the first alone)")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
     parser.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
@@ -158,6 +168,27 @@ def _ratio(numerator: float, denominator: float) -> float:
     if not denominator or math.isnan(denominator) or math.isnan(numerator):
         return math.nan
     return numerator / denominator
+
+
+SOLO_AVERAGED = ("throughput", "p50_s", "p99_s", "compute_p50_s")
+
+
+def bracketed_solo(before: Dict[str, Dict[str, float]],
+                   after: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+    """Each role's solo summary as the mean of its runs before and after the
+    modes: under a drift linear in time, what a solo run in the middle of
+    the benchmark would have measured. Iterations add up."""
+    solo = {}
+    for role, first in before.items():
+        second = after[role]
+        solo[role] = {name: (first[name] + second[name]) / 2 for name in SOLO_AVERAGED if name in first and name in second}
+        solo[role]["iterations"] = first.get("iterations", 0) + second.get("iterations", 0)
+    return solo
+
+
+def solo_drift(before: Dict[str, Dict[str, float]], after: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """`<role>_solo_drift`: each role's solo throughput after the modes over before them."""
+    return {f"{role}_solo_drift": _ratio(after[role]["throughput"], before[role]["throughput"]) for role in before}
 
 
 def mode_figures(solo: Dict[str, Dict[str, float]], together: Dict[str, Dict[str, float]]) -> Dict[str, float]:
@@ -537,10 +568,11 @@ def _print_coordinator_view(socket_path: str) -> None:
 
 def result_document(env: Dict[str, Any], args: argparse.Namespace, pair: Dict[str, str], gap_s: float,
                     figures: Dict[str, float], solo: Dict[str, Any], runs: Dict[str, Dict[str, Any]],
-                    complete: bool) -> Dict[str, Any]:
+                    complete: bool, solo_runs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The result file's content; `complete` is false while modes (or the
-    gate's overhead runs) are still to come."""
-    return {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair, "complete": complete,
+    gate's overhead runs) are still to come. `solo` is what the ratios are
+    over; `solo_runs` the solo runs it came from ("before", "after")."""
+    return {**env, "solo_runs": solo_runs or {"before": solo}, "benchmark": "colocate", "pair": args.pair, "workloads": pair, "complete": complete,
             "seconds_per_run": args.seconds, "auto_settle_s": args.auto_settle_s, "guaranteed_gap_s": gap_s,
             "figures": figures,
             "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},
@@ -605,10 +637,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = gpu_environment()
     base = result_base(args.out, f"colocate-{args.pair.replace('+', '-')}", env["device"])
 
+    solo_runs: Dict[str, Any] = {"before": solo}
+
     def save(figures: Dict[str, float], complete: bool) -> None:
         # After every mode too: a run stopped part-way (a device call's time
         # limit) keeps the modes it measured.
-        write_json(result_document(env, args, pair, gap_s, figures, solo, runs, complete), base + ".json")
+        write_json(result_document(env, args, pair, gap_s, figures, solo, runs, complete, solo_runs), base + ".json")
 
     for mode in args.modes:
         print(f"colocate: {mode} ...", file=sys.stderr, flush=True)
@@ -625,7 +659,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 mps.stop()
         save(compute_figures(solo, runs), complete=False)
 
-    figures = compute_figures(solo, runs)
+    drift: Dict[str, float] = {}
+    if args.solo_after:
+        print("colocate: each job alone again ...", file=sys.stderr, flush=True)
+        try:
+            after = {"guaranteed": _run(args, "solo", {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"],
+                     "opportunistic": _run(args, "solo", {"opportunistic": opportunistic_workload},
+                                           0.0)["opportunistic"]}
+            solo_runs["after"] = after
+            solo = bracketed_solo(solo_runs["before"], after)
+            drift = solo_drift(solo_runs["before"], after)
+        except RuntimeError as error:
+            runs["solo-after"] = {"skipped": str(error)}  # the ratios stay over the first solo runs
+    figures = {**compute_figures(solo, runs), **drift}
     print("colocate: the gate's overhead ...", file=sys.stderr, flush=True)
     try:
         enabled = _run(args, ENABLED_SOLO, {"guaranteed": guaranteed_workload}, gap_s)["guaranteed"]

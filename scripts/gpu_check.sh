@@ -47,7 +47,8 @@
 # settle before it is measured). On 2026-11-28 `build tests allocator` took
 # 266 s and `colocate` 189 s on an H200; bench_allocator.py has since run
 # its two comparisons with PyTorch's allocator twice each (six more worker
-# processes, about a minute more; not yet timed).
+# processes, about a minute more; not yet timed), and colocate.py runs each
+# job alone again after the modes (two more runs, about 30 s with 4 s runs).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -297,3 +297,89 @@ def test_a_run_stopped_part_way_keeps_the_modes_it_measured(colocate, monkeypatc
     assert sorted(result["runs"]) == ["cotenant-0.5", "naive"]
     assert result["figures"]["naive.guaranteed_throughput_ratio"] == 1.0
     assert "cotenant-auto.guaranteed_throughput_ratio" not in result["figures"]
+
+
+def test_ratios_are_over_the_mean_of_the_solo_runs_before_and_after_the_modes(colocate):
+    before = {"guaranteed": {"iterations": 10, "throughput": 10.0, "p50_s": 0.1, "p99_s": 0.2, "compute_p50_s": 0.05},
+              "opportunistic": {"iterations": 20, "throughput": 20.0, "p50_s": 0.05, "p99_s": 0.06,
+                                "compute_p50_s": 0.05}}
+    after = {"guaranteed": {"iterations": 8, "throughput": 8.0, "p50_s": 0.125, "p99_s": 0.3, "compute_p50_s": 0.07},
+             "opportunistic": {"iterations": 20, "throughput": 20.0, "p50_s": 0.05, "p99_s": 0.06,
+                               "compute_p50_s": 0.05}}
+    solo = colocate.bracketed_solo(before, after)
+    assert solo["guaranteed"]["throughput"] == pytest.approx(9.0)
+    assert solo["guaranteed"]["p99_s"] == pytest.approx(0.25)
+    assert solo["guaranteed"]["compute_p50_s"] == pytest.approx(0.06)
+    assert solo["guaranteed"]["iterations"] == 18
+    assert colocate.solo_drift(before, after) == {"guaranteed_solo_drift": pytest.approx(0.8),
+                                                  "opportunistic_solo_drift": pytest.approx(1.0)}
+    together = {"guaranteed": {"throughput": 9.0, "p50_s": 0.1, "p99_s": 0.25},
+                "opportunistic": {"throughput": 10.0, "p50_s": 0.1, "p99_s": 0.1}}
+    figures = colocate.mode_figures(solo, together)
+    assert figures["guaranteed_throughput_ratio"] == pytest.approx(1.0)
+    assert figures["guaranteed_p99_ratio"] == pytest.approx(1.0)
+
+
+def _stub_runs(colocate, monkeypatch, solo_throughputs, fail_after=False):
+    """Stubs the driver's runs: each solo run of a role takes the next of its
+    throughputs; together, each role runs at 8 iterations/s."""
+    ran = []
+    solo_left = {role: list(values) for role, values in solo_throughputs.items()}
+
+    def fake_run(args, mode, roles, gap_s, extra_env=None):
+        ran.append((mode, tuple(roles)))
+        out = {}
+        for role, workload in roles.items():
+            if mode == "solo" and workload != "tiny-ops":
+                if not solo_left[role]:
+                    raise RuntimeError("no GPU left")
+                throughput = solo_left[role].pop(0)
+            else:
+                throughput = 8.0
+            out[role] = {"iterations": 10, "throughput": throughput, "p50_s": 1 / throughput,
+                         "p99_s": 1 / throughput, "compute_p50_s": 0.5 / throughput}
+        return out
+
+    monkeypatch.setattr(colocate, "_run", fake_run)
+    monkeypatch.setattr(colocate, "gpu_environment", lambda: {"device": "Test GPU", "torch": "t", "driver": "d",
+                                                               "cuda": "c"})
+    monkeypatch.setattr(colocate, "_plot", lambda *a, **k: None)
+    return ran
+
+
+def test_the_benchmark_runs_each_job_alone_again_after_the_modes_and_reports_the_drift(colocate, monkeypatch,
+                                                                                        tmp_path):
+    # The probe, then the two solo runs; after the modes, the two again.
+    ran = _stub_runs(colocate, monkeypatch, {"guaranteed": [10.0, 10.0, 6.0], "opportunistic": [16.0, 16.0]})
+    assert colocate.main(["--modes", "naive", "--out", str(tmp_path)]) == 0
+    modes = [mode for mode, _ in ran]
+    assert modes.index("naive") < len(modes) - 1 - modes[::-1].index("solo")  # a solo run after the mode
+    (path,) = tmp_path.glob("colocate-*.json")
+    with open(path) as f:
+        result = json.load(f)
+    assert result["complete"] is True
+    assert result["solo_runs"]["before"]["guaranteed"]["throughput"] == 10.0
+    assert result["solo_runs"]["after"]["guaranteed"]["throughput"] == 6.0
+    assert result["solo"]["guaranteed"]["throughput"] == pytest.approx(8.0)
+    assert result["figures"]["naive.guaranteed_throughput_ratio"] == pytest.approx(1.0)  # 8 over the mean, not 0.8
+    assert result["figures"]["naive.opportunistic_throughput_ratio"] == pytest.approx(0.5)
+    assert result["figures"]["guaranteed_solo_drift"] == pytest.approx(0.6)
+    assert result["figures"]["opportunistic_solo_drift"] == pytest.approx(1.0)
+
+
+def test_without_the_second_solo_runs_the_ratios_stay_over_the_first(colocate, monkeypatch, tmp_path):
+    # The second solo runs fail (or are turned off): the benchmark still
+    # finishes, with the ratios over the first solo runs and no drift.
+    _stub_runs(colocate, monkeypatch, {"guaranteed": [10.0, 10.0], "opportunistic": [16.0]})
+    assert colocate.main(["--modes", "naive", "--out", str(tmp_path / "failed")]) == 0
+    _stub_runs(colocate, monkeypatch, {"guaranteed": [10.0, 10.0], "opportunistic": [16.0]})
+    assert colocate.main(["--modes", "naive", "--no-solo-after", "--out", str(tmp_path / "off")]) == 0
+    for name in ("failed", "off"):
+        (path,) = (tmp_path / name).glob("colocate-*.json")
+        with open(path) as f:
+            result = json.load(f)
+        assert result["complete"] is True
+        assert result["figures"]["naive.guaranteed_throughput_ratio"] == pytest.approx(0.8)
+        assert "guaranteed_solo_drift" not in result["figures"]
+        assert "after" not in result["solo_runs"]
+    assert "solo-after" in json.load(open(next((tmp_path / "failed").glob("colocate-*.json"))))["skipped"]
