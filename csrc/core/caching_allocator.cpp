@@ -727,6 +727,34 @@ struct CachingAllocator::State {
     return true;
   }
 
+  bool on_device_pages(const Segment& segment, DevicePtr address, std::size_t size) const {
+    const auto [first, last] = page_range(segment, address, size);
+    for (std::size_t i = first; i <= last; ++i) {
+      const PageHandle& handle = segment.pages[i].handle;
+      if (!handle || handle.where != Residency::kDevice) return false;
+    }
+    return true;
+  }
+
+  // Best fit, but without a cap a request that best fit would place over a
+  // page not yet mapped goes instead to the best-fitting of the next holes
+  // (at most kMappedFitCandidates in best-fit order, an arena's untouched
+  // end excepted) whose range lies on device pages already mapped: the cache
+  // is used before the device is asked for more. Under a cap, best fit: a
+  // new page there is a colder page's move, which temperature decides
+  // (docs/allocator.md, "Placement"). Null when no block fits.
+  static constexpr std::size_t kMappedFitCandidates = 64;
+  Block* best_fit_mapped_first(StreamId stream, std::size_t size) const {
+    Block* block = free_blocks.best_fit(stream, size);
+    if (block == nullptr || effective_cap() != kNoCap || all_mapped(*block->segment, block->address, size)) {
+      return block;
+    }
+    Block* mapped = free_blocks.find_fit(stream, size, kMappedFitCandidates, [&](const Block* candidate) {
+      return candidate->next != nullptr && on_device_pages(*candidate->segment, candidate->address, size);
+    });
+    return mapped != nullptr ? mapped : block;
+  }
+
   // Placement by the plan, once the loop repeats (step_plan.h): the range
   // the same request had in the step before, when it is free; else, in
   // best-fit order over the holes (an arena's untouched end excepted), the
@@ -1610,7 +1638,7 @@ DevicePtr CachingAllocator::allocate(std::size_t bytes, StreamId stream, OnOutOf
 
   Block* block = s.take_planned(size, stream);
   if (!block) {
-    block = s.free_blocks.best_fit(stream, size);
+    block = s.best_fit_mapped_first(stream, size);
     if (block) s.pool_erase(block);
     else block = s.new_arena(size, stream);
     if (!block) {

@@ -205,6 +205,47 @@ TEST_CASE("largest_free_block_counts_mapped_bytes_and_new_pages_only_up_to_the_r
   CHECK(allocator.largest_free_block(1, 0) == 12 * kMiB);  // one free block over pages 0-5
 }
 
+TEST_CASE("a_request_best_fit_would_place_over_an_unmapped_page_takes_a_mapped_hole", "[allocator]") {
+  // [0, 4 MiB) live | [4, 6) a hole whose page was released | [6, 7) live |
+  // [7, 10) a hole on mapped pages | [10, 10.5) live. Best fit's hole for
+  // 2 MiB is the first (an exact fit) and needs a page mapped again; the
+  // second holds it on pages the allocator already has.
+  SimulatedBackend device(device_config(64 * kMiB));
+  CachingAllocator allocator(device);
+  const DevicePtr x = allocator.allocate(4 * kMiB, 0);
+  const DevicePtr y = allocator.allocate(2 * kMiB, 0);
+  const DevicePtr z = allocator.allocate(1 * kMiB, 0);
+  const DevicePtr w = allocator.allocate(3 * kMiB, 0);
+  const DevicePtr v = allocator.allocate(512 * 1024, 0);
+  REQUIRE(w == x + 7 * kMiB);
+  allocator.free(y);
+  allocator.empty_cache();  // page 2, [4, 6) MiB, has no live block: released
+  allocator.free(w);        // [7, 10) MiB: pages 3 and 4 stay mapped (z and v live on them)
+  const std::uint64_t pages_before = device.calls().create_page;
+  const auto reserved_before = allocator.stats().reserved_bytes.all.current;
+
+  SECTION("without_a_cap_it_takes_the_mapped_hole") {
+    const DevicePtr got = allocator.allocate(2 * kMiB, 0);
+    CHECK(got == w);
+    CHECK(device.calls().create_page == pages_before);
+    CHECK(allocator.stats().reserved_bytes.all.current == reserved_before);
+    // With no mapped hole that holds it, best fit's hole is mapped again.
+    const DevicePtr next = allocator.allocate(2 * kMiB, 0);
+    CHECK(next == y);
+    CHECK(device.calls().create_page == pages_before + 1);
+    allocator.check_invariants();
+    for (DevicePtr live : {x, z, v, got, next}) allocator.free(live);
+  }
+  SECTION("under_a_cap_best_fit_places_it_and_temperature_decides_its_pages") {
+    allocator.set_memory_cap(32 * kMiB);
+    const DevicePtr got = allocator.allocate(2 * kMiB, 0);
+    CHECK(got == y);
+    CHECK(device.calls().create_page == pages_before + 1);
+    allocator.check_invariants();
+    for (DevicePtr live : {x, z, v, got}) allocator.free(live);
+  }
+}
+
 TEST_CASE("empty_cache_releases_free_pages_and_whole_free_segments", "[allocator]") {
   SimulatedBackend device(device_config(256 * kMiB));
   CachingAllocator allocator(device);

@@ -771,19 +771,15 @@ def test_bundled_trace_peak_reserved_is_its_live_slack_and_free_pages(path):
     assert 1.0 <= result["fragmentation_floor"] <= result["fragmentation"]
 
 
-# Training loops that repeat their steps map nothing once warm. Not yet:
-# resnet_multiscale (a different resolution each step, so no step repeats
-# the one before) maps one page when a late step reaches a new live peak at
-# an address its holes cannot hold.
-WARM_MAPS_ABOVE_ZERO = {"resnet_multiscale.jsonl.gz"}
+# Training loops map nothing once warm, resnet_multiscale (a different
+# resolution each step, so no step repeats the one before) included since a
+# request that best fit would place over an unmapped page takes a mapped hole
+# that holds it (docs/allocator.md, "Placement").
 TRAINING_TRACES = [path for path in BUNDLED_TRACES if "_train" in os.path.basename(path)
                    or "multiscale" in os.path.basename(path)]
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="known: docs/allocator.md, Placement"))
-    if os.path.basename(path) in WARM_MAPS_ABOVE_ZERO else path
-    for path in TRAINING_TRACES], ids=os.path.basename)
+@pytest.mark.parametrize("path", TRAINING_TRACES, ids=os.path.basename)
 def test_bundled_training_trace_maps_no_page_once_warm(path):
     result = replay.replay_trace(replay.load_trace(path))
     assert result["steady_maps_per_iteration"] == 0, result["maps_per_iteration"]
