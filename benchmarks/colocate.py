@@ -181,7 +181,8 @@ def bracketed_solo(before: Dict[str, Dict[str, float]],
     solo = {}
     for role, first in before.items():
         second = after[role]
-        solo[role] = {name: (first[name] + second[name]) / 2 for name in SOLO_AVERAGED if name in first and name in second}
+        solo[role] = {name: (first[name] + second[name]) / 2
+                      for name in SOLO_AVERAGED if name in first and name in second}
         solo[role]["iterations"] = first.get("iterations", 0) + second.get("iterations", 0)
     return solo
 
@@ -572,7 +573,8 @@ def result_document(env: Dict[str, Any], args: argparse.Namespace, pair: Dict[st
     """The result file's content; `complete` is false while modes (or the
     gate's overhead runs) are still to come. `solo` is what the ratios are
     over; `solo_runs` the solo runs it came from ("before", "after")."""
-    return {**env, "solo_runs": solo_runs or {"before": solo}, "benchmark": "colocate", "pair": args.pair, "workloads": pair, "complete": complete,
+    return {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair, "complete": complete,
+            "solo_runs": solo_runs or {"before": solo},
             "seconds_per_run": args.seconds, "auto_settle_s": args.auto_settle_s, "guaranteed_gap_s": gap_s,
             "figures": figures,
             "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},

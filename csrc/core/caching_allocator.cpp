@@ -719,19 +719,13 @@ struct CachingAllocator::State {
     return holds && block->segment->stream == stream ? block : nullptr;
   }
 
-  bool all_mapped(const Segment& segment, DevicePtr address, std::size_t size) const {
-    const auto [first, last] = page_range(segment, address, size);
-    for (std::size_t i = first; i <= last; ++i) {
-      if (!segment.pages[i].handle) return false;
-    }
-    return true;
-  }
-
-  bool on_device_pages(const Segment& segment, DevicePtr address, std::size_t size) const {
+  // Whether every page under [address, address + size) is mapped (to a
+  // device page, where `device_only`).
+  bool all_mapped(const Segment& segment, DevicePtr address, std::size_t size, bool device_only = false) const {
     const auto [first, last] = page_range(segment, address, size);
     for (std::size_t i = first; i <= last; ++i) {
       const PageHandle& handle = segment.pages[i].handle;
-      if (!handle || handle.where != Residency::kDevice) return false;
+      if (!handle || (device_only && handle.where != Residency::kDevice)) return false;
     }
     return true;
   }
@@ -750,7 +744,7 @@ struct CachingAllocator::State {
       return block;
     }
     Block* mapped = free_blocks.find_fit(stream, size, kMappedFitCandidates, [&](const Block* candidate) {
-      return candidate->next != nullptr && on_device_pages(*candidate->segment, candidate->address, size);
+      return candidate->next != nullptr && all_mapped(*candidate->segment, candidate->address, size, true);
     });
     return mapped != nullptr ? mapped : block;
   }
