@@ -569,12 +569,12 @@ def _print_coordinator_view(socket_path: str) -> None:
 
 def result_document(env: Dict[str, Any], args: argparse.Namespace, pair: Dict[str, str], gap_s: float,
                     figures: Dict[str, float], solo: Dict[str, Any], runs: Dict[str, Dict[str, Any]],
-                    complete: bool, solo_runs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                    complete: bool, solo_runs: Dict[str, Any]) -> Dict[str, Any]:
     """The result file's content; `complete` is false while modes (or the
     gate's overhead runs) are still to come. `solo` is what the ratios are
     over; `solo_runs` the solo runs it came from ("before", "after")."""
     return {**env, "benchmark": "colocate", "pair": args.pair, "workloads": pair, "complete": complete,
-            "solo_runs": solo_runs or {"before": solo},
+            "solo_runs": solo_runs,
             "seconds_per_run": args.seconds, "auto_settle_s": args.auto_settle_s, "guaranteed_gap_s": gap_s,
             "figures": figures,
             "targets_met": targets_met(figures) if f"{AUTO_MODE}.guaranteed_throughput_ratio" in figures else {},

@@ -320,7 +320,7 @@ def test_ratios_are_over_the_mean_of_the_solo_runs_before_and_after_the_modes(co
     assert figures["guaranteed_p99_ratio"] == pytest.approx(1.0)
 
 
-def _stub_runs(colocate, monkeypatch, solo_throughputs, fail_after=False):
+def _stub_runs(colocate, monkeypatch, solo_throughputs):
     """Stubs the driver's runs: each solo run of a role takes the next of its
     throughputs; together, each role runs at 8 iterations/s."""
     ran = []
@@ -382,4 +382,5 @@ def test_without_the_second_solo_runs_the_ratios_stay_over_the_first(colocate, m
         assert result["figures"]["naive.guaranteed_throughput_ratio"] == pytest.approx(0.8)
         assert "guaranteed_solo_drift" not in result["figures"]
         assert "after" not in result["solo_runs"]
-    assert "solo-after" in json.load(open(next((tmp_path / "failed").glob("colocate-*.json"))))["skipped"]
+    with open(next((tmp_path / "failed").glob("colocate-*.json"))) as f:
+        assert "solo-after" in json.load(f)["skipped"]
