@@ -7,6 +7,8 @@ Run as a script, it prints every trace's path relative to the working
 directory, one per line."""
 
 import glob
+import gzip
+import json
 import os
 from typing import List
 
@@ -26,6 +28,20 @@ def recorded() -> List[str]:
 def every() -> List[str]:
     """The synthetic traces, then the recorded snapshots."""
     return synthetic() + recorded()
+
+
+def training_loop(path: str) -> bool:
+    """Whether a bundled trace's iterations are the steps of a training loop,
+    the loops the target of no page map once warm is for. make_traces.py
+    writes what an iteration is in the trace's meta record ("iteration =
+    training step"; gpt_generate's are generated tokens and serve_varbatch's
+    request batches, each free to need more memory than any before it); the
+    recorded snapshots are training runs, named *_train*."""
+    if path.endswith(".jsonl.gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            meta = json.loads(f.readline())
+        return meta.get("op") == "meta" and meta.get("workload", "").endswith("iteration = training step")
+    return "_train" in os.path.basename(path)
 
 
 if __name__ == "__main__":

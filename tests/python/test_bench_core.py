@@ -22,10 +22,10 @@ def test_the_targets_are_the_issues(bench_core):
 
 
 def figures(fragmentation=1.0, maps_per_peak_page=1.0, steady_maps_per_iteration=0.0, ns_per_alloc=100.0,
-            ns_per_free=100.0):
+            ns_per_free=100.0, training_loop=True):
     return {"fragmentation": fragmentation, "maps_per_peak_page": maps_per_peak_page,
             "steady_maps_per_iteration": steady_maps_per_iteration, "ns_per_alloc": ns_per_alloc,
-            "ns_per_free": ns_per_free}
+            "ns_per_free": ns_per_free, "training_loop": training_loop}
 
 
 @pytest.mark.parametrize("changed, target, met", [
@@ -36,6 +36,7 @@ def figures(fragmentation=1.0, maps_per_peak_page=1.0, steady_maps_per_iteration
     ({"steady_maps_per_iteration": 0.0}, "steady_maps_per_iteration", True),
     ({"steady_maps_per_iteration": 0.125}, "steady_maps_per_iteration", False),
     ({"steady_maps_per_iteration": None}, "steady_maps_per_iteration", None),  # no iteration marks
+    ({"steady_maps_per_iteration": 1.75, "training_loop": False}, "steady_maps_per_iteration", None),
     ({"ns_per_alloc": 200.0, "ns_per_free": 100.0}, "alloc_free_pair_ns", True),
     ({"ns_per_alloc": 200.0, "ns_per_free": 100.5}, "alloc_free_pair_ns", False),
 ])
@@ -53,6 +54,17 @@ def test_a_trace_without_iteration_marks_does_not_fail_the_steady_state_target(b
     assert not bench_core.all_met({"alloc_free": {"target_met": False}, "traces": {"t": trace}})
 
 
+def test_only_training_loops_answer_to_the_steady_state_target(bench_core):
+    serving = {"training_loop": False, "steady_maps_per_iteration": 1.75,
+               "targets_met": bench_core.trace_targets_met(figures(steady_maps_per_iteration=1.75, training_loop=False))}
+    assert bench_core.all_met({"alloc_free": {"target_met": True}, "traces": {"serve": serving}})
+    assert bench_core.steady_verdict(serving) == "not a loop (1.75)"
+    training = {"training_loop": True, "steady_maps_per_iteration": 1.75,
+                "targets_met": bench_core.trace_targets_met(figures(steady_maps_per_iteration=1.75))}
+    assert not bench_core.all_met({"alloc_free": {"target_met": True}, "traces": {"train": training}})
+    assert bench_core.steady_verdict(training) == "MISSED (1.75)"
+
+
 def replay_result(bench_core, ns_per_alloc, ns_per_free, **changed):
     result = dict.fromkeys(bench_core.TRACE_FIGURES, 0)
     result.update(figures(ns_per_alloc=ns_per_alloc, ns_per_free=ns_per_free), **changed)
@@ -62,7 +74,7 @@ def replay_result(bench_core, ns_per_alloc, ns_per_free, **changed):
 def test_a_traces_times_are_its_median_replays(bench_core):
     runs = [replay_result(bench_core, 300.0, 200.0), replay_result(bench_core, 100.0, 90.0),
             replay_result(bench_core, 150.0, 100.0)]
-    median = bench_core.median_replay(runs)
+    median = bench_core.median_replay(runs, training_loop=True)
     assert (median["ns_per_alloc"], median["ns_per_free"]) == (150.0, 100.0)
     assert median["pair_ns_runs"] == [190.0, 250.0, 500.0]
     assert median["targets_met"]["alloc_free_pair_ns"] is True  # the slow run alone would miss it
@@ -71,7 +83,7 @@ def test_a_traces_times_are_its_median_replays(bench_core):
 def test_replays_of_a_trace_that_differ_in_more_than_time_are_refused(bench_core):
     runs = [replay_result(bench_core, 100.0, 100.0), replay_result(bench_core, 100.0, 100.0, num_page_maps=3)]
     with pytest.raises(ValueError, match="num_page_maps"):
-        bench_core.median_replay(runs)
+        bench_core.median_replay(runs, training_loop=True)
 
 
 def test_a_short_run_writes_every_figure_and_verdict_per_trace(bench_core, tmp_path, capsys):
@@ -87,6 +99,7 @@ def test_a_short_run_writes_every_figure_and_verdict_per_trace(bench_core, tmp_p
                     "steady_host_touched_bytes_per_iteration"):
             assert key in trace, (name, key)
         assert trace["targets_met"] == bench_core.trace_targets_met(trace)
+        assert trace["training_loop"] is (name not in ("gpt_generate.jsonl.gz", "serve_varbatch.jsonl.gz"))
         assert len(trace["pair_ns_runs"]) == 2
     assert figures["all_targets_met"] == bench_core.all_met(figures)
     printed = capsys.readouterr().out

@@ -775,8 +775,12 @@ def test_bundled_trace_peak_reserved_is_its_live_slack_and_free_pages(path):
 # resolution each step, so no step repeats the one before) included since a
 # request that best fit would place over an unmapped page takes a mapped hole
 # that holds it (docs/allocator.md, "Placement").
-TRAINING_TRACES = [path for path in BUNDLED_TRACES if "_train" in os.path.basename(path)
-                   or "multiscale" in os.path.basename(path)]
+TRAINING_TRACES = [path for path in BUNDLED_TRACES if _BUNDLED.training_loop(path)]
+
+
+def test_the_training_loops_are_every_bundled_trace_but_generation_and_serving():
+    assert {os.path.basename(path) for path in BUNDLED_TRACES if path not in TRAINING_TRACES} == {
+        "gpt_generate.jsonl.gz", "serve_varbatch.jsonl.gz"}
 
 
 @pytest.mark.parametrize("path", TRAINING_TRACES, ids=os.path.basename)
