@@ -193,9 +193,10 @@ def main(argv=None) -> int:
     traces = [load_trace(path) for path in TRACES]
     figures = {"alloc_free": measure_pairs(size_mix(traces), args.pairs, args.working_set, args.repeats)}
     figures["alloc_free"]["target_met"] = meets(figures["alloc_free"]["alloc_free_pair_ns"], ALLOC_FREE_PAIR_NS_TARGET)
-    figures["traces"] = {os.path.basename(trace.path): median_replay((replay_trace(trace) for _ in range(args.repeats)),
-                                                                     bundled_traces.training_loop(trace.path))
-                         for trace in traces}
+    figures["traces"] = {
+        os.path.basename(trace.path): median_replay((replay_trace(trace) for _ in range(args.repeats)),
+                                                    bundled_traces.training_loop(trace.path))
+        for trace in traces}
     figures["targets"] = dict(TARGETS)
     figures["all_targets_met"] = all_met(figures)
 

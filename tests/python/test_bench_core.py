@@ -55,8 +55,9 @@ def test_a_trace_without_iteration_marks_does_not_fail_the_steady_state_target(b
 
 
 def test_only_training_loops_answer_to_the_steady_state_target(bench_core):
+    serving_figures = figures(steady_maps_per_iteration=1.75, training_loop=False)
     serving = {"training_loop": False, "steady_maps_per_iteration": 1.75,
-               "targets_met": bench_core.trace_targets_met(figures(steady_maps_per_iteration=1.75, training_loop=False))}
+               "targets_met": bench_core.trace_targets_met(serving_figures)}
     assert bench_core.all_met({"alloc_free": {"target_met": True}, "traces": {"serve": serving}})
     assert bench_core.steady_verdict(serving) == "not a loop (1.75)"
     training = {"training_loop": True, "steady_maps_per_iteration": 1.75,
