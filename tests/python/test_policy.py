@@ -67,6 +67,23 @@ MEMORY_CASES = [
       Job(2, G, device_bytes=5 * GiB, allocated_bytes=5 * GiB - 512 * MiB, cap=5 * GiB),
       Job(3, O, device_bytes=GiB, cap=GiB)],
      {1: 3 * GiB + 512 * MiB, 2: 3 * GiB + 512 * MiB, 3: 2 * MiB}),
+    ("a_guaranteed_job_over_its_cap_mid_burst_grows_only_into_free_memory", 16 * GiB,
+     # g allocated 2 GiB over its cap since its last safe point; o still holds 6 GiB: nothing is free.
+     [Job(1, G, device_bytes=10 * GiB, allocated_bytes=10 * GiB, cap=8 * GiB),
+      Job(2, O, device_bytes=6 * GiB, cap=6 * GiB)],
+     {1: 8 * GiB, 2: 4 * GiB + 512 * MiB}),
+    ("two_guaranteed_jobs_bursting_at_once_share_the_free_memory", 16 * GiB,
+     # 2 GiB free: the first takes it, the second waits for o to shrink.
+     [Job(1, G, device_bytes=4 * GiB, host_bytes=2 * GiB, allocated_bytes=6 * GiB, cap=4 * GiB),
+      Job(2, G, device_bytes=4 * GiB, host_bytes=2 * GiB, allocated_bytes=6 * GiB, cap=4 * GiB),
+      Job(3, O, device_bytes=5 * GiB, cap=5 * GiB)],
+     {1: 6 * GiB, 2: 4 * GiB, 3: 2 * GiB}),
+    ("a_guaranteed_cap_waits_for_what_opportunistic_may_take_back_under_the_cap_it_follows", 16 * GiB,
+     # o spilled ahead to 4 GiB under the 8 GiB cap it applied: it may bring 4 GiB back before
+     # it applies its lower cap, so g grows into the 3 GiB left (15 - 8 - 4), not 7.
+     [Job(1, G, device_bytes=4 * GiB, host_bytes=2 * GiB, allocated_bytes=6 * GiB, cap=4 * GiB),
+      Job(2, O, device_bytes=4 * GiB, host_bytes=2 * GiB, cap=8 * GiB, cap_bound=8 * GiB)],
+     {1: 7 * GiB, 2: 6 * GiB + 512 * MiB}),
     ("queued_opportunistic_job_gets_the_minimum_cap", 16 * GiB,
      [Job(1, G, device_bytes=GiB, allocated_bytes=GiB, cap=15 * GiB),
       Job(2, O, device_bytes=GiB, cap=GiB, admitted=False)],
@@ -88,6 +105,15 @@ def test_memory_caps_never_lend_the_headroom_or_go_below_one_page(case, total, j
     guaranteed_need = sum(min(j.live_bytes + CONFIG.burst_margin_bytes, total) for j in jobs if j.role == G)
     assert opportunistic <= max(len([j for j in jobs if j.role == O]) * CONFIG.min_cap_bytes,
                                 total - CONFIG.headroom_bytes - guaranteed_need)
+
+
+@pytest.mark.parametrize("case,total,jobs,expected", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
+def test_a_guaranteed_cap_grows_only_into_memory_free_now(case, total, jobs, expected):
+    caps = policy.plan_memory_caps(total, jobs, CONFIG)
+    grown = [j for j in jobs if j.role == G and j.cap is not None and caps[j.job_id] > j.cap]
+    if grown:
+        held = sum(j.may_hold_bytes for j in jobs)
+        assert held + sum(max(0, caps[j.job_id] - j.may_hold_bytes) for j in grown) <= total - CONFIG.headroom_bytes
 
 
 # (case, current share, slowdown, expected)

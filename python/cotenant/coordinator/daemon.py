@@ -189,6 +189,9 @@ class Job:
     baseline: policy.Baseline = field(default_factory=policy.Baseline)
     report: Dict[str, Any] = field(default_factory=dict)
     cap: Optional[int] = None
+    # The highest cap written since the job last reported applying the cap in
+    # force: until it has, it may be following any of them (None: none such).
+    cap_written_high: Optional[int] = None
     share: float = 1.0
     registered_at: float = field(default_factory=time.monotonic)
     iterated_at: Optional[float] = None  # time.monotonic() its iteration count last grew (None: not since it registered)
@@ -259,8 +262,18 @@ class Job:
             device_bytes=self.report.get("device_bytes", 0), host_bytes=self.report.get("host_bytes", 0),
             host_pool_bytes=self.report.get("host_pool_bytes", 0), host_room_bytes=self.report.get("host_room_bytes"),
             host_room_groups=self.host_room_groups(),
-            allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, user_cap=self.user_cap, admitted=self.admitted,
+            allocated_bytes=self.report.get("allocated_bytes", 0), cap=self.cap, cap_bound=self.cap_bound(),
+            user_cap=self.user_cap, admitted=self.admitted,
         )
+
+    def cap_bound(self) -> Optional[int]:
+        """The highest cap the job may be following: the one it applied last
+        (its report), or a higher one written since. None where it applied
+        none (no cap, or not yet)."""
+        applied = self.report.get("applied_memory_cap")
+        if applied is None:
+            return None
+        return max(applied, self.cap_written_high or 0)
 
     def host_room_groups(self) -> Tuple[str, ...]:
         """The groups whose room it shares: its /proc/<pid>/cgroup text (jobs in
@@ -763,6 +776,8 @@ class Coordinator:
             return
         count = job.report.get("iteration_count", 0)
         job.report, refused = report.check(new, job.report)
+        if job.report.get("applied_memory_cap") == job.cap:
+            job.cap_written_high = None  # it follows the cap in force, and no other
         if job.report.get("iteration_count", 0) != count:
             job.iterated_at = time.monotonic()
         if refused:
@@ -989,6 +1004,8 @@ class Coordinator:
             return
         if "memory_cap" in changes:
             job.cap = changes["memory_cap"]
+            if job.cap is not None:
+                job.cap_written_high = max(job.cap_written_high or 0, job.cap)
         if "share" in changes:
             job.share = changes["share"]
         _event("control changed", logging.DEBUG, job=job.name, **changes)

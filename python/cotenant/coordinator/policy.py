@@ -58,12 +58,22 @@ class JobObservation:
     host_room_groups: Tuple[str, ...] = ()  # jobs of one group (a memory cgroup they are all under) share its room
     allocated_bytes: Optional[int] = None  # held by live tensors; None: count everything held
     cap: Optional[int] = None       # the cap now in force (None = none)
+    # The highest cap the job may be following now: the one it applied last, or
+    # a higher one written since that it has not applied yet (None = unknown).
+    cap_bound: Optional[int] = None
     user_cap: Optional[int] = None  # an upper bound an administrator set
     admitted: bool = True           # False while queued by admission
 
     @property
     def held_bytes(self) -> int:
         return self.device_bytes + self.host_bytes
+
+    @property
+    def may_hold_bytes(self) -> int:
+        """What the job may hold on the device before it applies the newest
+        cap: its device bytes, or its cap_bound where that is higher (under
+        it, pages it spilled ahead come back at its next safe point)."""
+        return max(self.device_bytes, self.cap_bound or 0)
 
     @property
     def live_bytes(self) -> int:
@@ -130,16 +140,24 @@ def plan_memory_caps(
 
     # Guaranteed jobs also get what is left over, split evenly.
     leftover = max(0, usable - total_need - sum(caps.values()))
-    device_used = sum(j.device_bytes for j in jobs)
-    free_now = max(0, usable - device_used)  # the headroom is never lent out
+    # What each job may hold on the device until it applies its new cap.
+    holds = {j.job_id: j.may_hold_bytes for j in jobs}
     for job in guaranteed:
         target = need[job.job_id] + (leftover // len(guaranteed))
         if job.user_cap is not None:
             target = min(target, job.user_cap)
         target = max(config.min_cap_bytes, target)
         if job.cap is not None and target > job.cap:
-            # Grow only into memory free now: opportunistic jobs shrink first.
-            target = max(job.cap, min(target, job.device_bytes + free_now))
+            # Grow only into memory free now, the headroom never lent out:
+            # opportunistic jobs shrink first, and until one has applied its
+            # lower cap it may still take back what it spilled under the old
+            # one. Bytes this job holds over its cap (allocations made since
+            # its last safe point, which spills them) are used, not its own.
+            # What one job may grow into, the next cannot.
+            others = sum(holds.values()) - holds[job.job_id]
+            free_now = max(0, usable - others - job.device_bytes)
+            target = max(job.cap, min(target, min(job.device_bytes, job.cap) + free_now))
+            holds[job.job_id] = max(holds[job.job_id], target)
         caps[job.job_id] = target
     return caps
 
