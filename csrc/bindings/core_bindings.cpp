@@ -210,6 +210,14 @@ ReplayOp replay_op(const py::handle& item, std::size_t index) {
   throw bad("unknown op (\"" + kind + "\" with " + std::to_string(n - 1) + " arguments)");
 }
 
+// A trace's ops (tuples, see cotenant.replay), each converted by replay_op.
+std::vector<ReplayOp> replay_ops(const py::iterable& ops) {
+  std::vector<ReplayOp> converted;
+  if (py::hasattr(ops, "__len__")) converted.reserve(py::len(ops));
+  for (const py::handle item : ops) converted.push_back(replay_op(item, converted.size()));
+  return converted;
+}
+
 py::dict result_dict(const ReplayResult& r) {
   py::dict d;
   d["num_ops"] = r.num_ops;
@@ -421,9 +429,7 @@ COTENANT_CORE_BINDINGS(core) {
         config.allocator.spill_to_host = spill_to_host;
         config.allocator.spill_without_cap = spill_without_cap;
         config.initial_cap = cap_argument(cap, config.device.device_capacity);
-        std::vector<ReplayOp> converted;
-        if (py::hasattr(ops, "__len__")) converted.reserve(py::len(ops));
-        for (const py::handle item : ops) converted.push_back(replay_op(item, converted.size()));
+        const std::vector<ReplayOp> converted = replay_ops(ops);
         ReplayResult result;
         {
           py::gil_scoped_release released;  // a long trace runs without holding up other threads
@@ -438,4 +444,28 @@ COTENANT_CORE_BINDINGS(core) {
       "Replays ops (tuples, see cotenant.replay) through a fresh allocator on a simulated device; "
       "returns peaks, fragmentation, spill traffic and ns per alloc/free. Raises ReplayError with "
       ".op_index at an op that makes no sense for the trace so far.");
+
+  m.def(
+      "time_ops",
+      [](const py::iterable& ops, std::size_t first_timed) {
+        const std::vector<ReplayOp> converted = replay_ops(ops);
+        OpTiming timing;
+        {
+          py::gil_scoped_release released;
+          timing = time_ops(converted, first_timed);
+        }
+        py::dict out;
+        out["ns"] = timing.ns;
+        out["cpu_ns"] = timing.cpu_ns;
+        out["allocs"] = timing.allocs;
+        out["frees"] = timing.frees;
+        out["marks"] = timing.marks;
+        out["num_page_maps"] = timing.num_page_maps;
+        out["peak_reserved_bytes"] = timing.peak_reserved_bytes;
+        return out;
+      },
+      py::arg("ops"), py::arg("first_timed") = 0,
+      "Runs ops (replay's tuples) through a fresh allocator on the simulated 16 GiB device, "
+      "back to back, the first first_timed untimed; returns the wall ns and the thread's CPU ns of the "
+      "rest, timed as one (no per-call clock reads), with the allocations, frees and iteration marks among them.");
 }

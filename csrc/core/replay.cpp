@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <ctime>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -31,6 +34,16 @@ using Clock = std::chrono::steady_clock;
 
 std::uint64_t elapsed_ns(Clock::time_point start, Clock::time_point end) {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count());
+}
+
+// This thread's CPU time: unlike the wall clock, it does not count the time
+// the thread waits while another process has its core.
+std::uint64_t thread_cpu_ns() {
+  timespec now{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now) != 0) {
+    throw Error(fmt::format("clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed: {}", std::strerror(errno)));
+  }
+  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
 }
 
 // Ids the trace has allocated and not yet freed, and ids whose allocation
@@ -260,6 +273,126 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, const ReplayConfig& config
   }
   if (config.initial_cap != kNoCap) allocator.set_memory_cap(config.initial_cap);
   return replay(ops, allocator);
+}
+
+OpTiming time_ops(const std::vector<ReplayOp>& ops, std::size_t first_timed, const ReplayConfig& config) {
+  if (first_timed > ops.size()) {
+    throw Error(fmt::format("time_ops: the warm-up of {} ops is longer than the {} ops given", first_timed,
+                            ops.size()));
+  }
+  if (config.initial_cap == 0) throw Error("the initial cap is 0 bytes; give a positive size, or no cap");
+  // Each op as the timed loop runs it: an allocation's id resolved to a
+  // slot of `addresses`, a slot freed for the next allocation to reuse.
+  struct Step {
+    ReplayOpKind kind;
+    std::size_t slot;
+    std::uint64_t bytes;
+    StreamId stream;
+  };
+  std::vector<Step> steps;
+  steps.reserve(ops.size());
+  std::unordered_map<std::uint64_t, std::size_t> live;  // id -> slot
+  std::vector<std::size_t> spare_slots;
+  std::size_t slots = 0;
+  OpTiming timing;
+  for (std::size_t index = 0; index < ops.size(); ++index) {
+    const ReplayOp& op = ops[index];
+    const bool timed = index >= first_timed;
+    switch (op.kind) {
+      case ReplayOpKind::kAlloc: {
+        if (live.count(op.id) != 0) {
+          throw ReplayError(index, fmt::format(
+              "alloc of id {} while an allocation with that id is live; the trace must free it first", op.id));
+        }
+        std::size_t slot = slots;
+        if (spare_slots.empty()) {
+          ++slots;
+        } else {
+          slot = spare_slots.back();
+          spare_slots.pop_back();
+        }
+        live.emplace(op.id, slot);
+        steps.push_back({op.kind, slot, op.bytes, op.stream});
+        if (timed) ++timing.allocs;
+        break;
+      }
+      case ReplayOpKind::kFree:
+      case ReplayOpKind::kRecordStream: {
+        auto it = live.find(op.id);
+        if (it == live.end()) {
+          throw ReplayError(index, fmt::format("{} of id {}, which is not live (never allocated, or freed already)",
+                                               replay_op_kind_name(op.kind), op.id));
+        }
+        steps.push_back({op.kind, it->second, 0, op.stream});
+        if (op.kind == ReplayOpKind::kFree) {
+          spare_slots.push_back(it->second);
+          live.erase(it);
+          if (timed) ++timing.frees;
+        }
+        break;
+      }
+      case ReplayOpKind::kEmptyCache:
+        steps.push_back({op.kind, 0, 0, 0});
+        break;
+      case ReplayOpKind::kIteration:
+        steps.push_back({op.kind, 0, 0, 0});
+        if (timed) ++timing.marks;
+        break;
+      case ReplayOpKind::kCap:
+        if (op.bytes == 0) {
+          throw ReplayError(index, "a cap of 0 bytes; give a positive size, or no cap to remove it");
+        }
+        steps.push_back({op.kind, 0, op.bytes, 0});
+        break;
+      default:
+        throw ReplayError(index, fmt::format("unknown operation kind {}", static_cast<int>(op.kind)));
+    }
+  }
+
+  SimulatedBackend backend(config.device);
+  CachingAllocator allocator(backend, config.allocator);
+  if (config.initial_cap != kNoCap) allocator.set_memory_cap(config.initial_cap);
+  std::vector<DevicePtr> addresses(slots, 0);
+  auto run = [&](std::size_t begin, std::size_t end) {
+    for (std::size_t index = begin; index < end; ++index) {
+      const Step& step = steps[index];
+      // As replay() and a job's next op entry do: pages left waiting to
+      // move move here (one atomic load when none wait).
+      if (allocator.has_pending_migrations()) allocator.apply_pending_migrations();
+      switch (step.kind) {
+        case ReplayOpKind::kAlloc:
+          addresses[step.slot] = allocator.allocate(step.bytes, step.stream);
+          break;
+        case ReplayOpKind::kFree:
+          if (addresses[step.slot] != 0) allocator.free(addresses[step.slot]);  // a 0-byte allocation is 0
+          break;
+        case ReplayOpKind::kRecordStream:
+          if (addresses[step.slot] != 0) allocator.record_stream(addresses[step.slot], step.stream);
+          break;
+        case ReplayOpKind::kEmptyCache:
+          allocator.empty_cache();
+          break;
+        case ReplayOpKind::kCap:
+          allocator.set_memory_cap(step.bytes);
+          if (allocator.has_pending_migrations()) allocator.apply_pending_migrations();  // a safe point
+          break;
+        default:
+          allocator.mark_iteration();
+          break;
+      }
+    }
+  };
+  run(0, first_timed);
+  const std::uint64_t cpu_start = thread_cpu_ns();
+  const auto start = Clock::now();
+  run(first_timed, steps.size());
+  const auto end = Clock::now();
+  timing.cpu_ns = thread_cpu_ns() - cpu_start;
+  timing.ns = elapsed_ns(start, end);
+  const AllocatorStats stats = allocator.stats();
+  timing.num_page_maps = stats.num_device_alloc;
+  timing.peak_reserved_bytes = stats.reserved_bytes.all.peak;
+  return timing;
 }
 
 }  // namespace cotenant

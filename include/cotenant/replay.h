@@ -155,6 +155,35 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, const ReplayConfig& config
 // afterwards). The allocator must be empty and use `backend`.
 ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocator);
 
+// The wall time of a run of ops back to back, with no per-call clock reads:
+// what bench_core times an alloc+free pair by. Per-call timing (replay's
+// alloc_ns_total / free_ns_total) reads the clock twice around each call, and
+// those reads (20-40 ns each on a server CPU) are a fair share of a call of a
+// few hundred; here two reads bracket the whole timed run.
+struct OpTiming {
+  std::uint64_t ns = 0;       // wall time of ops [first_timed, end)
+  std::uint64_t cpu_ns = 0;   // the thread's CPU time over them (not the time another process held its core)
+  std::uint64_t allocs = 0;   // allocations among them (0-byte ones included)
+  std::uint64_t frees = 0;
+  std::uint64_t marks = 0;    // iteration marks among them (mark_iteration is timed too)
+  // Over the whole run, warm-up included: what shows the placement is
+  // replay()'s.
+  std::int64_t num_page_maps = 0;
+  std::int64_t peak_reserved_bytes = 0;
+};
+
+// Runs `ops` through a fresh CachingAllocator on a fresh SimulatedBackend,
+// the first `first_timed` untimed (a warm-up), the rest timed as one. It
+// makes the calls replay() makes for each kind of op, and the safe point
+// before each op, so the allocator places the same way, and nothing else
+// between them (no statistics read, no peak tracked); a trace's ids are
+// resolved to slots before the clock starts. Throws ReplayError, before any
+// op runs, where replay() would refuse an op (a free or record_stream of an
+// id that is not live, an alloc of a live one, a cap of 0 bytes);
+// OutOfMemoryError if an allocation fails (a timing needs a trace that
+// fits); Error if first_timed is past the end.
+OpTiming time_ops(const std::vector<ReplayOp>& ops, std::size_t first_timed, const ReplayConfig& config = {});
+
 const char* replay_op_kind_name(ReplayOpKind kind);
 
 }  // namespace cotenant

@@ -142,9 +142,10 @@ TEST_CASE("replay_under_a_cap_keeps_the_newest_allocations_on_the_device", "[rep
   CHECK(result.host_touched_bytes_per_iteration[1] == 0);
 }
 
-TEST_CASE("replay_pins_zero_page_maps_per_iteration_once_a_repeated_loop_is_warm", "[replay]") {
-  // A training step's shape: weights live throughout; activations grow
-  // through the forward pass, shrink through the backward pass.
+namespace {
+// Ten training steps: weights live throughout; activations grow through
+// the forward pass, shrink through the backward pass.
+std::vector<ReplayOp> repeated_training_loop() {
   std::vector<ReplayOp> ops;
   std::uint64_t next = 1000;
   const std::uint64_t sizes[] = {3 * kMiB, 700 * 1024, 12 * kMiB, 4096, 25 * kMiB, 9 * kMiB, 1536};
@@ -162,7 +163,12 @@ TEST_CASE("replay_pins_zero_page_maps_per_iteration_once_a_repeated_loop_is_warm
     }
     ops.push_back(ReplayOp::iteration());
   }
-  const auto result = cotenant::replay(ops, small_device(1024 * kMiB));
+  return ops;
+}
+}  // namespace
+
+TEST_CASE("replay_pins_zero_page_maps_per_iteration_once_a_repeated_loop_is_warm", "[replay]") {
+  const auto result = cotenant::replay(repeated_training_loop(), small_device(1024 * kMiB));
   REQUIRE(result.maps_per_iteration.size() == 10);
   CHECK(result.maps_per_iteration.front() > 0);
   for (std::size_t i = 1; i < result.maps_per_iteration.size(); ++i) CHECK(result.maps_per_iteration[i] == 0);
@@ -197,4 +203,76 @@ TEST_CASE("replay_zero_byte_allocations_are_counted_and_freed", "[replay]") {
   CHECK(result.num_allocs == 1);
   CHECK(result.num_frees == 1);
   CHECK(result.peak_allocated_bytes == 0);
+}
+
+TEST_CASE("time_ops_places_as_replay_does_and_counts_only_the_timed_ops", "[replay]") {
+  const auto ops = repeated_training_loop();
+  const auto replayed = cotenant::replay(ops, small_device(1024 * kMiB));
+  std::size_t first_step_end = 0;  // the ops up to the first mark are the warm-up
+  while (ops[first_step_end].kind != cotenant::ReplayOpKind::kIteration) ++first_step_end;
+  ++first_step_end;
+  const auto timed = cotenant::time_ops(ops, first_step_end, small_device(1024 * kMiB));
+  CHECK(timed.num_page_maps == replayed.num_page_maps);
+  CHECK(timed.peak_reserved_bytes == replayed.peak_reserved_bytes);
+  std::uint64_t allocs = 0, frees = 0;
+  for (std::size_t i = first_step_end; i < ops.size(); ++i) {
+    allocs += ops[i].kind == cotenant::ReplayOpKind::kAlloc;
+    frees += ops[i].kind == cotenant::ReplayOpKind::kFree;
+  }
+  CHECK(timed.allocs == allocs);
+  CHECK(timed.frees == frees);
+  CHECK(timed.marks == 9);
+  CHECK(timed.ns > 0);
+  const auto whole = cotenant::time_ops(ops, 0, small_device(1024 * kMiB));
+  CHECK(whole.allocs == replayed.num_allocs);
+  CHECK(whole.marks == 10);
+}
+
+TEST_CASE("time_ops_runs_record_stream_empty_cache_and_zero_byte_allocations", "[replay]") {
+  const std::vector<ReplayOp> ops = {ReplayOp::alloc(1, 4 * kMiB, 0), ReplayOp::record_stream(1, 9),
+                                     ReplayOp::alloc(2, 0),          ReplayOp::free(1),
+                                     ReplayOp::free(2),              ReplayOp::empty_cache(),
+                                     ReplayOp::alloc(3, kMiB),       ReplayOp::free(3)};
+  const auto timed = cotenant::time_ops(ops, 0, small_device());
+  CHECK(timed.allocs == 3);
+  CHECK(timed.frees == 3);
+  CHECK(timed.num_page_maps == 3);  // two pages, released by empty_cache, then one again
+}
+
+TEST_CASE("time_ops_refuses_a_trace_it_cannot_time_before_running_any_op", "[replay]") {
+  using Ops = std::vector<ReplayOp>;
+  auto refused_at = [](const Ops& ops) -> std::size_t {
+    try {
+      cotenant::time_ops(ops, 0, small_device());
+    } catch (const ReplayError& error) {
+      return error.op_index();
+    }
+    FAIL("time_ops accepted a trace it cannot time");
+    return 0;
+  };
+  CHECK(refused_at(Ops{ReplayOp::alloc(1, kMiB), ReplayOp::cap(0), ReplayOp::free(1)}) == 1);
+  CHECK(refused_at(Ops{ReplayOp::alloc(1, kMiB), ReplayOp::free(1), ReplayOp::free(1)}) == 2);
+  CHECK(refused_at(Ops{ReplayOp::alloc(1, kMiB), ReplayOp::alloc(1, kMiB)}) == 1);
+  CHECK(refused_at(Ops{ReplayOp::record_stream(4, 1)}) == 0);
+  CHECK_THROWS_WITH(cotenant::time_ops(Ops{ReplayOp::alloc(1, kMiB)}, 2, small_device()),
+                    Catch::Contains("warm-up of 2 ops is longer than the 1 ops given"));
+}
+
+TEST_CASE("time_ops_moves_pages_under_a_cap_as_replay_does", "[replay]") {
+  const std::vector<ReplayOp> ops = {ReplayOp::alloc(1, 8 * kMiB), ReplayOp::alloc(2, 8 * kMiB),
+                                     ReplayOp::cap(4 * kMiB),      ReplayOp::free(1),
+                                     ReplayOp::cap(cotenant::kNoCap), ReplayOp::alloc(3, 2 * kMiB),
+                                     ReplayOp::free(2),            ReplayOp::free(3)};
+  const auto replayed = cotenant::replay(ops, small_device());
+  REQUIRE(replayed.spilled_bytes > 0);
+  const auto timed = cotenant::time_ops(ops, 0, small_device());
+  CHECK(timed.num_page_maps == replayed.num_page_maps);
+  CHECK(timed.peak_reserved_bytes == replayed.peak_reserved_bytes);
+  CHECK(timed.allocs == 3);
+}
+
+TEST_CASE("time_ops_raises_when_an_allocation_does_not_fit", "[replay]") {
+  auto config = small_device(8 * kMiB);
+  config.device.host_capacity = 0;
+  CHECK_THROWS_AS(cotenant::time_ops({ReplayOp::alloc(1, 64 * kMiB)}, 0, config), cotenant::OutOfMemoryError);
 }

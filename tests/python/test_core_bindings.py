@@ -299,3 +299,20 @@ def test_suspend_stops_a_guaranteed_jobs_launches_and_resume_lets_them_go(tmp_pa
         allocator.free(held)
     finally:
         block.unlink()
+
+
+def test_time_ops_times_the_ops_after_the_warm_up_and_places_as_replay_does():
+    mib = 1 << 20
+    ops = [("alloc", 1, 3 * mib, 0), ("alloc", 2, 5 * mib, 0), ("free", 1), ("iteration",)]
+    ops += [("alloc", 3, 2 * mib, 0), ("free", 3), ("free", 2), ("iteration",)]
+    timed = _core.time_ops(ops, 4)
+    assert (timed["allocs"], timed["frees"], timed["marks"]) == (1, 2, 1)
+    assert timed["ns"] > 0 and timed["cpu_ns"] >= 0
+    replayed = _core.replay(ops)
+    assert timed["num_page_maps"] == replayed["num_page_maps"]
+    assert timed["peak_reserved_bytes"] == replayed["peak_reserved_bytes"]
+    with pytest.raises(_core.ReplayError, match="free of id 7, which is not live") as refused:
+        _core.time_ops([("alloc", 1, mib, 0), ("free", 7)])
+    assert refused.value.op_index == 1
+    with pytest.raises(_core.Error, match="warm-up of 9 ops"):
+        _core.time_ops(ops, 9)
