@@ -158,9 +158,10 @@ def pair_ns(figures: Dict[str, Any]) -> float:
 def trace_targets_met(figures: Dict[str, Any]) -> Dict[str, Optional[bool]]:
     """Each target for one trace's replay figures (None where it does not
     apply). The pair time is the trace timed as one run, over its pairs
-    (figures["alloc_free_pair_ns"]), cold first calls included. No page map once warm is the target of a training
-    loop (figures["training_loop"]); a generation's tokens and a server's
-    request batches may need more memory than any before them."""
+    (figures["alloc_free_pair_ns"]), cold first calls included. No page map
+    once warm is the target of a training loop (figures["training_loop"]); a
+    generation's tokens and a server's request batches may need more memory
+    than any before them."""
     steady_maps = figures["steady_maps_per_iteration"] if figures["training_loop"] else None
     return {
         "fragmentation": meets(figures["fragmentation"], FRAGMENTATION_TARGET),
