@@ -46,6 +46,29 @@ std::uint64_t thread_cpu_ns() {
   return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
 }
 
+// The refusals replay() and time_ops() share, so that both refuse a trace
+// at the same op with the same words.
+ReplayError live_id_refused(std::size_t index, std::uint64_t id) {
+  return ReplayError(index, fmt::format(
+      "alloc of id {} while an allocation with that id is live; the trace must free it first", id));
+}
+ReplayError zero_cap_refused(std::size_t index) {
+  return ReplayError(index, "a cap of 0 bytes; give a positive size, or no cap to remove it");
+}
+ReplayError unknown_kind_refused(std::size_t index, ReplayOpKind kind) {
+  return ReplayError(index, fmt::format("unknown operation kind {}", static_cast<int>(kind)));
+}
+
+// A fresh simulated device and an allocator on it, as `config` sets them.
+struct SimulatedRun {
+  explicit SimulatedRun(const ReplayConfig& config) : backend(config.device), allocator(backend, config.allocator) {
+    if (config.initial_cap == 0) throw Error("the initial cap is 0 bytes; give a positive size, or no cap");
+    if (config.initial_cap != kNoCap) allocator.set_memory_cap(config.initial_cap);
+  }
+  SimulatedBackend backend;
+  CachingAllocator allocator;
+};
+
 // Ids the trace has allocated and not yet freed, and ids whose allocation
 // failed (their free is part of the trace and is skipped, not an error).
 struct TraceState {
@@ -129,8 +152,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
     switch (op.kind) {
       case ReplayOpKind::kAlloc: {
         if (trace.live.count(op.id) != 0) {
-          throw ReplayError(index, fmt::format(
-              "alloc of id {} while an allocation with that id is live; the trace must free it first", op.id));
+          throw live_id_refused(index, op.id);
         }
         trace.failed.erase(op.id);
         const auto start = Clock::now();
@@ -185,7 +207,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
       }
       case ReplayOpKind::kCap: {
         if (op.bytes == 0) {
-          throw ReplayError(index, "a cap of 0 bytes; give a positive size, or no cap to remove it");
+          throw zero_cap_refused(index);
         }
         allocator.set_memory_cap(op.bytes);
         // The cap op is the trace's safe point: pages move here.
@@ -216,7 +238,7 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
         break;
       }
       default:
-        throw ReplayError(index, fmt::format("unknown operation kind {}", static_cast<int>(op.kind)));
+        throw unknown_kind_refused(index, op.kind);
     }
     ++result.num_ops;
     if (op.kind != ReplayOpKind::kIteration) {
@@ -266,13 +288,8 @@ ReplayResult replay(const std::vector<ReplayOp>& ops, CachingAllocator& allocato
 }
 
 ReplayResult replay(const std::vector<ReplayOp>& ops, const ReplayConfig& config) {
-  SimulatedBackend backend(config.device);
-  CachingAllocator allocator(backend, config.allocator);
-  if (config.initial_cap == 0) {
-    throw Error("the initial cap is 0 bytes; give a positive size, or no cap");
-  }
-  if (config.initial_cap != kNoCap) allocator.set_memory_cap(config.initial_cap);
-  return replay(ops, allocator);
+  SimulatedRun run(config);
+  return replay(ops, run.allocator);
 }
 
 OpTiming time_ops(const std::vector<ReplayOp>& ops, std::size_t first_timed, const ReplayConfig& config) {
@@ -280,7 +297,8 @@ OpTiming time_ops(const std::vector<ReplayOp>& ops, std::size_t first_timed, con
     throw Error(fmt::format("time_ops: the warm-up of {} ops is longer than the {} ops given", first_timed,
                             ops.size()));
   }
-  if (config.initial_cap == 0) throw Error("the initial cap is 0 bytes; give a positive size, or no cap");
+  SimulatedRun simulated(config);
+  CachingAllocator& allocator = simulated.allocator;
   // Each op as the timed loop runs it: an allocation's id resolved to a
   // slot of `addresses`, a slot freed for the next allocation to reuse.
   struct Step {
@@ -301,8 +319,7 @@ OpTiming time_ops(const std::vector<ReplayOp>& ops, std::size_t first_timed, con
     switch (op.kind) {
       case ReplayOpKind::kAlloc: {
         if (live.count(op.id) != 0) {
-          throw ReplayError(index, fmt::format(
-              "alloc of id {} while an allocation with that id is live; the trace must free it first", op.id));
+          throw live_id_refused(index, op.id);
         }
         std::size_t slot = slots;
         if (spare_slots.empty()) {
@@ -340,18 +357,15 @@ OpTiming time_ops(const std::vector<ReplayOp>& ops, std::size_t first_timed, con
         break;
       case ReplayOpKind::kCap:
         if (op.bytes == 0) {
-          throw ReplayError(index, "a cap of 0 bytes; give a positive size, or no cap to remove it");
+          throw zero_cap_refused(index);
         }
         steps.push_back({op.kind, 0, op.bytes, 0});
         break;
       default:
-        throw ReplayError(index, fmt::format("unknown operation kind {}", static_cast<int>(op.kind)));
+        throw unknown_kind_refused(index, op.kind);
     }
   }
 
-  SimulatedBackend backend(config.device);
-  CachingAllocator allocator(backend, config.allocator);
-  if (config.initial_cap != kNoCap) allocator.set_memory_cap(config.initial_cap);
   std::vector<DevicePtr> addresses(slots, 0);
   auto run = [&](std::size_t begin, std::size_t end) {
     for (std::size_t index = begin; index < end; ++index) {
