@@ -73,6 +73,7 @@ struct CachingAllocator::State {
   std::map<DevicePtr, std::unique_ptr<Segment>> segments;  // by base address
   BlockPool free_blocks;                                   // best fit over every arena
   StepPlan step_plan;                                      // the step before, once the loop repeats
+  bool mapped_this_step = false;                           // an allocation mapped a page since the last mark
   // The same free blocks by address, kept while step_plan is active (it
   // finds the hole holding a planned range); empty otherwise.
   detail::BlockSet<detail::ByAddress> free_by_address;
@@ -275,6 +276,7 @@ struct CachingAllocator::State {
     segment.pages[index].released_cold = 0;
     count_mapped(segment, handle.where, true);
     ++stats.num_device_alloc;
+    mapped_this_step = true;
     emit(AllocatorEvent::Kind::kPageMapped, segment.base + index * page_bytes, page_bytes, segment.stream, handle.where);
   }
 
@@ -1779,7 +1781,8 @@ void CachingAllocator::mark_iteration() {
   s.last_iteration_peak = s.iteration_peak;
   s.iteration_peak = s.stats.allocated_bytes.all.current;
   const bool was_active = s.step_plan.active();
-  s.step_plan.mark();
+  s.step_plan.mark(s.mapped_this_step);
+  s.mapped_this_step = false;
   if (s.step_plan.active() == was_active) return;  // free_by_address is kept while the plan is active
   s.free_by_address.clear();
   if (!s.step_plan.active()) return;

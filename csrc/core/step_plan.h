@@ -11,6 +11,11 @@
 // there while that range is free and large enough, and a request whose
 // range is taken goes where no later request of the step is planned to go.
 // The layout then repeats, and a warm loop maps nothing.
+//
+// A plan forms only once best fit has drifted: when a step that repeats the
+// one before it had to map a page. A loop whose layout best fit already
+// repeats maps nothing and needs no plan, and without one its free blocks
+// are not also kept in address order (the allocator's cost of a plan).
 #pragma once
 
 #include <algorithm>
@@ -29,14 +34,15 @@ class StepPlan {
   static constexpr std::size_t kMaxRequests = std::size_t{1} << 17;
 
   // An iteration mark: the step that ends becomes the plan if it made
-  // similar requests to the one before it (similar_requests). Recording
-  // starts at the first mark.
-  void mark() {
+  // similar requests to the one before it (similar_requests) and either
+  // followed a plan or had to map a page (`mapped`). Recording starts at
+  // the first mark.
+  void mark(bool mapped) {
     // A step longer than kMaxRequests leaves current_ empty: it repeats nothing.
     const bool repeats = recording_ && !current_.empty() && similar_requests(current_, previous_);
     const bool same_layout =
         repeats && repeating_ && same_sizes(current_, previous_) && same_addresses(current_, previous_);
-    repeating_ = repeats;
+    repeating_ = repeats && (repeating_ || mapped);
     recording_ = true;
     in_step_ = true;
     differed_ = 0;

@@ -611,6 +611,10 @@ TEST_CASE("a_loop_that_repeats_its_steps_places_each_request_where_it_went_in_th
       return x;
     };
     const DevicePtr one = step(kMiB);
+    // A plan forms once a step that repeats the one before has to map a
+    // page (best fit drifting): emptying the cache makes the next step map
+    // its page again.
+    a.empty_cache();
     step(second_step_bytes);
     // A free is no request: the step still follows the plan, though best
     // fit would now take the 1 MiB hole `first` leaves.
@@ -626,6 +630,47 @@ TEST_CASE("a_loop_that_repeats_its_steps_places_each_request_where_it_went_in_th
   (void)other_one;
   allocator.check_invariants();
   other.check_invariants();
+}
+
+TEST_CASE("a_repeated_step_that_maps_no_page_forms_no_plan", "[allocator]") {
+  // Best fit already repeats this loop's layout: its repeated steps map
+  // nothing, no plan forms (none of a plan's cost), and a request goes
+  // where best fit puts it. Once a repeated step has to map a page, the
+  // step is the plan.
+  SimulatedBackend device(device_config(256 * kMiB));
+  CachingAllocator a(device);
+  const DevicePtr first = a.allocate(kMiB, 0);  // lives across the steps
+  a.allocate(kMiB, 0);
+  a.mark_iteration();
+  DevicePtr planned = 0;
+  for (int i = 0; i < 4; ++i) {
+    planned = a.allocate(kMiB, 0);
+    a.free(planned);
+    a.mark_iteration();
+  }
+  CHECK(device.calls().map == 2);  // the first step's page, and none since
+  a.free(first);
+  const DevicePtr best = a.allocate(kMiB, 0);
+  CHECK(best == first);  // best fit: the lower hole
+
+  // The same loop, each step mapping its page again.
+  SimulatedBackend other_device(device_config(256 * kMiB));
+  CachingAllocator b(other_device);
+  const DevicePtr other_first = b.allocate(kMiB, 0);
+  b.allocate(kMiB, 0);
+  b.mark_iteration();
+  DevicePtr other_planned = 0;
+  for (int i = 0; i < 2; ++i) {
+    b.empty_cache();
+    other_planned = b.allocate(kMiB, 0);
+    b.free(other_planned);
+    b.mark_iteration();
+  }
+  b.free(other_first);
+  CHECK(b.allocate(kMiB, 0) == other_planned);  // the plan: where the step before put it
+  CHECK(other_planned != other_first);
+  a.check_invariants();
+  b.check_invariants();
 }
 
 TEST_CASE("a_loop_whose_steps_differ_in_a_few_requests_still_follows_the_step_before", "[allocator]") {
@@ -649,7 +694,10 @@ TEST_CASE("a_loop_whose_steps_differ_in_a_few_requests_still_follows_the_step_be
       a.free(small);
       a.mark_iteration();
     };
-    for (int i = 0; i < 4; ++i) step(i);
+    for (int i = 0; i < 4; ++i) {
+      a.empty_cache();  // each step maps its pages again: a repeated step that maps forms a plan
+      step(i);
+    }
     const DevicePtr planned = blocks[0];
     // Best fit would now put the step's small request in the hole `first`
     // leaves, and its first block elsewhere; the plan keeps the step's layout.
@@ -681,6 +729,7 @@ TEST_CASE("a_step_whose_requests_keep_differing_from_the_plan_leaves_it", "[allo
     a.mark_iteration();
     std::vector<DevicePtr> plan;
     for (int step = 0; step < 2; ++step) {
+      a.empty_cache();  // each step maps its pages again: a repeated step that maps forms a plan
       plan.clear();
       for (int i = 0; i < 20; ++i) plan.push_back(a.allocate(kMiB, 0));
       for (DevicePtr block : plan) a.free(block);
@@ -704,7 +753,8 @@ TEST_CASE("a_request_off_the_plan_goes_where_no_later_request_of_the_step_is_pla
   SimulatedBackend device(device_config(256 * kMiB)), other_device(device_config(256 * kMiB));
   CachingAllocator allocator(device), other(other_device);
   auto run = [](CachingAllocator& a, bool repeat) {
-    // A mapped 6 MiB hole below a live block.
+    // Weights, then a mapped 6 MiB hole below a live block.
+    a.allocate(128 * kMiB, 0);
     const DevicePtr hole = a.allocate(6 * kMiB, 0);
     a.allocate(512 * 1024, 0);
     a.free(hole);
@@ -712,6 +762,10 @@ TEST_CASE("a_request_off_the_plan_goes_where_no_later_request_of_the_step_is_pla
     for (int i = 0; i < 2; ++i) {  // two steps alike (or not): the plan is two 1 MiB blocks at the hole's start
       const DevicePtr r0 = a.allocate(repeat || i == 0 ? kMiB : 2 * kMiB, 0);
       const DevicePtr r1 = a.allocate(kMiB, 0);
+      // And a block each step leaves alive, larger than the hole: it maps
+      // fresh pages (within 1.05x the live peak: no cached page is
+      // released), so a repeated step forms a plan.
+      a.allocate(8 * kMiB, 0);
       a.free(r0);
       a.free(r1);
       a.mark_iteration();

@@ -186,6 +186,9 @@ def test_mark_iteration_ends_a_step_and_a_repeated_step_follows_the_step_before(
     allocator.allocate(MiB)
     allocator.mark_iteration()
     for _ in range(2):  # two steps alike: the second is the plan for the third
+        # A plan forms once a repeated step has to map a page: emptying the
+        # cache makes each step map its page again.
+        allocator.empty_cache()
         planned = allocator.allocate(MiB)
         allocator.free(planned)
         allocator.mark_iteration()
@@ -194,6 +197,23 @@ def test_mark_iteration_ends_a_step_and_a_repeated_step_follows_the_step_before(
     # the step's first request where it went in the step before.
     assert planned != first
     assert allocator.allocate(MiB) == planned
+    allocator.check_invariants()
+
+
+def test_a_repeated_step_that_maps_nothing_forms_no_plan():
+    # The same loop, its page left mapped: best fit repeats the layout by
+    # itself, so no plan forms, and the third step's request takes the lower
+    # hole `first` left, as best fit does.
+    allocator = _core.CachingAllocator(_core.SimulatedBackend(device_capacity="256MiB"))
+    first = allocator.allocate(MiB)
+    allocator.allocate(MiB)
+    allocator.mark_iteration()
+    for _ in range(2):
+        planned = allocator.allocate(MiB)
+        allocator.free(planned)
+        allocator.mark_iteration()
+    allocator.free(first)
+    assert allocator.allocate(MiB) == first
     allocator.check_invariants()
 
 
