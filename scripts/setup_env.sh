@@ -32,6 +32,6 @@ fi
 "$PYTHON" -m pip install "setuptools>=64" wheel build packaging
 # torch: the minor release cotenant's C++ ABI needs (setup.py); the extras
 # (cotenant[all]) and what the tests use.
-"$PYTHON" -m pip install "torch>=2.11,<2.12" prometheus-client matplotlib "ray>=2.60" scipy pytest hypothesis nvidia-ml-py 'tomli>=1.1; python_version < "3.11"'
+"$PYTHON" -m pip install "torch>=2.11,<2.12" prometheus-client matplotlib "ray>=2.60" scipy pytest pytest-xdist hypothesis nvidia-ml-py 'tomli>=1.1; python_version < "3.11"'
 echo "python: $("$PYTHON" -c 'import sys, torch; print(sys.executable, "torch", torch.__version__)' 2>/dev/null)"
 

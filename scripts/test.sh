@@ -95,9 +95,14 @@ fi
 pytorch_replay=$BUILD_ROOT/core/pytorch_replay
 [[ $pytorch_replay == /* ]] || pytorch_replay=$ROOT/$pytorch_replay
 if [[ -x $pytorch_replay ]]; then export COTENANT_PYTORCH_REPLAY=$pytorch_replay; fi
+# One pytest-xdist worker a CPU: the tests wait on processes, sockets and
+# the fake's streams as much as they compute (on 2 CPUs: 11 minutes, where
+# one process took 15).
+PARALLEL=()
+if [[ $JOBS -gt 1 ]]; then PARALLEL=(-n "$JOBS"); fi
 # From outside the source tree, so `import cotenant` is the installed package.
 set +e
-(cd / && "$PYTHON" -m pytest -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")
+(cd / && "$PYTHON" -m pytest -p no:cacheprovider "${PARALLEL[@]}" --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

@@ -27,6 +27,14 @@ namespace {
 // Simulated addresses start high and far apart from real pointers, so a test
 // that confuses the two fails loudly.
 constexpr DevicePtr kFirstAddress = DevicePtr{0x7e0000000000};
+
+// A page's bytes, each `value`, set by one memset (make_unique<T[]> zeroes
+// them one at a time in an unoptimised build, the sanitizer tests' build).
+std::unique_ptr<std::uint8_t[]> filled_bytes(std::size_t bytes, std::uint8_t value) {
+  std::unique_ptr<std::uint8_t[]> out(new std::uint8_t[bytes]);
+  std::memset(out.get(), value, bytes);
+  return out;
+}
 }  // namespace
 
 SimulatedBackend::SimulatedBackend(SimulatedDeviceConfig config)
@@ -91,8 +99,7 @@ PageHandle SimulatedBackend::create_page(Residency where) {
   auto page = std::make_unique<Page>();
   page->where = where;
   if (config_.fresh_pages_hold_garbage) {
-    page->bytes = std::make_unique<std::uint8_t[]>(g);
-    std::memset(page->bytes.get(), 0xA5, g);
+    page->bytes = filled_bytes(g, 0xA5);
   }
   pages_.emplace(id, std::move(page));
   return PageHandle{id, where};
@@ -184,7 +191,7 @@ void SimulatedBackend::copy_page_locked(Page& to, const Page& from) {
     to.bytes.reset();  // an unwritten page reads as zeros; so does its copy
     return;
   }
-  if (!to.bytes) to.bytes = std::make_unique<std::uint8_t[]>(config_.granularity);
+  if (!to.bytes) to.bytes = filled_bytes(config_.granularity, 0);
   std::memcpy(to.bytes.get(), from.bytes.get(), config_.granularity);
 }
 
@@ -281,7 +288,7 @@ void SimulatedBackend::write(DevicePtr address, const void* data, std::size_t by
   auto pinned = pinned_.upper_bound(address);
   if (pinned != pinned_.begin() && (--pinned, address + bytes <= pinned->first + pinned->second->size)) {
     PinnedRange& range = *pinned->second;
-    if (!range.bytes) range.bytes = std::make_unique<std::uint8_t[]>(range.size);
+    if (!range.bytes) range.bytes = filled_bytes(range.size, 0);
     std::memcpy(range.bytes.get() + (address - pinned->first), data, bytes);
     return;
   }
@@ -290,7 +297,7 @@ void SimulatedBackend::write(DevicePtr address, const void* data, std::size_t by
     std::size_t offset = 0;
     Page* page = page_at_locked(address, &offset);
     if (!page) throw Error(fmt::format("write to 0x{:x}, which is not mapped", address));
-    if (!page->bytes) page->bytes = std::make_unique<std::uint8_t[]>(config_.granularity);
+    if (!page->bytes) page->bytes = filled_bytes(config_.granularity, 0);
     const std::size_t n = std::min(bytes, config_.granularity - offset);
     std::memcpy(page->bytes.get() + offset, source, n);
     source += n;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cotenant/caching_allocator.h"
@@ -22,13 +23,20 @@ inline SimulatedDeviceConfig device_config(std::size_t capacity, bool events_imm
   return config;
 }
 
-// A byte pattern unique to (seed, offset), to prove data survives moves.
+// A byte pattern unique to (seed, offset), to prove data survives moves:
+// xorshift, one 8-byte word a step (a step a byte made the sanitizer runs
+// spend minutes making patterns).
 inline std::vector<std::uint8_t> pattern(std::uint64_t seed, std::size_t bytes) {
   std::vector<std::uint8_t> out(bytes);
   std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& b : out) {
+  std::size_t at = 0;
+  for (; at + sizeof x <= bytes; at += sizeof x) {
     x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-    b = static_cast<std::uint8_t>(x);
+    std::memcpy(out.data() + at, &x, sizeof x);
+  }
+  if (at < bytes) {
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    std::memcpy(out.data() + at, &x, bytes - at);
   }
   return out;
 }
