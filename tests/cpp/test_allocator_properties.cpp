@@ -73,33 +73,13 @@ Variant variant_of(std::uint64_t seed) {
   return v;
 }
 
-// `bytes` of the words of `seed`, one 8-byte word a step (a step a byte made
-// the sanitizer runs spend minutes here).
-std::vector<std::uint8_t> words(std::size_t bytes, std::uint64_t seed) {
-  std::vector<std::uint8_t> data(bytes);
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  std::size_t at = 0;
-  for (; at + sizeof x <= bytes; at += sizeof x) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    std::memcpy(data.data() + at, &x, sizeof x);
-  }
-  if (at < bytes) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    std::memcpy(data.data() + at, &x, bytes - at);
-  }
-  return data;
-}
-
-void write_words(SimulatedBackend& device, DevicePtr address, std::size_t bytes, std::uint64_t seed) {
-  const std::vector<std::uint8_t> data = words(bytes, seed);
-  device.write(address, data.data(), bytes);
-}
-
+// Whether the block holds the pattern of `seed` (test_helpers.h); seed 0:
+// zeros (backed again after a discard).
 bool words_hold(const SimulatedBackend& device, DevicePtr address, std::size_t bytes, std::uint64_t seed) {
+  if (seed != 0) return holds(device, address, seed, bytes);
   std::vector<std::uint8_t> got(bytes);
   device.read(address, got.data(), bytes);
-  if (seed == 0) return std::all_of(got.begin(), got.end(), [](std::uint8_t b) { return b == 0; });
-  return got == words(bytes, seed);
+  return std::all_of(got.begin(), got.end(), [](std::uint8_t b) { return b == 0; });
 }
 
 struct PropertyRun {
@@ -222,7 +202,7 @@ struct PropertyRun {
       if (overlaps(address, size, h.address, h.size)) fail("a range held back by record_stream was handed out again");
     }
     Live block{size, bytes, stream, r() | 1};
-    write_words(device, address, bytes, block.seed);
+    fill(device, address, block.seed, bytes);
     live.emplace(address, block);
     last_allocated = address;
   }
@@ -323,7 +303,7 @@ struct PropertyRun {
         if (!block.allocated) continue;
         // The bytes are whatever is there now: write new ones.
         Live restored{block.size, block.requested_size, segment.stream, r() | 1};
-        write_words(device, block.address, block.requested_size, restored.seed);
+        fill(device, block.address, restored.seed, block.requested_size);
         live.emplace(block.address, restored);
       }
     }
