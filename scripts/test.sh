@@ -95,20 +95,28 @@ fi
 pytorch_replay=$BUILD_ROOT/core/pytorch_replay
 [[ $pytorch_replay == /* ]] || pytorch_replay=$ROOT/$pytorch_replay
 if [[ -x $pytorch_replay ]]; then export COTENANT_PYTORCH_REPLAY=$pytorch_replay; fi
-# One pytest-xdist worker a CPU: the tests wait on processes, sockets and
-# the fake's streams as much as they compute (on 2 CPUs: 11 minutes, where
-# one process took 15).
+# pytest from outside the source tree, so `import cotenant` is the installed
+# package; a run that collects no tests is a failure.
+run_pytest() {
+  local status
+  set +e
+  (cd / && "$PYTHON" -m pytest -p no:cacheprovider "$@" --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")
+  status=$?
+  set -e
+  if [[ $status -eq 5 ]]; then
+    echo "pytest collected no tests: that is a failure" >&2
+    exit 1
+  fi
+  if [[ $status -ne 0 ]]; then exit "$status"; fi
+}
+# One pytest-xdist worker a CPU: the tests wait on processes, sockets and the
+# fake's streams as much as they compute. The Ray cluster tests then run
+# alone: beside another worker, a 3-node cluster's torchrun workers once
+# missed the 60 s the test gives them to register.
 PARALLEL=()
 if [[ $JOBS -gt 1 ]]; then PARALLEL=(-n "$JOBS"); fi
-# From outside the source tree, so `import cotenant` is the installed package.
-set +e
-(cd / && "$PYTHON" -m pytest -p no:cacheprovider "${PARALLEL[@]}" --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests/python")
-status=$?
-set -e
-if [[ $status -eq 5 ]]; then
-  echo "pytest collected no tests: that is a failure" >&2
-  exit 1
-fi
-if [[ $status -ne 0 ]]; then exit "$status"; fi
+run_pytest "${PARALLEL[@]}" -m "not ray"
+step "pytest tests/python -m ray (the Ray cluster tests, alone)"
+run_pytest -m ray
 
 step "all tests passed"
